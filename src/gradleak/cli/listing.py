@@ -1,0 +1,34 @@
+"""``gradleak list``: the registered datasets, models, attacks and defenses."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import gradleak.attacks  # noqa: F401  (registration)
+import gradleak.data  # noqa: F401
+import gradleak.defenses  # noqa: F401
+import gradleak.models  # noqa: F401
+from gradleak.data.partition import PARTITIONERS
+from gradleak.registry import ATTACKS, DATASETS, DEFENSES, MODELS
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("list", help="show registered datasets, models, attacks, defenses")
+    p.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    for title, reg in (
+        ("datasets", DATASETS),
+        ("models", MODELS),
+        ("attacks", ATTACKS),
+        ("defenses", DEFENSES),
+    ):
+        print(f"{title}:")
+        for e in reg:
+            print(f"  {e.name:<16} {e.summary}")
+    print("partitioners:")
+    for name in sorted(PARTITIONERS):
+        print(f"  {name}")
+    return 0

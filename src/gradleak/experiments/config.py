@@ -1,0 +1,277 @@
+"""Experiment configuration: a TOML file parsed into validated dataclasses, with ``key=value`` overrides.
+
+Layout (every section optional except where noted; see ``examples/`` and the embedded ``demo.toml``)::
+
+    [experiment]  name, seed, data_root
+    [data]        dataset, train_split, test_split, train_limit, test_limit, num_clients, partition,
+                  [data.partition_options]
+    [model]       name, [model.options]
+    [fl]          rounds, fraction, server_lr, secure_aggregation, eval_every, [fl.training]
+    [audit]       clients, grant_labels, training_public, [audit.training], [[audit.attacks]] (name + options)
+    [[defenses]]  name + options
+
+Unknown keys, wrong types and unknown registry names are rejected before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradleak.data.partition import partition_options
+from gradleak.fl.simulation import FLConfig
+from gradleak.registry import ATTACKS, DATASETS, DEFENSES, MODELS
+from gradleak.types import LocalTraining
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """A registered component by name plus its options (validated against its config dataclass)."""
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExperimentSection:
+    name: str = "experiment"
+    seed: int = 0
+    data_root: str | None = None
+
+
+@dataclass(frozen=True)
+class DataSection:
+    dataset: str = "organamnist"
+    train_split: str = "train"
+    test_split: str = "test"
+    train_limit: int | None = None
+    test_limit: int | None = None
+    num_clients: int = 100
+    partition: str = "label_skew"
+    partition_options: Mapping[str, Any] = field(default_factory=dict)
+    holdout: float = 0.2  # test share when train_split == test_split (CIFAR-10 and PathMNIST: test only)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.holdout < 1.0:
+            raise ConfigError(f"data.holdout must be in (0, 1), got {self.holdout}")
+        if self.num_clients < 1:
+            raise ConfigError(f"data.num_clients must be >= 1, got {self.num_clients}")
+        for key in ("train_limit", "test_limit"):
+            v = getattr(self, key)
+            if v is not None and v < 1:
+                raise ConfigError(f"data.{key} must be >= 1, got {v}")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    name: str = "aegis_cnn"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AuditSection:
+    """Which updates get attacked and what the attacker is granted.
+
+    ``clients``: how many of the next round's sampled clients to audit (0 disables the audit).
+    ``training``: the recipe of the audited round (e.g. FedSGD on a small batch).
+    ``training_public``: whether the attacker knows that recipe; ``grant_labels``: whether it knows labels.
+    """
+
+    clients: int = 1
+    training: LocalTraining = field(default_factory=lambda: LocalTraining(protocol="fedsgd", batch_size=4))
+    training_public: bool = True
+    grant_labels: bool = False
+    attacks: tuple[ComponentSpec, ...] = (ComponentSpec("ig"),)
+
+    def __post_init__(self) -> None:
+        if self.clients < 0:
+            raise ConfigError(f"audit.clients must be >= 0, got {self.clients}")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    experiment: ExperimentSection = field(default_factory=ExperimentSection)
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    fl: FLConfig = field(default_factory=FLConfig)
+    audit: AuditSection = field(default_factory=AuditSection)
+    defenses: tuple[ComponentSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.data.dataset not in DATASETS:
+            DATASETS.entry(self.data.dataset)  # raises with the known names
+        MODELS.entry(self.model.name)
+        valid = partition_options(self.data.partition)  # raises for unknown partitioners
+        unknown = sorted(set(self.data.partition_options) - set(valid))
+        if unknown:
+            raise ConfigError(
+                f"unknown option(s) {unknown} in [data.partition_options] for {self.data.partition!r}; "
+                f"valid options: {sorted(valid)}"
+            )
+        for spec in self.audit.attacks:
+            ATTACKS.make_config(spec.name, spec.options)
+        for spec in self.defenses:
+            DEFENSES.make_config(spec.name, spec.options)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _check_type(value: Any, hint: Any, where: str) -> Any:
+    """Check a TOML value against a dataclass field's type hint; ints are accepted where floats are."""
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arm in typing.get_args(hint):
+            if arm is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _check_type(value, arm, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{where}: expected {hint}, got {type(value).__name__} {value!r}")
+    if origin is typing.Literal:
+        if value not in typing.get_args(hint):
+            raise ConfigError(f"{where}: must be one of {list(typing.get_args(hint))}, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint in (str, bool):
+        if type(value) is hint:
+            return value
+    elif origin in (Mapping, dict) or hint in (Mapping, dict):
+        if isinstance(value, Mapping):
+            return dict(value)
+    else:
+        return value
+    raise ConfigError(
+        f"{where}: expected {getattr(hint, '__name__', hint)}, got {type(value).__name__} {value!r}"
+    )
+
+
+def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"[{where}] must be a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in [{where}]; valid keys: {sorted(fields)}")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        hint = hints[key]
+        sub = f"{where}.{key}"
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value, sub)  # type: ignore[arg-type]
+        elif typing.get_origin(hint) is tuple:
+            if not isinstance(value, list):
+                raise ConfigError(f"{sub}: expected an array of tables, got {type(value).__name__}")
+            kwargs[key] = tuple(_spec(v, f"{sub}[{i}]") for i, v in enumerate(value))
+        else:
+            kwargs[key] = _check_type(value, hint, sub)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"[{where}]: {exc}") from None
+
+
+def _spec(value: Any, where: str) -> ComponentSpec:
+    if isinstance(value, str):
+        return ComponentSpec(value)
+    if not isinstance(value, Mapping) or "name" not in value:
+        raise ConfigError(f"{where}: expected a table with a 'name' key, got {value!r}")
+    opts = {k: v for k, v in value.items() if k != "name"}
+    if "options" in opts and isinstance(opts["options"], Mapping) and len(opts) == 1:
+        opts = dict(opts["options"])
+    return ComponentSpec(str(value["name"]), opts)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"fl.rounds=2"`` -> (["fl", "rounds"], 2); the value is read as TOML, else kept as a string."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key=value")
+    key, raw = item.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"override {item!r} has an empty key")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return path, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set dotted keys in the raw TOML dict; ``audit.attacks.0.max_iterations=50`` indexes arrays."""
+    for item in overrides:
+        path, value = parse_override(item)
+        node: Any = raw
+        for i, part in enumerate(path[:-1]):
+            if isinstance(node, list):
+                node = node[_index(part, node, path[: i + 1])]
+            else:
+                node = node.setdefault(part, {})
+        last = path[-1]
+        if isinstance(node, list):
+            node[_index(last, node, path)] = value
+        elif isinstance(node, dict):
+            node[last] = value
+        else:
+            raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[:-1])} is not a table")
+    return raw
+
+
+def _index(part: str, node: list[Any], path: list[str]) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"override {'.'.join(path)}: {part!r} is not an index into an array of {len(node)}")
+    return int(part)
+
+
+def load_config(
+    source: str | Path | Mapping[str, Any], overrides: list[str] | None = None
+) -> ExperimentConfig:
+    """Parse a TOML file (or an already-loaded mapping), apply overrides, validate everything."""
+    if isinstance(source, Mapping):
+        raw = _plain(dict(source))
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        cfg: ExperimentConfig = _build(ExperimentConfig, raw, "config")
+        return cfg
+    except KeyError as exc:  # unknown registry names
+        raise ConfigError(str(exc.args[0])) from None

@@ -1,0 +1,113 @@
+"""Client-side local training: FedSGD (one gradient) or FedAvg (E epochs of SGD/Adam), with defense hooks.
+
+FedSGD (McMahan et al. 2017): the client sends g = dL/dw at the broadcast weights w_0 on one batch.
+FedAvg: the client runs E epochs over its data in batches of B and sends delta = w_T - w_0.
+The returned :class:`ClientResult` keeps the data the update was computed on (``truth``) apart from the
+update itself; only the engine's evaluation code reads it, never an attack.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from gradleak.data.base import ImageDataset
+from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure
+from gradleak.types import LocalTraining, Update
+
+
+@dataclass
+class ClientResult:
+    """One client's outcome: the update that left it (None if a defense failed closed) and its truth."""
+
+    client_id: int
+    update: Update | None
+    truth: ImageDataset | None = None  # FedSGD: the batch; FedAvg: the client's data (metrics only)
+    error: str | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def make_optimizer(params: Sequence[nn.Parameter], training: LocalTraining) -> torch.optim.Optimizer:
+    if training.optimizer == "adam":
+        return torch.optim.Adam(params, lr=training.lr)
+    return torch.optim.SGD(params, lr=training.lr)
+
+
+def _batches(n: int, batch_size: int, shuffle: bool, generator: torch.Generator) -> list[torch.Tensor]:
+    order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+    return list(order.split(batch_size))
+
+
+def fedsgd_update(
+    model: nn.Module, data: ImageDataset, chain: DefenseChain, generator: torch.Generator, batch_size: int
+) -> tuple[Update, ImageDataset]:
+    """Gradient of the mean cross-entropy on one batch drawn from ``data`` (first batch of a shuffle)."""
+    idx = torch.randperm(len(data), generator=generator)[: min(batch_size, len(data))]
+    batch = data.subset(idx.sort().values)
+    model.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(batch.images), batch.labels)
+    loss.backward()
+    chain.on_gradients(model, 0)
+    grads = {
+        n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        for n, p in model.named_parameters()
+    }
+    return Update(grads, len(batch), kind="gradient"), batch
+
+
+def fedavg_update(
+    model: nn.Module,
+    data: ImageDataset,
+    training: LocalTraining,
+    chain: DefenseChain,
+    generator: torch.Generator,
+) -> Update:
+    """E epochs of mini-batch training; returns delta = w_T - w_0 for every parameter."""
+    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], training)
+    step = 0
+    for _ in range(training.epochs):
+        for idx in _batches(len(data), training.batch_size, training.shuffle, generator):
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(data.images[idx]), data.labels[idx])
+            loss.backward()
+            chain.on_gradients(model, step)
+            opt.step()
+            step += 1
+        chain.on_epoch_end(model, opt)
+    delta = {n: p.detach() - w0[n] for n, p in model.named_parameters()}
+    return Update(delta, len(data), kind="delta", metadata={"local_steps": step})
+
+
+def train_client(
+    client_id: int,
+    global_model: nn.Module,
+    data: ImageDataset,
+    training: LocalTraining,
+    defenses: Sequence[Defense],
+    generator: torch.Generator,
+) -> ClientResult:
+    """Run one client's local training on a private copy of the broadcast model.
+
+    Fail closed: if a defense raises, the result carries ``update=None`` and the error text.
+    """
+    model = copy.deepcopy(global_model)
+    model.train()
+    chain = DefenseChain(defenses)
+    try:
+        chain.setup(model, generator=generator)
+        if training.protocol == "fedsgd":
+            update, truth = fedsgd_update(model, data, chain, generator, training.batch_size)
+        else:
+            update, truth = fedavg_update(model, data, training, chain, generator), data
+        update = chain.on_update(update)
+    except DefenseFailure as exc:
+        return ClientResult(client_id, None, None, error=str(exc))
+    meta = {**update.metadata, "client_id": client_id}
+    update = Update(update.tensors, update.num_samples, update.kind, meta)
+    return ClientResult(client_id, update, truth)

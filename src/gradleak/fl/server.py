@@ -1,0 +1,87 @@
+"""Server side: client sampling, sample-weighted FedAvg aggregation, the secure-aggregation view.
+
+FedAvg aggregation (McMahan et al. 2017, Alg. 1): w_{t+1} = w_t + eta_s * sum_k (n_k / n) delta_k for
+deltas, and w_{t+1} = w_t - eta_s * sum_k (n_k / n) g_k for FedSGD gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradleak.types import Update
+
+
+def sample_clients(num_clients: int, fraction: float, rng: np.random.Generator) -> list[int]:
+    """``max(1, round(fraction * num_clients))`` distinct clients, uniformly without replacement, sorted."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"client fraction must be in (0, 1], got {fraction}")
+    k = max(1, int(round(fraction * num_clients)))
+    return sorted(int(i) for i in rng.choice(num_clients, size=k, replace=False))
+
+
+def _check_same_kind(updates: Sequence[Update]) -> None:
+    if not updates:
+        raise ValueError("cannot aggregate an empty list of updates")
+    kinds = {u.kind for u in updates}
+    if len(kinds) != 1:
+        raise ValueError(f"cannot aggregate updates of mixed kinds {sorted(kinds)}")
+    names = set(updates[0].tensors)
+    for u in updates[1:]:
+        if set(u.tensors) != names:
+            raise ValueError("updates carry different parameter names")
+
+
+def _combine(updates: Sequence[Update], weights: Sequence[float]) -> dict[str, torch.Tensor]:
+    """sum_k weights[k] * u_k, per parameter."""
+    out: dict[str, torch.Tensor] = {}
+    for name in updates[0].tensors:
+        acc = torch.zeros_like(updates[0].tensors[name])
+        for u, w in zip(updates, weights, strict=True):
+            acc.add_(u.tensors[name], alpha=w)
+        out[name] = acc
+    return out
+
+
+def weighted_mean(updates: Sequence[Update]) -> Update:
+    """Sample-weighted mean sum_k (n_k / n) u_k; the result's num_samples is n = sum_k n_k."""
+    _check_same_kind(updates)
+    total = sum(u.num_samples for u in updates)
+    if total <= 0:
+        raise ValueError("aggregate weight is zero: every update reports num_samples = 0")
+    out = _combine(updates, [u.num_samples / total for u in updates])
+    return Update(out, total, updates[0].kind, {"num_clients": len(updates)})
+
+
+def secure_sum(updates: Sequence[Update]) -> Update:
+    """What a server sees under secure aggregation (Bonawitz et al. 2017): only sum_k u_k, and sum_k n_k.
+
+    The masks cancel exactly in the sum, so simulating the protocol's result is the plain sum; the point of
+    this view is that no single client's update is observable.
+    """
+    _check_same_kind(updates)
+    out = _combine(updates, [1.0] * len(updates))
+    total = sum(u.num_samples for u in updates)
+    return Update(out, total, updates[0].kind, {"num_clients": len(updates)})
+
+
+@torch.no_grad()
+def apply_update(model: nn.Module, aggregate: Update, server_lr: float = 1.0) -> None:
+    """In place: w += eta_s * delta (deltas) or w -= eta_s * g (gradients)."""
+    sign = 1.0 if aggregate.kind == "delta" else -1.0
+    for name, p in model.named_parameters():
+        p.add_(aggregate.tensors[name].to(p.dtype), alpha=sign * server_lr)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 1024) -> float:
+    """Top-1 accuracy in [0, 1]."""
+    model.eval()
+    correct = 0
+    for i in range(0, len(labels), batch_size):
+        correct += int((model(images[i : i + batch_size]).argmax(1) == labels[i : i + batch_size]).sum())
+    model.train()
+    return correct / max(1, len(labels))

@@ -1,0 +1,218 @@
+"""The FL simulation: server loop (sample, broadcast, aggregate, evaluate) over a pluggable client engine.
+
+The :class:`Engine` decides *where* client training runs (in this process today; Flower/Ray later). The
+server logic, the defenses and the attacks do not change with the engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from gradleak.data.base import ImageDataset
+from gradleak.defenses.base import Defense
+from gradleak.fl.client import ClientResult, train_client
+from gradleak.fl.server import apply_update, evaluate, sample_clients, secure_sum, weighted_mean
+from gradleak.types import LocalTraining, Observation, Update
+
+log = logging.getLogger(__name__)
+
+DefenseFactory = Callable[[], Sequence[Defense]]
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed derived from integers (run seed, round, client) through numpy's SeedSequence."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+@dataclass(frozen=True)
+class ClientTask:
+    """One unit of client work an engine executes."""
+
+    client_id: int
+    data: ImageDataset
+    training: LocalTraining
+    seed: int
+
+
+class Engine(Protocol):
+    """Runs a round's client tasks against the broadcast model and returns their results in task order."""
+
+    name: str
+
+    def train_clients(
+        self, global_model: nn.Module, tasks: Sequence[ClientTask], defenses: DefenseFactory
+    ) -> list[ClientResult]: ...
+
+
+class InProcessEngine:
+    """Sequential client training in this process (deterministic, no extra dependencies)."""
+
+    name = "inprocess"
+
+    def __init__(self, progress: bool = False) -> None:
+        self.progress = progress
+
+    def train_clients(
+        self, global_model: nn.Module, tasks: Sequence[ClientTask], defenses: DefenseFactory
+    ) -> list[ClientResult]:
+        results = []
+        for task in tqdm(tasks, desc="clients", leave=False, disable=not self.progress):
+            gen = torch.Generator().manual_seed(task.seed)
+            results.append(
+                train_client(task.client_id, global_model, task.data, task.training, defenses(), gen)
+            )
+        return results
+
+
+@dataclass(frozen=True)
+class FLConfig:
+    """Federated training schedule. ``fraction`` of clients is sampled each round."""
+
+    rounds: int = 3
+    fraction: float = 0.1
+    training: LocalTraining = field(default_factory=LocalTraining)
+    server_lr: float = 1.0
+    secure_aggregation: bool = False
+    eval_every: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rounds, int) or self.rounds < 0:
+            raise ValueError(f"rounds must be an int >= 0, got {self.rounds!r}")
+        if not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"fraction must be in (0, 1], got {self.fraction!r}")
+        if self.server_lr <= 0:
+            raise ValueError(f"server_lr must be > 0, got {self.server_lr!r}")
+        if not isinstance(self.eval_every, int) or self.eval_every < 1:
+            raise ValueError(f"eval_every must be an int >= 1, got {self.eval_every!r}")
+
+
+@dataclass
+class RoundResult:
+    """One round: who trained, what the server received, the aggregate it applied, test accuracy."""
+
+    round: int
+    client_ids: list[int]
+    results: list[ClientResult]
+    aggregate: Update | None
+    accuracy: float | None
+    seconds: float
+
+    @property
+    def dropped(self) -> list[int]:
+        return [r.client_id for r in self.results if r.update is None]
+
+
+class FederatedSimulation:
+    """Server loop over ``clients`` (one dataset per client) with a global ``model`` updated in place."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        clients: Sequence[ImageDataset],
+        config: FLConfig,
+        *,
+        seed: int,
+        test: ImageDataset | None = None,
+        engine: Engine | None = None,
+        defenses: DefenseFactory = tuple,
+    ) -> None:
+        if not clients:
+            raise ValueError("a federation needs at least one client")
+        self.model = model
+        self.clients = list(clients)
+        self.config = config
+        self.seed = seed
+        self.test = test
+        self.engine: Engine = engine or InProcessEngine()
+        self.defenses = defenses
+        self._rng = np.random.default_rng(derive_seed(seed, 0xC11E))
+        self.history: list[RoundResult] = []
+
+    def tasks(self, round_idx: int, client_ids: Sequence[int], training: LocalTraining) -> list[ClientTask]:
+        return [
+            ClientTask(cid, self.clients[cid], training, derive_seed(self.seed, round_idx, cid))
+            for cid in client_ids
+        ]
+
+    def run_round(self, round_idx: int) -> RoundResult:
+        start = time.perf_counter()
+        ids = sample_clients(len(self.clients), self.config.fraction, self._rng)
+        results = self.engine.train_clients(
+            self.model, self.tasks(round_idx, ids, self.config.training), self.defenses
+        )
+        received = [r.update for r in results if r.update is not None]
+        for r in results:
+            if r.update is None:
+                log.warning("round %d: client %d sent nothing (%s)", round_idx, r.client_id, r.error)
+        aggregate = None
+        if received:
+            aggregate = weighted_mean(received)
+            apply_update(self.model, aggregate, self.config.server_lr)
+        acc = None
+        if self.test is not None and (round_idx + 1) % self.config.eval_every == 0:
+            acc = evaluate(self.model, self.test.images, self.test.labels)
+        rr = RoundResult(round_idx, ids, results, aggregate, acc, time.perf_counter() - start)
+        self.history.append(rr)
+        log.info("round %d: %d clients, accuracy %s, %.2fs", round_idx, len(ids), acc, rr.seconds)
+        return rr
+
+    def run(self, rounds: int | None = None, progress: bool = False) -> list[RoundResult]:
+        n = self.config.rounds if rounds is None else rounds
+        start = len(self.history)
+        for r in tqdm(range(start, start + n), desc="FL rounds", disable=not progress):
+            self.run_round(r)
+        return self.history[start:]
+
+    def collect(
+        self, client_ids: Sequence[int], training: LocalTraining, round_idx: int | None = None
+    ) -> list[ClientResult]:
+        """Have ``client_ids`` train on the current broadcast (without aggregating): the updates an audit
+        attacks. ``round_idx`` defaults to the next round index."""
+        r = len(self.history) if round_idx is None else round_idx
+        return self.engine.train_clients(self.model, self.tasks(r, client_ids, training), self.defenses)
+
+    def sample(self) -> list[int]:
+        return sample_clients(len(self.clients), self.config.fraction, self._rng)
+
+
+def server_view(
+    broadcast: nn.Module,
+    results: Sequence[ClientResult],
+    *,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    secure_aggregation: bool,
+    training: LocalTraining | None,
+    grant_labels: bool = False,
+) -> list[Observation]:
+    """What the server observes: one Observation per received update, or one for the secure sum.
+
+    ``training`` is the recipe the threat model makes public (None hides it). Labels are attached only when
+    ``grant_labels`` (and never under secure aggregation, where they would be a union across clients).
+    """
+    received = [r for r in results if r.update is not None]
+    if not received:
+        return []
+    w0 = copy.deepcopy(broadcast).eval()
+    if secure_aggregation:
+        agg = secure_sum([r.update for r in received])  # type: ignore[misc]
+        return [
+            Observation(
+                w0, agg, input_shape, num_classes, training, aggregated=True, num_clients=len(received)
+            )
+        ]
+    out = []
+    for r in received:
+        labels = r.truth.labels.clone() if (grant_labels and r.truth is not None) else None
+        out.append(Observation(w0, r.update, input_shape, num_classes, training, labels=labels))  # type: ignore[arg-type]
+    return out

@@ -1,0 +1,31 @@
+"""Registered victim models; ``build_model(name, input_shape, num_classes, seed, **options)``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradleak.models import cnn as _cnn  # noqa: F401  (registers the CNNs)
+from gradleak.registry import MODELS
+
+
+def build_model(
+    name: str, input_shape: tuple[int, int, int], num_classes: int, *, seed: int, **options: Any
+) -> nn.Module:
+    """Build a registered model with weights drawn from a generator seeded with ``seed``.
+
+    The global torch RNG is saved and restored so that building a model never disturbs other randomness.
+    """
+    factory = MODELS.get(name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            model = factory(tuple(input_shape), num_classes, **options)
+        except TypeError as exc:
+            raise ValueError(f"bad options {sorted(options)} for model {name!r}: {exc}") from None
+    return model
+
+
+__all__ = ["build_model"]

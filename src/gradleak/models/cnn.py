@@ -1,0 +1,92 @@
+"""Victim classifiers used by the papers, registered by name.
+
+- ``aegis_cnn``: paper 000's default classifier, "three convolutional layers and a 512-unit fully connected
+  layer" (000, Experimental setup). Kernel sizes and widths are not given; we use 3x3 convs of 32/64/128
+  channels, each followed by ReLU and 2x2 max-pooling, then FC-512, ReLU and the output layer.
+- ``sme_cnn``: paper 001's victim, "two convolutional layers followed by two fully connected layers, as in
+  SME/NL-SME" (001, Sec. 4): 5x5 convs of 32/64 channels with ReLU and 2x2 max-pooling, then FC-``hidden``
+  and the output layer (LEAF's FEMNIST CNN uses hidden=2048; the CIFAR variant uses 512).
+- ``lenet``: the sigmoid LeNet of DLG (Zhu et al. 2019): three 5x5 convs of 12 channels (strides 2, 2, 1)
+  with sigmoid, then one linear layer. Smooth activations make it the classic gradient-inversion target.
+
+Every factory takes ``input_shape`` (C, H, W) and ``num_classes`` plus keyword options.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradleak.registry import MODELS
+
+
+def _flat_dim(features: nn.Module, input_shape: tuple[int, int, int]) -> int:
+    with torch.no_grad():
+        return int(features(torch.zeros(1, *input_shape)).numel())
+
+
+class AegisCNN(nn.Module):
+    """Paper 000's classifier: 3 conv blocks + FC-512 + output layer."""
+
+    def __init__(
+        self, input_shape: tuple[int, int, int], num_classes: int, width: int = 32, hidden: int = 512
+    ):
+        super().__init__()
+        c = input_shape[0]
+        self.features = nn.Sequential(
+            nn.Conv2d(c, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(2 * width, 4 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        )  # fmt: skip
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(_flat_dim(self.features, input_shape), hidden), nn.ReLU(),
+            nn.Linear(hidden, num_classes),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class SMECNN(nn.Module):
+    """Paper 001's victim: 2 conv (5x5, 32/64) + 2 FC layers."""
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int, hidden: int | None = None):
+        super().__init__()
+        c = input_shape[0]
+        if hidden is None:  # LEAF FEMNIST CNN for grayscale, a narrower head for RGB (CIFAR)
+            hidden = 2048 if c == 1 else 512
+        self.features = nn.Sequential(
+            nn.Conv2d(c, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        )  # fmt: skip
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(_flat_dim(self.features, input_shape), hidden), nn.ReLU(),
+            nn.Linear(hidden, num_classes),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class LeNet(nn.Module):
+    """DLG's LeNet (Zhu et al. 2019): sigmoid convs, one linear output layer."""
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int, width: int = 12):
+        super().__init__()
+        c = input_shape[0]
+        self.features = nn.Sequential(
+            nn.Conv2d(c, width, 5, padding=2, stride=2), nn.Sigmoid(),
+            nn.Conv2d(width, width, 5, padding=2, stride=2), nn.Sigmoid(),
+            nn.Conv2d(width, width, 5, padding=2, stride=1), nn.Sigmoid(),
+        )  # fmt: skip
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(_flat_dim(self.features, input_shape), num_classes)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+MODELS.register("aegis_cnn", AegisCNN, summary="paper 000 classifier: 3 conv + FC-512")
+MODELS.register("sme_cnn", SMECNN, summary="paper 001 victim: 2 conv + 2 FC (SME/NL-SME)")
+MODELS.register("lenet", LeNet, summary="DLG's sigmoid LeNet")

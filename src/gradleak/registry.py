@@ -1,0 +1,100 @@
+"""Name -> factory registries for datasets, models, attacks and defenses.
+
+One registry per kind, with a duplicate-name check and an error that lists the known names, instead of
+if/elif factories. Attacks and defenses pair a config dataclass with the class it configures, so that
+``create("ig", max_iterations=100)`` validates its overrides through the dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class UnknownNameError(KeyError):
+    """A name that no registry entry carries; the message lists the names that exist."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class Entry(Generic[T]):
+    """One registered thing: a factory, its optional config dataclass, and a one-line summary."""
+
+    name: str
+    factory: T
+    config_cls: type | None
+    summary: str
+
+
+class Registry(Generic[T]):
+    """A named collection of factories of one kind ("dataset", "model", "attack", "defense")."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, Entry[T]] = {}
+
+    def register(self, name: str, factory: T, *, config_cls: type | None = None, summary: str = "") -> T:
+        key = name.lower()
+        if key in self._entries:
+            raise ValueError(f"{self.kind} {name!r} is already registered")
+        if config_cls is not None and not dataclasses.is_dataclass(config_cls):
+            raise TypeError(f"config_cls for {self.kind} {name!r} must be a dataclass, got {config_cls!r}")
+        self._entries[key] = Entry(key, factory, config_cls, summary)
+        return factory
+
+    def entry(self, name: str) -> Entry[T]:
+        try:
+            return self._entries[name.lower()]
+        except KeyError:
+            known = ", ".join(sorted(self._entries)) or "(none)"
+            raise UnknownNameError(f"unknown {self.kind} {name!r}; known {self.kind}s: {known}") from None
+
+    def get(self, name: str) -> T:
+        return self.entry(name).factory
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.lower() in self._entries
+
+    def __iter__(self) -> Iterator[Entry[T]]:
+        return iter(self._entries[k] for k in sorted(self._entries))
+
+    def make_config(self, name: str, overrides: Mapping[str, Any] | None = None) -> Any:
+        """Build the entry's config dataclass from ``overrides``; unknown keys are a clear error."""
+        entry = self.entry(name)
+        if entry.config_cls is None:
+            if overrides:
+                raise ValueError(f"{self.kind} {name!r} takes no options, got {sorted(overrides)}")
+            return None
+        return build_dataclass(entry.config_cls, overrides or {}, where=f"{self.kind} {name!r}")
+
+    def create(self, name: str, **overrides: Any) -> Any:
+        """``factory(config)`` for entries with a config class, else ``factory(**overrides)``."""
+        entry = self.entry(name)
+        factory: Callable[..., Any] = entry.factory  # type: ignore[assignment]
+        if entry.config_cls is None:
+            return factory(**overrides)
+        return factory(self.make_config(name, overrides))
+
+
+def build_dataclass(cls: type, values: Mapping[str, Any], *, where: str) -> Any:
+    """Instantiate dataclass ``cls`` from a mapping, naming unknown keys (and the valid ones) in the error."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for {where}; valid options: {sorted(fields)}")
+    return cls(**values)
+
+
+DATASETS: Registry[Callable[..., Any]] = Registry("dataset")
+MODELS: Registry[Callable[..., Any]] = Registry("model")
+ATTACKS: Registry[Callable[..., Any]] = Registry("attack")
+DEFENSES: Registry[Callable[..., Any]] = Registry("defense")

@@ -1,0 +1,138 @@
+"""Core types that cross module boundaries: what a client sends, what an attacker sees, what it returns.
+
+The attacker sees an :class:`Observation` and nothing else; ground truth meets a :class:`Reconstruction`
+only in :mod:`gradleak.metrics` (the separation that makes results honest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+Protocol_ = Literal["fedsgd", "fedavg"]
+OptimizerName = Literal["sgd", "adam"]
+
+
+@dataclass(frozen=True)
+class LocalTraining:
+    """A client's local training recipe (public or hidden according to the threat model).
+
+    ``fedsgd``: one gradient on one batch of ``batch_size`` samples, sent as is.
+    ``fedavg``: ``epochs`` passes over the client's data in batches of ``batch_size`` with ``optimizer``.
+    """
+
+    protocol: Protocol_ = "fedavg"
+    epochs: int = 1
+    batch_size: int = 64
+    lr: float = 1e-3
+    optimizer: OptimizerName = "sgd"
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        if self.protocol not in ("fedsgd", "fedavg"):
+            raise ValueError(f"protocol must be 'fedsgd' or 'fedavg', got {self.protocol!r}")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
+        if not isinstance(self.epochs, int) or self.epochs < 1:
+            raise ValueError(f"epochs must be a positive int, got {self.epochs!r}")
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
+        if not (isinstance(self.lr, int | float) and self.lr > 0):
+            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+
+
+UpdateKind = Literal["gradient", "delta"]
+
+
+@dataclass(frozen=True)
+class Update:
+    """What leaves one client.
+
+    ``kind == "gradient"`` (FedSGD): ``tensors[name]`` is dL/dw at the broadcast weights.
+    ``kind == "delta"`` (FedAvg): ``tensors[name]`` is w_T - w_0.
+    ``num_samples`` is the sample count the server weights by; ``metadata`` holds what a server really sees
+    besides the payload (client id, round).
+    """
+
+    tensors: Mapping[str, torch.Tensor]
+    num_samples: int
+    kind: UpdateKind = "delta"
+    metadata: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("gradient", "delta"):
+            raise ValueError(f"Update.kind must be 'gradient' or 'delta', got {self.kind!r}")
+        if self.num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {self.num_samples}")
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([t.reshape(-1) for t in self.tensors.values()])
+
+    def replace(self, tensors: Mapping[str, torch.Tensor]) -> Update:
+        if set(tensors) != set(self.tensors):
+            raise ValueError("replacement tensors must carry the same parameter names")
+        return Update(dict(tensors), self.num_samples, self.kind, dict(self.metadata))
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything an attack may read, nothing more.
+
+    ``model`` holds the architecture at the broadcast weights w_0 (attacks must not modify it in place;
+    they copy it). ``training`` is ``None`` when the threat model hides the client's recipe; ``labels`` only
+    when the threat model grants them. ``secrets`` are what a malicious server planted itself.
+    ``aggregated`` is true when the server sees only a secure-aggregation sum over ``num_clients`` clients.
+    """
+
+    model: nn.Module
+    update: Update
+    input_shape: tuple[int, ...]
+    num_classes: int
+    training: LocalTraining | None = None
+    labels: torch.Tensor | None = None
+    secrets: Mapping[str, object] = field(default_factory=dict)
+    aggregated: bool = False
+    num_clients: int = 1
+
+    def __post_init__(self) -> None:
+        names = {n for n, _ in self.model.named_parameters()}
+        missing = sorted(set(self.update.tensors) - names)
+        if missing:
+            raise ValueError(f"update carries parameters the model lacks: {missing[:5]}")
+        for n, p in self.model.named_parameters():
+            t = self.update.tensors.get(n)
+            if t is not None and t.shape != p.shape:
+                raise ValueError(
+                    f"update tensor {n!r} has shape {tuple(t.shape)}, model has {tuple(p.shape)}"
+                )
+
+
+@dataclass
+class Reconstruction:
+    """An attack's output: images (N, C, H, W) in [0, 1] and/or token ids, recovered labels, statistics."""
+
+    images: torch.Tensor | None = None
+    token_ids: list[list[int]] | None = None
+    labels: torch.Tensor | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.images is not None and self.images.dim() != 4:
+            raise ValueError(
+                f"Reconstruction.images must be (N, C, H, W), got shape {tuple(self.images.shape)}"
+            )
+
+
+class AttackInputError(ValueError):
+    """The Observation lacks what an attack needs (e.g. labels hidden and not recoverable)."""
+
+
+@runtime_checkable
+class Attack(Protocol):
+    """An attack reads only an Observation and returns a Reconstruction."""
+
+    def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction: ...
