@@ -32,7 +32,7 @@ from gradleak.metrics import (
     score_images,
     ssim,
 )
-from gradleak.metrics.fsim import _downsample
+from gradleak.metrics.feature_similarity import _downsample
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 ORGAN = DATA / "medmnist" / "organamnist.npz"

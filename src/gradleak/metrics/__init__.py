@@ -1,6 +1,6 @@
 """Reconstruction-quality metrics (images: PSNR, SSIM, FSIM/FSIMc, reconstruction rate, matching)."""
 
-from gradleak.metrics.fsim import fsim
+from gradleak.metrics.feature_similarity import fsim
 from gradleak.metrics.image import (
     LPIPS_UNAVAILABLE_NOTE,
     PSNR_CAP_DB,

@@ -9,7 +9,7 @@ All functions take float tensors ``(N, C, H, W)`` with values in [0, 1] and retu
 * SSIM: Wang, Bovik, Sheikh, Simoncelli, "Image quality assessment: from error visibility to structural
   similarity", IEEE TIP 13(4), 2004, eq. 13, Gaussian window 11x11 with sigma 1.5, K1 = 0.01, K2 = 0.03,
   averaged over the windows that lie inside the image (torchmetrics' SSIM map, border cropped).
-* FSIM / FSIMc: Zhang et al., IEEE TIP 2011, see :mod:`gradleak.metrics.fsim`.
+* FSIM / FSIMc: Zhang et al., IEEE TIP 2011, see :mod:`gradleak.metrics.feature_similarity`.
 * Reconstruction rate: the fraction of ground-truth images reconstructed with PSNR above a threshold
   (18 dB by default), the success criterion used by the attack papers this library reproduces.
 * Matching: attacks that reconstruct a whole batch return images in arbitrary order; we pair
@@ -33,7 +33,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
-from gradleak.metrics.fsim import fsim
+from gradleak.metrics.feature_similarity import fsim
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,65 @@
+"""Config parsing and validation: every bad input gives one clear error naming the problem."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradleak.cli.demo import demo_config_path
+from gradleak.experiments.config import ConfigError, load_config, parse_override
+
+
+def test_demo_config_is_valid_and_overridable():
+    cfg = load_config(demo_config_path(), ["fl.rounds=1", "audit.attacks.0.max_iterations=5", "experiment.name=x"])
+    assert cfg.fl.rounds == 1 and cfg.experiment.name == "x"
+    assert cfg.audit.attacks[0].name == "ig" and cfg.audit.attacks[0].options["max_iterations"] == 5
+    assert cfg.fl.training.optimizer == "adam" and cfg.fl.training.lr == pytest.approx(1e-3)
+    assert cfg.audit.training.protocol == "fedsgd" and cfg.audit.training.batch_size == 4
+    assert dict(cfg.data.partition_options) == {"max_classes_per_client": 5}
+
+
+def test_override_values_are_typed():
+    assert parse_override("a.b=3") == (["a", "b"], 3)
+    assert parse_override("a=0.5") == (["a"], 0.5)
+    assert parse_override("a=true") == (["a"], True)
+    assert parse_override("a=organamnist") == (["a"], "organamnist")
+    assert parse_override('a="3"') == (["a"], "3")
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_override("novalue")
+
+
+@pytest.mark.parametrize(
+    ("raw", "pattern"),
+    [
+        ({"fl": {"roundz": 2}}, r"unknown key\(s\) \['roundz'\] in \[config.fl\]"),
+        ({"bogus": {}}, r"unknown key\(s\) \['bogus'\] in \[config\]"),
+        ({"fl": {"rounds": "two"}}, r"config.fl.rounds: expected int, got str 'two'"),
+        ({"fl": {"rounds": 2.5}}, r"config.fl.rounds: expected int"),
+        ({"fl": {"fraction": 2.0}}, r"fraction must be in \(0, 1\]"),
+        ({"fl": {"training": {"optimizer": "rmsprop"}}}, r"must be one of \['sgd', 'adam'\]"),
+        ({"data": {"dataset": "mnist"}}, r"unknown dataset 'mnist'; known datasets: cifar10"),
+        ({"model": {"name": "resnet"}}, r"unknown model 'resnet'"),
+        ({"audit": {"attacks": [{"name": "magic"}]}}, r"unknown attack 'magic'"),
+        ({"audit": {"attacks": [{"name": "ig", "iters": 3}]}}, r"unknown option\(s\) \['iters'\] for attack 'ig'"),
+        ({"defenses": [{"name": "pruning", "ratio": 1.5}]}, r"pruning ratio must be in \[0, 1\)"),
+        ({"data": {"partition": "weird"}}, r"unknown partitioner 'weird'"),
+        ({"data": {"partition_options": {"k": 3}}}, r"unknown option\(s\) \['k'\] in \[data.partition_options\]"),
+        ({"fl": 3}, r"\[config.fl\] must be a table"),
+    ],
+)
+def test_bad_config_is_one_clear_error(raw, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(raw)
+
+
+def test_bad_override_paths():
+    with pytest.raises(ConfigError, match="not an index"):
+        load_config(demo_config_path(), ["audit.attacks.5.lr=1"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/nonexistent/x.toml")
+
+
+def test_invalid_toml(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text("[fl\nrounds = 1")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(p)

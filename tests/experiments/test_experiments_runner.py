@@ -1,0 +1,95 @@
+"""End-to-end runs on real data (tiny scale), the store's all-or-nothing writes, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+
+from gradleak.cli import main
+from gradleak.experiments import ResultStore, load_config, run_experiment
+
+TINY = [
+    "data.train_limit=600", "data.test_limit=200", "data.num_clients=10", "fl.rounds=1", "fl.fraction=0.2",
+    "fl.training.epochs=1", "audit.attacks.0.max_iterations=20", "audit.training.batch_size=2",
+]  # fmt: skip
+
+
+def demo_cfg(extra=()):
+    from gradleak.cli.demo import demo_config_path
+
+    return load_config(demo_config_path(), TINY + list(extra))
+
+
+def _count(db, table):
+    return sqlite3.connect(db).execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+
+
+def test_run_writes_store_exports_and_figure(tmp_path):
+    store = ResultStore(tmp_path / "r.sqlite")
+    out = run_experiment(demo_cfg(), store=store, out_dir=tmp_path / "figs")
+    rounds, attacks = out.of_kind("round"), out.of_kind("attack")
+    assert len(rounds) == 1 and len(rounds[0]["clients"]) == 2 and 0.0 <= rounds[0]["accuracy"] <= 1.0
+    assert len(attacks) == 1
+    a = attacks[0]
+    assert a["attack"] == "ig" and a["batch_size"] == 2 and len(a["psnr"]) == 2
+    assert 0 <= a["reconstruction_rate"] <= 1 and a["lpips"] is None and "unavailable" in a["lpips_note"]
+    assert out.figures and out.figures[0].stat().st_size > 1000
+    runs = store.runs()
+    assert [r.run_id for r in runs] == [out.run_id] and runs[0].config["fl"]["rounds"] == 1
+    assert runs[0].environment["git_commit"]
+    assert len(store.records(out.run_id)) == len(out.records)
+    exported = json.loads(store.export_json(out.run_id, tmp_path / "r.json").read_text())
+    assert exported["records"][-1]["kind"] == "summary"
+    header = store.export_csv(out.run_id, tmp_path / "a.csv", "attack").read_text().splitlines()[0]
+    assert "psnr_mean" in header
+
+
+def test_same_seed_same_results(tmp_path):
+    a = run_experiment(demo_cfg())
+    b = run_experiment(demo_cfg())
+    assert a.of_kind("round")[0]["accuracy"] == b.of_kind("round")[0]["accuracy"]
+    assert a.of_kind("attack")[0]["psnr"] == b.of_kind("attack")[0]["psnr"]
+
+
+def test_failure_mid_run_leaves_no_rows(tmp_path, monkeypatch):
+    db = tmp_path / "r.sqlite"
+    store = ResultStore(db)
+    run_experiment(demo_cfg(), store=store)  # one good run first
+    import gradleak.experiments.runner as runner
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("attack crashed")
+
+    monkeypatch.setattr(runner, "score_images", broken)
+    with pytest.raises(RuntimeError, match="attack crashed"):
+        run_experiment(demo_cfg(), store=store, out_dir=tmp_path / "figs")
+    assert _count(db, "runs") == 1 and _count(db, "records") == len(store.records(store.runs()[0].run_id))
+    assert not (tmp_path / "figs").exists()  # no half-written outputs either
+
+
+def test_missing_data_file_is_one_clear_error(tmp_path):
+    cfg = demo_cfg([f"experiment.data_root='{tmp_path}'"])
+    with pytest.raises(FileNotFoundError, match="organamnist.npz"):
+        run_experiment(cfg, store=ResultStore(tmp_path / "r.sqlite"))
+    assert not (tmp_path / "r.sqlite").exists()
+
+
+def test_cli_run_list_and_errors(tmp_path, capsys):
+    from gradleak.cli.demo import demo_config_path
+
+    assert main(["run", demo_config_path(), *TINY, "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "PSNR dB" in text and "test acc" in text and "figure:" in text
+    assert (tmp_path / "demo" / "attacks.csv").exists() and (tmp_path / "demo" / "reconstructions_0.png").exists()
+    assert main(["list"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("organamnist", "cifar10", "femnist", "aegis_cnn", "sme_cnn", "lenet", "ig", "label_skew"):
+        assert name in listed
+    assert main(["run", demo_config_path(), "fl.rounds=oops", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "config.fl.rounds: expected int" in err and "Traceback" not in err
+    assert not (tmp_path / "bad").exists()
+    assert main(["run", demo_config_path(), "audit.attacks.0.name=dlgx", "--out", str(tmp_path / "bad")]) == 2
+    assert "unknown attack 'dlgx'" in capsys.readouterr().err
