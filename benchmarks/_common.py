@@ -126,10 +126,19 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "cuda": torch.cuda.is_available(),
+        "loadavg": load_average(),
     }
     if info["cuda"]:
         info["cuda_device"] = torch.cuda.get_device_name(0)
     return info
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the OS has none): a busy machine skews timings."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def command_line() -> str:

@@ -19,6 +19,7 @@ Timing: rounds alternate between the paths, engine first in even rounds and bare
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -56,9 +57,12 @@ class SeedResult:
     seed: int
     client_ids: list[list[int]]  # every round's, warm-up included
     samples_per_round: list[int]
-    engine_seconds: list[float]  # timed rounds only
-    engine_internal_seconds: list[float]  # RoundResult.seconds of the same rounds
+    engine_seconds: list[float]  # wall clock, timed rounds only
     bare_seconds: list[float]
+    engine_cpu_seconds: list[float]  # process CPU time (all threads) of the same rounds
+    bare_cpu_seconds: list[float]
+    engine_internal_seconds: list[float]  # RoundResult.seconds of the same rounds
+    loadavg_1min: list[float]  # the machine's 1-minute load average after each timed round pair
     engine_median: float
     bare_median: float
     ratio: float
@@ -128,54 +132,57 @@ def run_seed(dataset: ImageDataset, scale: Scale, seed: int) -> SeedResult:
     planner = FederatedSimulation(copy.deepcopy(model), clients, config, seed=seed)
     plan = [planner.sample() for _ in range(rounds)]
 
-    engine_t: list[float] = []
-    bare_t: list[float] = []
+    wall: dict[str, list[float]] = {"engine": [], "bare": []}
+    cpu: dict[str, list[float]] = {"engine": [], "bare": []}
     engine_internal: list[float] = []
+    loads: list[float] = []
     for r in range(rounds):
         ids = plan[r]
 
-        def engine(r: int = r, ids: list[int] = ids) -> float:
-            t0 = time.perf_counter()
+        def engine(r: int = r, ids: list[int] = ids) -> None:
             rr = sim.run_round(r)
-            dt = time.perf_counter() - t0
             if rr.client_ids != ids or rr.dropped:
                 raise AssertionError(f"round {r}: engine trained {rr.client_ids} (dropped {rr.dropped})")
             engine_internal.append(rr.seconds)
-            return dt
 
-        def bare(r: int = r, ids: list[int] = ids) -> float:
-            t0 = time.perf_counter()
+        def bare(r: int = r, ids: list[int] = ids) -> None:
             bare_round(bare_global, work, clients, ids, seed=seed, round_idx=r, training=training)
-            return time.perf_counter() - t0
 
-        first, second = (engine, bare) if r % 2 == 0 else (bare, engine)
-        t_first, t_second = first(), second()
-        te, tb = (t_first, t_second) if r % 2 == 0 else (t_second, t_first)
-        if r >= scale.warmup_rounds:
-            engine_t.append(te)
-            bare_t.append(tb)
+        timed = r >= scale.warmup_rounds
+        for path in ("engine", "bare") if r % 2 == 0 else ("bare", "engine"):
+            c0, t0 = time.process_time(), time.perf_counter()
+            (engine if path == "engine" else bare)()
+            t, c = time.perf_counter() - t0, time.process_time() - c0
+            if timed:
+                wall[path].append(t)
+                cpu[path].append(c)
+        if timed:
+            loads.append(os.getloadavg()[0])
+        te, tb = (wall["engine"][-1], wall["bare"][-1]) if timed else (float("nan"), float("nan"))
         print(
-            f"  seed {seed} round {r}{' (warm-up)' if r < scale.warmup_rounds else ''}: "
-            f"{len(ids)} clients, {sum(len(clients[c]) for c in ids)} samples, "
-            f"engine {te:.3f}s bare {tb:.3f}s ratio {te / tb:.3f}",
+            f"  seed {seed} round {r}: {len(ids)} clients, {sum(len(clients[c]) for c in ids)} samples, "
+            + (f"engine {te:.3f}s bare {tb:.3f}s ratio {te / tb:.3f}" if timed else "warm-up"),
             flush=True,
         )
 
     diff = max_abs_diff(sim.model, bare_global)
     if not diff <= WEIGHT_TOL:
         raise AssertionError(f"seed {seed}: engine and bare weights differ by {diff:.3g} > {WEIGHT_TOL}")
-    e_med, b_med = statistics.median(engine_t), statistics.median(bare_t)
+    e_med, b_med = statistics.median(wall["engine"]), statistics.median(wall["bare"])
     return SeedResult(
         seed=seed,
         client_ids=plan,
         samples_per_round=[sum(len(clients[c]) for c in ids) for ids in plan],
-        engine_seconds=engine_t,
+        engine_seconds=wall["engine"],
+        bare_seconds=wall["bare"],
+        engine_cpu_seconds=cpu["engine"],
+        bare_cpu_seconds=cpu["bare"],
         engine_internal_seconds=engine_internal[scale.warmup_rounds :],
-        bare_seconds=bare_t,
+        loadavg_1min=loads,
         engine_median=e_med,
         bare_median=b_med,
         ratio=e_med / b_med,
-        paired_ratios=[e / b for e, b in zip(engine_t, bare_t, strict=True)],
+        paired_ratios=[e / b for e, b in zip(wall["engine"], wall["bare"], strict=True)],
         max_abs_weight_diff=diff,
     )
 
@@ -202,6 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     paired = [x for s in per_seed for x in s.paired_ratios]
     engine, bare = summarize(engine_all), summarize(bare_all)
     ratio = engine["median"] / bare["median"]
+    engine_cpu = summarize([t for s in per_seed for t in s.engine_cpu_seconds])
+    bare_cpu = summarize([t for s in per_seed for t in s.bare_cpu_seconds])
+    loads = [x for s in per_seed for x in s.loadavg_1min]
+    contended = max(loads) > (os.cpu_count() or 1) + 0.5  # more runnable work than CPUs: noisy timings
     diff = max(s.max_abs_weight_diff for s in per_seed)
     payload = {
         "setting": {
@@ -219,13 +230,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             **asdict(scale),
             "fraction": scale.clients_per_round / NUM_CLIENTS,
             "order": "alternating: engine first in even rounds, bare first in odd rounds",
-            "timer": "time.perf_counter around FederatedSimulation.run_round / bare_round",
+            "timer": "time.perf_counter (wall) and time.process_time (CPU) around run_round / bare_round",
         },
         "torch_threads": threads,
         "engine": engine,
         "bare": bare,
         "ratio": ratio,
         "paired_ratio_median": statistics.median(paired),
+        "ratio_of_min": engine["min"] / bare["min"],
+        "engine_cpu": engine_cpu,
+        "bare_cpu": bare_cpu,
+        "cpu_ratio": engine_cpu["median"] / bare_cpu["median"],
+        "loadavg_1min_max": max(loads),
+        "contended": contended,
         "target": TARGET,
         "meets_target": ratio <= TARGET,
         "weights_equal": diff <= WEIGHT_TOL,
@@ -239,6 +256,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(paired median {payload['paired_ratio_median']:.4f}; target <= {TARGET}: "
         f"{'met' if ratio <= TARGET else 'NOT met'}); max |w_engine - w_bare| = {diff:.3g}"
     )
+    if contended:
+        print(
+            f"WARNING: 1-minute load average reached {max(loads):.1f} on {os.cpu_count()} CPUs: other work "
+            "shared the machine, so the wall-clock ratio is noisy; compare ratio_of_min and cpu_ratio"
+        )
     print(f"wrote {path}")
     return 0
 

@@ -79,7 +79,7 @@ def test_attack_errors_are_clear(cifar):
         create_attack("ig", max_iterations=0)
     model = build_model("lenet", (3, 32, 32), 10, seed=0)
     obs = fedsgd_observation(model, cifar.images[:2], cifar.labels[:2], 10, grant_labels=True)
-    with pytest.raises(AttackInputError, match="1 labels for a batch of 2|2 labels for a batch of 1"):
+    with pytest.raises(AttackInputError, match="grants 2 labels but the attack reconstructs 1 images"):
         create_attack("ig", max_iterations=1, num_samples=1).reconstruct(obs, generator=torch.Generator())
     wrong = Update({"classifier.1.weight": torch.zeros(3, 3)}, 1, kind="gradient")
     with pytest.raises(ValueError, match="shape"):

@@ -9,7 +9,9 @@ from gradleak.experiments.config import ConfigError, load_config, parse_override
 
 
 def test_demo_config_is_valid_and_overridable():
-    cfg = load_config(demo_config_path(), ["fl.rounds=1", "audit.attacks.0.max_iterations=5", "experiment.name=x"])
+    cfg = load_config(
+        demo_config_path(), ["fl.rounds=1", "audit.attacks.0.max_iterations=5", "experiment.name=x"]
+    )
     assert cfg.fl.rounds == 1 and cfg.experiment.name == "x"
     assert cfg.audit.attacks[0].name == "ig" and cfg.audit.attacks[0].options["max_iterations"] == 5
     assert cfg.fl.training.optimizer == "adam" and cfg.fl.training.lr == pytest.approx(1e-3)
@@ -39,10 +41,16 @@ def test_override_values_are_typed():
         ({"data": {"dataset": "mnist"}}, r"unknown dataset 'mnist'; known datasets: cifar10"),
         ({"model": {"name": "resnet"}}, r"unknown model 'resnet'"),
         ({"audit": {"attacks": [{"name": "magic"}]}}, r"unknown attack 'magic'"),
-        ({"audit": {"attacks": [{"name": "ig", "iters": 3}]}}, r"unknown option\(s\) \['iters'\] for attack 'ig'"),
+        (
+            {"audit": {"attacks": [{"name": "ig", "iters": 3}]}},
+            r"unknown option\(s\) \['iters'\] for attack 'ig'",
+        ),
         ({"defenses": [{"name": "pruning", "ratio": 1.5}]}, r"pruning ratio must be in \[0, 1\)"),
         ({"data": {"partition": "weird"}}, r"unknown partitioner 'weird'"),
-        ({"data": {"partition_options": {"k": 3}}}, r"unknown option\(s\) \['k'\] in \[data.partition_options\]"),
+        (
+            {"data": {"partition_options": {"k": 3}}},
+            r"unknown option\(s\) \['k'\] in \[data.partition_options\]",
+        ),
         ({"fl": 3}, r"\[config.fl\] must be a table"),
     ],
 )

@@ -82,7 +82,9 @@ def test_cli_run_list_and_errors(tmp_path, capsys):
     assert main(["run", demo_config_path(), *TINY, "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "PSNR dB" in text and "test acc" in text and "figure:" in text
-    assert (tmp_path / "demo" / "attacks.csv").exists() and (tmp_path / "demo" / "reconstructions_0.png").exists()
+    assert (tmp_path / "demo" / "attacks.csv").exists() and (
+        tmp_path / "demo" / "reconstructions_0.png"
+    ).exists()
     assert main(["list"]) == 0
     listed = capsys.readouterr().out
     for name in ("organamnist", "cifar10", "femnist", "aegis_cnn", "sme_cnn", "lenet", "ig", "label_skew"):

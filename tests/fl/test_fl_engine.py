@@ -8,7 +8,6 @@ import copy
 import numpy as np
 import pytest
 import torch
-from conftest import synthetic_dataset
 from torch import nn
 from torch.nn import functional as F
 
@@ -26,6 +25,8 @@ from gradleak.fl import (
 from gradleak.models import build_model
 from gradleak.types import LocalTraining, Update
 
+from conftest import synthetic_dataset
+
 
 def small_model(seed: int = 0) -> nn.Module:
     return build_model("lenet", (1, 12, 12), 3, seed=seed)
@@ -42,7 +43,9 @@ def test_fedsgd_update_equals_model_gradient(tiny_data):
     ref = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     for i in range(5):
         loss = F.cross_entropy(model(batch.images[i : i + 1]), batch.labels[i : i + 1])
-        for (n, _), g in zip(model.named_parameters(), torch.autograd.grad(loss, list(model.parameters())), strict=True):
+        for (n, _), g in zip(
+            model.named_parameters(), torch.autograd.grad(loss, list(model.parameters())), strict=True
+        ):
             ref[n] += g / 5
     for n, t in res.update.tensors.items():
         torch.testing.assert_close(t, ref[n], atol=1e-6, rtol=1e-5)

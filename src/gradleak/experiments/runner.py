@@ -28,7 +28,7 @@ from gradleak.defenses.base import Defense
 from gradleak.experiments.config import ExperimentConfig
 from gradleak.experiments.figures import save_reconstruction_grid
 from gradleak.experiments.store import ResultStore, RunRow
-from gradleak.fl import FederatedSimulation, derive_seed, server_view
+from gradleak.fl import FederatedSimulation, derive_seed, evaluate, server_view
 from gradleak.fl.client import ClientResult
 from gradleak.metrics import score_images
 from gradleak.models import build_model
@@ -159,6 +159,8 @@ def run_experiment(
     fl_seconds = time.perf_counter() - t0
 
     audit = cfg.audit
+    last = sim.history[-1].accuracy if sim.history else None  # accuracy of the broadcast the audit attacks
+    audited_accuracy = last if last is not None else evaluate(sim.model, test.images, test.labels)
     pending_figures: list[tuple[torch.Tensor, torch.Tensor, str, list[str]]] = []
     if audit.clients > 0:
         ids = sim.sample()[: audit.clients]
@@ -187,9 +189,8 @@ def run_experiment(
                     title = f"{spec.name} on client {obs.update.metadata.get('client_id', 'sum')}"
                     pending_figures.append((truth.images[matched], recon, title, caps))
 
-    final_acc = next((r["accuracy"] for r in reversed(records) if r["kind"] == "round"), None)
     records.append(
-        {"kind": "summary", "final_accuracy": final_acc, "fl_seconds": fl_seconds,
+        {"kind": "summary", "final_accuracy": audited_accuracy, "fl_seconds": fl_seconds,
          "total_seconds": time.perf_counter() - t0, "num_clients": len(clients), "train_size": len(train),
          "test_size": len(test)}
     )  # fmt: skip

@@ -96,7 +96,10 @@ class InvertingGradients:
             raise AttackInputError("cannot tell the batch size: the update reports 0 samples")
         labels = obs.labels if obs.labels is not None else recover_labels(obs, n)
         if len(labels) != n:
-            raise AttackInputError(f"{len(labels)} labels for a batch of {n}")
+            raise AttackInputError(
+                f"the observation grants {len(labels)} labels but the attack reconstructs {n} images "
+                "(num_samples); they must agree"
+            )
         model = copy.deepcopy(obs.model).eval()
         for p in model.parameters():
             p.requires_grad_(True)
