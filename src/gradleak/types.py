@@ -136,3 +136,18 @@ class Attack(Protocol):
     """An attack reads only an Observation and returns a Reconstruction."""
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction: ...
+
+
+@runtime_checkable
+class ModelModifyingAttack(Attack, Protocol):
+    """A malicious-server attack: it first modifies the model the server broadcasts.
+
+    ``prepare`` receives a private copy of the honest global model and the server's public auxiliary images
+    ``(N, C, H, W)`` (never client data; may be ``None``), and returns the model to broadcast plus the secrets
+    it planted (e.g. imprint-layer positions and bins). The clients train the returned model unchanged; the
+    secrets reach the attack again only through ``Observation.secrets``.
+    """
+
+    def prepare(
+        self, model: nn.Module, public_images: torch.Tensor | None, *, generator: torch.Generator
+    ) -> tuple[nn.Module, Mapping[str, object]]: ...

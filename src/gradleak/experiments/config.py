@@ -85,9 +85,16 @@ class AuditSection:
     ``clients``: how many of the next round's sampled clients to audit (0 disables the audit).
     ``training``: the recipe of the audited round (e.g. FedSGD on a small batch).
     ``training_public``: whether the attacker knows that recipe; ``grant_labels``: whether it knows labels.
+    ``max_samples``: audited clients keep only their first ``max_samples`` samples (None: all).
+    ``public_dataset`` / ``public_split`` / ``public_limit``: the server's auxiliary data for malicious-model
+    attacks (imprint bins, autoencoders); by default the experiment's held-out test set, never client data.
     """
 
     clients: int = 1
+    max_samples: int | None = None
+    public_dataset: str | None = None
+    public_split: str | None = None
+    public_limit: int | None = 1000
     training: LocalTraining = field(default_factory=lambda: LocalTraining(protocol="fedsgd", batch_size=4))
     training_public: bool = True
     grant_labels: bool = False
@@ -96,6 +103,12 @@ class AuditSection:
     def __post_init__(self) -> None:
         if self.clients < 0:
             raise ConfigError(f"audit.clients must be >= 0, got {self.clients}")
+        for key in ("max_samples", "public_limit"):
+            v = getattr(self, key)
+            if v is not None and v < 1:
+                raise ConfigError(f"audit.{key} must be >= 1, got {v}")
+        if self.public_dataset is not None and self.public_dataset not in DATASETS:
+            DATASETS.entry(self.public_dataset)  # raises with the known names
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ by :func:`gradleak.fl.server_view`; ground truth meets the reconstructions only 
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import logging
 import platform
@@ -14,12 +15,14 @@ import subprocess
 import time
 import uuid
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from gradleak.attacks import create_attack
 from gradleak.data import load_dataset, partition, resolve_data_root
@@ -33,7 +36,7 @@ from gradleak.fl.client import ClientResult
 from gradleak.metrics import score_images
 from gradleak.models import build_model
 from gradleak.registry import DEFENSES
-from gradleak.types import Observation, Reconstruction
+from gradleak.types import ModelModifyingAttack, Observation, Reconstruction
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +120,37 @@ def _truth_for(obs: Observation, results: list[ClientResult]) -> ImageDataset:
     )
 
 
+Figure = tuple[torch.Tensor, torch.Tensor, str, list[str]]
+
+
+def _figure(
+    name: str, obs: Observation, images: torch.Tensor, truth: torch.Tensor, scores: dict[str, Any]
+) -> Figure:
+    """Originals and their matched reconstructions (at most 16), captioned with per-image PSNR."""
+    matched = [j for j, i in enumerate(scores["matching"]) if i >= 0][:16]
+    recon = images[[scores["matching"][j] for j in matched]]
+    caps = [f"{scores['psnr'][m]:.1f} dB" for m in range(len(matched))]
+    title = f"{name} on client {obs.update.metadata.get('client_id', 'sum')}"
+    return truth[matched], recon, title, caps
+
+
+def any_model_modifying(cfg: ExperimentConfig) -> bool:
+    return any(
+        isinstance(create_attack(s.name, **s.options), ModelModifyingAttack) for s in cfg.audit.attacks
+    )
+
+
+def load_public_images(cfg: ExperimentConfig, test: ImageDataset) -> torch.Tensor:
+    """The server's auxiliary images: a configured public set, else the held-out test set."""
+    a = cfg.audit
+    if a.public_dataset is None and a.public_split is None:
+        data = test
+    else:
+        root = resolve_data_root(cfg.experiment.data_root)
+        data = load_dataset(a.public_dataset or cfg.data.dataset, a.public_split, root, None)
+    return data.images[: a.public_limit]
+
+
 def run_experiment(
     cfg: ExperimentConfig,
     *,
@@ -161,17 +195,29 @@ def run_experiment(
     audit = cfg.audit
     last = sim.history[-1].accuracy if sim.history else None  # accuracy of the broadcast the audit attacks
     audited_accuracy = last if last is not None else evaluate(sim.model, test.images, test.labels)
-    pending_figures: list[tuple[torch.Tensor, torch.Tensor, str, list[str]]] = []
+    pending_figures: list[Figure] = []
     if audit.clients > 0:
         ids = sim.sample()[: audit.clients]
-        results = sim.collect(ids, audit.training)
-        observations = server_view(
-            sim.model, results, input_shape=train.input_shape, num_classes=train.num_classes,
-            secure_aggregation=cfg.fl.secure_aggregation,
-            training=audit.training if audit.training_public else None, grant_labels=audit.grant_labels,
-        )  # fmt: skip
+        public = load_public_images(cfg, test) if any_model_modifying(cfg) else None
+        honest: list[ClientResult] | None = None
         for spec in audit.attacks:
             attack = create_attack(spec.name, **spec.options)
+            broadcast: nn.Module = sim.model
+            secrets: Mapping[str, object] = {}
+            if isinstance(attack, ModelModifyingAttack):  # the server broadcasts its own model this round
+                gen = torch.Generator().manual_seed(derive_seed(seed, 0xBAD, len(records)))
+                broadcast, secrets = attack.prepare(copy.deepcopy(sim.model), public, generator=gen)
+                results = sim.collect(ids, audit.training, broadcast=broadcast, max_samples=audit.max_samples)
+            else:
+                if honest is None:
+                    honest = sim.collect(ids, audit.training, max_samples=audit.max_samples)
+                results = honest
+            observations = server_view(
+                broadcast, results, input_shape=train.input_shape, num_classes=train.num_classes,
+                secure_aggregation=cfg.fl.secure_aggregation,
+                training=audit.training if audit.training_public else None, grant_labels=audit.grant_labels,
+                secrets=secrets,
+            )  # fmt: skip
             for k, obs in enumerate(observations):
                 gen = torch.Generator().manual_seed(derive_seed(seed, 0xA77C, k))
                 rec = attack.reconstruct(obs, generator=gen)
@@ -183,11 +229,7 @@ def run_experiment(
                      "num_clients": obs.num_clients, "batch_size": len(truth), **rec.stats, **scores}
                 )  # fmt: skip
                 if rec.images is not None and "matching" in scores:
-                    matched = [j for j, i in enumerate(scores["matching"]) if i >= 0]
-                    recon = rec.images[[scores["matching"][j] for j in matched]]
-                    caps = [f"{scores['psnr'][m]:.1f} dB" for m in range(len(matched))]
-                    title = f"{spec.name} on client {obs.update.metadata.get('client_id', 'sum')}"
-                    pending_figures.append((truth.images[matched], recon, title, caps))
+                    pending_figures.append(_figure(spec.name, obs, rec.images, truth.images, scores))
 
     records.append(
         {"kind": "summary", "final_accuracy": audited_accuracy, "fl_seconds": fl_seconds,

@@ -7,9 +7,10 @@ server logic, the defenses and the attacks do not change with the engine.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -174,12 +175,27 @@ class FederatedSimulation:
         return self.history[start:]
 
     def collect(
-        self, client_ids: Sequence[int], training: LocalTraining, round_idx: int | None = None
+        self,
+        client_ids: Sequence[int],
+        training: LocalTraining,
+        *,
+        round_idx: int | None = None,
+        broadcast: nn.Module | None = None,
+        max_samples: int | None = None,
     ) -> list[ClientResult]:
-        """Have ``client_ids`` train on the current broadcast (without aggregating): the updates an audit
-        attacks. ``round_idx`` defaults to the next round index."""
+        """Have ``client_ids`` train without aggregating: the updates an audit attacks.
+
+        ``broadcast`` replaces the global model for this round (a malicious server's modified model);
+        ``max_samples`` keeps each client's first samples only (e.g. paper 001's k = 50 images per client).
+        ``round_idx`` defaults to the next round index, so the clients' randomness is that round's.
+        """
         r = len(self.history) if round_idx is None else round_idx
-        return self.engine.train_clients(self.model, self.tasks(r, client_ids, training), self.defenses)
+        tasks = self.tasks(r, client_ids, training)
+        if max_samples is not None:
+            keep = [np.arange(min(max_samples, len(t.data))) for t in tasks]
+            tasks = [dataclasses.replace(t, data=t.data.subset(k)) for t, k in zip(tasks, keep, strict=True)]
+        model = self.model if broadcast is None else broadcast
+        return self.engine.train_clients(model, tasks, self.defenses)
 
     def sample(self) -> list[int]:
         return sample_clients(len(self.clients), self.config.fraction, self._rng)
@@ -194,12 +210,15 @@ def server_view(
     secure_aggregation: bool,
     training: LocalTraining | None,
     grant_labels: bool = False,
+    secrets: Mapping[str, object] | None = None,
 ) -> list[Observation]:
     """What the server observes: one Observation per received update, or one for the secure sum.
 
     ``training`` is the recipe the threat model makes public (None hides it). Labels are attached only when
     ``grant_labels`` (and never under secure aggregation, where they would be a union across clients).
+    ``secrets`` are what a malicious server planted in ``broadcast``.
     """
+    secrets = dict(secrets or {})
     received = [r for r in results if r.update is not None]
     if not received:
         return []
@@ -214,5 +233,5 @@ def server_view(
     out = []
     for r in received:
         labels = r.truth.labels.clone() if (grant_labels and r.truth is not None) else None
-        out.append(Observation(w0, r.update, input_shape, num_classes, training, labels=labels))  # type: ignore[arg-type]
+        out.append(Observation(w0, r.update, input_shape, num_classes, training, labels, secrets))  # type: ignore[arg-type]
     return out
