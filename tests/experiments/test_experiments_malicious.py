@@ -46,9 +46,10 @@ def test_model_modifying_attack_flow():
     assert isinstance(ToyMalicious(ToyConfig()), ModelModifyingAttack)
     cfg = load_config(
         demo_config_path(),
-        ["data.train_limit=400", "data.test_limit=150", "data.num_clients=4", "fl.rounds=1", "fl.fraction=0.5",
-         "audit.clients=2", "audit.max_samples=3", "audit.training.protocol='fedavg'",
-         "audit.training.batch_size=3", "audit.public_limit=100", 'audit.attacks=[{name="test-toy-malicious"}]'],
+        ["data.train_limit=400", "data.test_limit=150", "data.num_clients=4", "fl.rounds=1",
+         "fl.fraction=0.5", "audit.clients=2", "audit.max_samples=3", "audit.training.protocol='fedavg'",
+         "audit.training.batch_size=3", "audit.public_limit=100",
+         'audit.attacks=[{name="test-toy-malicious"}]'],
     )  # fmt: skip
     out = run_experiment(cfg)
     obs: Observation = SEEN["obs"]  # type: ignore[assignment]
