@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gradleak.models.malicious import ImprintBlock, find_imprint
+from gradleak.models.malicious import GroupedLinear, ImprintBlock, find_imprint
 from gradleak.types import AttackInputError, Observation
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def cut_points(measurements: torch.Tensor, num_bins: int) -> torch.Tensor:
 
 @torch.no_grad()
 def program_bins(
-    linear: nn.Linear,
+    linear: nn.Linear | GroupedLinear,
     direction: torch.Tensor,
     cuts: torch.Tensor,
     scale: float,
@@ -135,6 +135,7 @@ class ImprintSecrets:
     num_bins: int
     feature_shape: tuple[int, ...]
     bias: torch.Tensor  # the programmed biases (-scale * cuts), to check against the broadcast model
+    offset: torch.Tensor | None = None  # the block's fixed centring (added back to recovered features)
 
     def to_mapping(self) -> dict[str, object]:
         return {
@@ -143,6 +144,7 @@ class ImprintSecrets:
             "num_bins": self.num_bins,
             "feature_shape": tuple(self.feature_shape),
             "bias": self.bias.detach().clone(),
+            **({} if self.offset is None else {"offset": self.offset.detach().clone()}),
         }
 
     @classmethod
@@ -159,6 +161,7 @@ class ImprintSecrets:
                 num_bins = int(s["num_bins"])  # type: ignore[call-overload]
                 feature_shape = tuple(int(d) for d in s["feature_shape"])  # type: ignore[attr-defined]
                 bias = torch.as_tensor(s["bias"])
+                offset = torch.as_tensor(s["offset"]) if "offset" in s else None
             except (KeyError, TypeError, ValueError) as exc:
                 raise AttackInputError(f"malformed imprint secrets: {exc!r}") from None
         else:
@@ -173,8 +176,9 @@ class ImprintSecrets:
             num_bins = block.num_bins
             feature_shape = (block.linear.in_features,)
             bias = block.linear.bias.detach().clone()
+            offset = block.offset.detach().clone() if bool(block.offset.any()) else None
             log.info("no imprint secrets in the observation; using the broadcast model's %s", prefix)
-        secrets = cls(weight_name, bias_name, num_bins, feature_shape, bias)
+        secrets = cls(weight_name, bias_name, num_bins, feature_shape, bias, offset)
         secrets.check(obs)
         return secrets
 
@@ -202,6 +206,14 @@ class ImprintSecrets:
             )
         if not torch.allclose(b.detach().to(self.bias.dtype), self.bias, rtol=1e-5, atol=1e-12):
             raise AttackInputError("bins do not match the broadcast model: its imprint biases differ")
+        if self.offset is not None and self.offset.numel() != expect:
+            raise AttackInputError(
+                f"imprint offset has {self.offset.numel()} values, the layer reads {expect}"
+            )
+
+    def restore(self, features: torch.Tensor) -> torch.Tensor:
+        """Recovered (centred) features plus the block's offset."""
+        return features if self.offset is None else features + self.offset.to(features.dtype).reshape(1, -1)
 
 
 @dataclass(frozen=True)

@@ -46,24 +46,32 @@ log = logging.getLogger(__name__)
 
 ADAM_EPS = 1e-8
 TUNINGS = ("sgd", "adam")
+DEFAULT_SCALE = {"sgd": 1e-3, "adam": 3e-2}
+
+
+def scale_for(scale: float | None, tuned_for: str) -> float:
+    return DEFAULT_SCALE[tuned_for] if scale is None else float(scale)
 
 
 @dataclass(frozen=True)
 class RobbingTheFedConfig:
     """``num_bins`` k; ``measurement`` random | mean | positive; ``scale`` the gain of the imprint rows in
-    units of the public measurement's standard deviation; ``back_weight`` the back-connection weight (for
+    units of the public measurement's standard deviation (None: ``DEFAULT_SCALE[tuned_for]``, chosen on
+    OrganAMNIST train samples, see docs/attacks-linear.md); ``back_weight`` the back-connection weight (for
     ``tuned_for = "sgd"``); ``tuned_for = "adam"`` recalibrates it to keep imprint gradients at
     ``adam_margin * 1e-8``; ``max_images`` caps the output (None: the update's sample count);
-    ``rel_tol`` is the relative bias mass below which a bin counts as empty."""
+    ``rel_tol`` is the relative bias mass below which a bin counts as empty; ``center`` subtracts the
+    public mean image before the imprint layer (a fixed buffer: the bins drift less over local steps)."""
 
     num_bins: int = 1024
     measurement: str = "random"
-    scale: float = 1e-3
-    back_weight: float = 1.0
+    scale: float | None = None
+    back_weight: float = 10.0
     tuned_for: str = "sgd"
-    adam_margin: float = 1e-3
+    adam_margin: float = 1e-4
     max_images: int | None = None
     rel_tol: float = 1e-6
+    center: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_bins, int) or self.num_bins < 2:
@@ -74,6 +82,8 @@ class RobbingTheFedConfig:
             raise ValueError(f"tuned_for must be one of {TUNINGS}, got {self.tuned_for!r}")
         for key in ("scale", "back_weight", "adam_margin"):
             v = getattr(self, key)
+            if key == "scale" and v is None:
+                continue
             if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{key} must be a positive finite number, got {v!r}")
         if self.max_images is not None and self.max_images < 1:
@@ -109,10 +119,12 @@ class RobbingTheFed:
         public = require_public(public_images, "robbing_the_fed")
         dim = int(public[0].numel())
         direction = measurement_direction(cfg.measurement, dim, generator)
-        direction, measured = normalised_direction(direction, public)
+        flat = public.flatten(1).to(torch.float64)
+        offset = flat.mean(dim=0) if cfg.center else torch.zeros(dim, dtype=torch.float64)
+        direction, measured = normalised_direction(direction, flat - offset)
         cuts = cut_points(measured, cfg.num_bins)
-        block = ImprintBlock(dim, cfg.num_bins, back_weight=cfg.back_weight)
-        program_bins(block.linear, direction, cuts, cfg.scale)
+        block = ImprintBlock(dim, cfg.num_bins, back_weight=cfg.back_weight, offset=offset)
+        program_bins(block.linear, direction, cuts, scale_for(cfg.scale, cfg.tuned_for))
         malicious = insert_imprint(model, block)
         if cfg.tuned_for == "adam":
             w = calibrate_back_weight(
@@ -121,7 +133,9 @@ class RobbingTheFed:
             )  # fmt: skip
             log.info("robbing_the_fed: back-connection weight %.3g keeps imprint gradients below Adam eps", w)
         weight_name, bias_name = imprint_parameter_names()
-        secrets = ImprintSecrets(weight_name, bias_name, cfg.num_bins, (dim,), block.linear.bias.detach())
+        secrets = ImprintSecrets(
+            weight_name, bias_name, cfg.num_bins, (dim,), block.linear.bias.detach(), block.offset.detach()
+        )
         return malicious, {"attack": "robbing_the_fed", **secrets.to_mapping()}
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
@@ -140,7 +154,7 @@ class RobbingTheFed:
             max_items=limit,
             rel_tol=cfg.rel_tol,
         )
-        images = features_to_images(rec.features, obs.input_shape)
+        images = features_to_images(secrets.restore(rec.features), obs.input_shape)
         if len(images) == 0:  # nothing fired: one grey image, scored as a failure
             log.warning("robbing_the_fed: no bin carries any update mass")
             images = torch.full((1, *obs.input_shape), 0.5)
