@@ -12,7 +12,7 @@ from gradleak.fl import secure_sum, server_view
 from gradleak.fl.client import train_client
 from gradleak.metrics import score_images
 from gradleak.models import build_model
-from gradleak.models.malicious import ImprintBlock
+from gradleak.models.malicious import CLOSED_BIAS, ImprintBlock
 from gradleak.types import AttackInputError, LocalTraining, Observation
 
 from conftest import synthetic_dataset
@@ -105,7 +105,9 @@ def test_customised_models_share_names_and_shapes_and_differ_only_in_the_slot_ke
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     assert {n: p.shape for n, p in pa.items()} == {n: p.shape for n, p in pb.items()}
     differ = [n for n in pa if not torch.equal(pa[n], pb[n])]
-    assert differ == ["imprint.front.conv.weight"]
+    assert differ == ["imprint.front.conv.weight", "imprint.linear.bias"]
+    closed = torch.cat([pa["imprint.linear.bias"][64:], pb["imprint.linear.bias"][:128]])
+    assert torch.all(closed == CLOSED_BIAS)  # the other slots' bins cannot fire
     with pytest.raises(ValueError, match="slot 3 outside"):
         attack.customize(broadcast, 3)
 

@@ -27,6 +27,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+CLOSED_BIAS = -1.0e4
+"""Bias of a LOKI slot that is closed for this client: its bins never fire, so its rows stay exactly zero."""
+
 IMPRINT_PREFIX = "imprint"
 """Attribute of the block in :class:`MaliciousModel`; its parameters are ``imprint.linear.weight`` etc."""
 
@@ -60,7 +63,9 @@ class SlotSeparator(nn.Module):
     """LOKI's per-client convolution: a bias-free 1x1 conv from ``C`` to ``slots * C`` channels, flattened.
 
     The server sends client ``j`` the kernels of slot ``j`` set to the identity and every other slot's
-    kernels set to zero (:func:`select_slot`), so the client's data reach only slot ``j``'s imprint rows.
+    kernels set to zero (:func:`select_slot`), so the client's data reach only slot ``j``'s imprint rows
+    (whose biases it also sets to :data:`CLOSED_BIAS` for the other slots, so that centred bins of an empty
+    slot cannot fire either).
     """
 
     def __init__(self, channels: int, slots: int) -> None:
@@ -114,6 +119,13 @@ class ImprintBlock(nn.Module):
         if off.numel() != width:
             raise ValueError(f"offset has {off.numel()} values, the imprint layer reads {width}")
         self.register_buffer("offset", off.clone())
+        self.open_bias: torch.Tensor  # the programmed biases; LOKI's customisation closes other slots
+        self.register_buffer("open_bias", torch.zeros(self.linear.out_features))
+
+    @torch.no_grad()
+    def remember_bias(self) -> None:
+        """Keep the programmed biases, so that :func:`select_slot` can reopen any slot later."""
+        self.open_bias.copy_(self.linear.bias)
 
     @property
     def num_bins(self) -> int:
@@ -146,12 +158,17 @@ def insert_imprint(model: nn.Module, block: ImprintBlock) -> MaliciousModel:
 
 
 def select_slot(model: nn.Module, slot: int) -> nn.Module:
-    """A copy of a LOKI broadcast customised for the client in ``slot`` (same parameter names and shapes)."""
+    """A copy of a LOKI broadcast customised for the client in ``slot`` (same parameter names and shapes):
+    identity kernels and programmed biases for ``slot``, zero kernels and closed biases elsewhere."""
     custom = copy.deepcopy(model)
-    separators = [m for m in custom.modules() if isinstance(m, SlotSeparator)]
-    if len(separators) != 1:
-        raise LookupError(f"expected exactly one SlotSeparator in the model, found {len(separators)}")
-    separators[0].open_slots([slot])
+    _, block = find_imprint(custom)
+    if not isinstance(block.front, SlotSeparator) or not isinstance(block.linear, GroupedLinear):
+        raise LookupError("the imprint block has no per-client slots (SlotSeparator + GroupedLinear)")
+    block.front.open_slots([slot])
+    k = block.linear.out_features // block.linear.groups
+    with torch.no_grad():
+        block.linear.bias.fill_(CLOSED_BIAS)
+        block.linear.bias[slot * k : (slot + 1) * k] = block.open_bias[slot * k : (slot + 1) * k]
     return custom
 
 
@@ -169,6 +186,7 @@ def find_imprint(model: nn.Module) -> tuple[str, ImprintBlock]:
 
 
 __all__ = [
+    "CLOSED_BIAS",
     "IMPRINT_PREFIX",
     "GroupedLinear",
     "ImprintBlock",

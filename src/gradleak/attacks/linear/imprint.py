@@ -176,7 +176,10 @@ class ImprintSecrets:
             num_bins = block.num_bins
             feature_shape = (block.linear.in_features,)
             bias = block.linear.bias.detach().clone()
-            offset = block.offset.detach().clone() if bool(block.offset.any()) else None
+            groups = getattr(block.linear, "groups", 1)
+            offset = (
+                block.offset.detach().reshape(groups, -1)[0].clone() if bool(block.offset.any()) else None
+            )
             log.info("no imprint secrets in the observation; using the broadcast model's %s", prefix)
         secrets = cls(weight_name, bias_name, num_bins, feature_shape, bias, offset)
         secrets.check(obs)

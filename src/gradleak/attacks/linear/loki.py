@@ -8,8 +8,9 @@ slot its own ``k`` cumulative bins (:class:`~gradleak.models.malicious.GroupedLi
 therefore reach only its slot's rows, and the secure-aggregation *sum* of all updates keeps every client's
 rows apart: the server runs the Robbing-the-Fed recovery slot by slot on the aggregate alone.
 
-Measurements use a non-negative direction on uncentred images so that a slot fed all zeros fires no bin
-(every cut is positive), which is what keeps the other clients' slots silent.
+As in ``robbing_the_fed`` the measurement is a random direction on images centred by the public mean;
+the customisation also sets the biases of the other slots to a large negative value, so a slot fed all
+zeros (centred: minus the mean) fires no bin and every other client's rows stay exactly zero.
 
 Customisation: the server sends client ``j`` the model :meth:`Loki.customize` ``(broadcast, j)`` returns;
 its parameters have the same names and shapes for every client, so updates still add up. The current
@@ -100,16 +101,17 @@ class Loki:
     ) -> tuple[nn.Module, Mapping[str, object]]:
         cfg = self.config
         public = require_public(public_images, "loki")
-        if float(public.min()) < 0:
-            raise ValueError("loki needs non-negative inputs (images in [0, 1])")
         channels, dim = int(public.shape[1]), int(public[0].numel())
-        direction = measurement_direction("positive", dim, generator)
-        direction, measured = normalised_direction(direction, public)
+        flat = public.flatten(1).to(torch.float64)
+        mean = flat.mean(dim=0)
+        direction = measurement_direction("random", dim, generator)
+        direction, measured = normalised_direction(direction, flat - mean)
         cuts = cut_points(measured, cfg.bins_per_slot)
-        if float(cuts[0]) <= 0:
-            raise ValueError("public measurements must be positive so that an empty slot fires no bin")
         k, s = cfg.bins_per_slot, cfg.slots
-        block = ImprintBlock(dim, k, front=SlotSeparator(channels, s), back_weight=cfg.back_weight, groups=s)
+        block = ImprintBlock(
+            dim, k, front=SlotSeparator(channels, s), back_weight=cfg.back_weight, groups=s,
+            offset=mean.repeat(s),
+        )  # fmt: skip
         for j in range(s):
             program_bins(
                 block.linear,
@@ -118,6 +120,7 @@ class Loki:
                 scale_for(cfg.scale, cfg.tuned_for),
                 rows=slice(j * k, (j + 1) * k),
             )
+        block.remember_bias()
         broadcast = select_slot(insert_imprint(model, block), 0)
         if cfg.tuned_for == "adam":
             imprint = broadcast.get_submodule("imprint")
@@ -128,7 +131,7 @@ class Loki:
             )  # fmt: skip
         weight_name, bias_name = imprint_parameter_names()
         bias = broadcast.get_parameter(bias_name).detach()
-        secrets = ImprintSecrets(weight_name, bias_name, s * k, (dim,), bias)
+        secrets = ImprintSecrets(weight_name, bias_name, s * k, (dim,), bias, mean.to(torch.float32))
         return broadcast, {"attack": "loki", "slots": s, "bins_per_slot": k, **secrets.to_mapping()}
 
     def customize(self, broadcast: nn.Module, slot: int) -> nn.Module:
@@ -160,7 +163,7 @@ class Loki:
         limit = max(1, obs.update.num_samples)
         if feats:
             order = torch.argsort(torch.cat(masses), descending=True)[:limit]
-            images = features_to_images(torch.cat(feats)[order], obs.input_shape)
+            images = features_to_images(secrets.restore(torch.cat(feats)[order]), obs.input_shape)
         else:
             log.warning("loki: no slot carries any update mass")
             images = torch.full((1, *obs.input_shape), 0.5)

@@ -1,0 +1,274 @@
+"""Malicious-server linear leakage on MedMNIST: Robbing the Fed, LOKI (and Scale-MIA), undefended.
+
+Setting (paper 000, "Key experimental results"): OrganAMNIST, PneumoniaMNIST and the offline PathMNIST test
+subset; 100 label-skew clients holding at most 5 classes; first-round updates of paper 000's classifier
+(``aegis_cnn`` at its seeded initialisation) with an imprint block of k = 1024 bins; each sampled client
+trains on its first B = 64 samples. Paper 000's local recipe is FedAvg, E = 3 epochs, Adam lr 1e-3; we run
+it and, beside it, the recipes the plain analytic recovery can read (FedSGD, SGD) so that every number
+names the optimiser and the local steps it was measured under:
+
+    rtf/fedsgd            one gradient on B = 64 (the textbook setting)
+    rtf/sgd-e1, sgd-e3    FedAvg, SGD lr 1e-3, 1 or 3 full-batch steps
+    rtf/adam-e1, adam-e3  FedAvg, Adam lr 1e-3 (paper 000's recipe for E = 3), plain imprint
+    rtf-adam/adam-e1,-e3  the same with the imprint tuned for Adam (gradients below Adam's eps)
+    loki/...              LOKI, one slot per sampled client, recovery from the secure-aggregation SUM only
+    scale_mia/...         Scale-MIA, imprint in the latent space of an autoencoder trained on public data
+
+PathMNIST: only 718 test images exist offline, so 512 of them (seeded) are split label-skew over 8 clients
+and the other 206 are the server's public data; elsewhere the public data are the first 1000 test images
+and the clients come from the train split. Public data never overlap client data.
+
+Metrics per regime, pooled over all evaluated client images: reconstruction rate (PSNR > 18 dB after
+Hungarian matching), mean PSNR (capped at 100 dB) and SSIM over all matched images and over the successful
+subset, and the recovery time for one update as a ratio to one local training step of the same client.
+
+    python benchmarks/linear_leakage.py --scale smoke|small|paper [--seed S] [--datasets organamnist ...]
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradleak.attacks import create_attack
+from gradleak.data import ImageDataset, load_dataset, partition
+from gradleak.fl import derive_seed, secure_sum, server_view
+from gradleak.fl.client import train_client
+from gradleak.metrics import score_images
+from gradleak.models import build_model
+from gradleak.types import LocalTraining, Observation
+
+from _common import configure_torch, make_parser, parse_args, summarize, write_result
+
+NAME = "linear_leakage"
+MODEL = "aegis_cnn"
+NUM_CLIENTS = 100
+MAX_CLASSES = 5
+BATCH = 64
+BINS = 1024
+PUBLIC_LIMIT = 1000
+PATH_CLIENT_POOL, PATH_CLIENTS = 512, 8
+THRESHOLD_DB = 18.0
+
+PAPER_RTF = {  # paper 000, Table 2 (Robbing the Fed, no defense): RR %, PSNR dB, SSIM
+    "organamnist": {"rr_percent": 82.81, "psnr": 50.60, "ssim": 0.89},
+    "pathmnist": {"rr_percent": 78.13, "psnr": 45.20, "ssim": 0.86},
+    "pneumoniamnist": None,  # not reported (paper 000 uses ChestMNIST: 89.06 %, 62.40 dB, 0.94)
+}
+
+FEDSGD = LocalTraining(protocol="fedsgd", batch_size=BATCH)
+
+
+def fedavg(optimizer: str, epochs: int) -> LocalTraining:
+    return LocalTraining("fedavg", epochs=epochs, batch_size=BATCH, lr=1e-3, optimizer=optimizer)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Regime:
+    name: str
+    attack: str
+    options: dict[str, Any]
+    training: LocalTraining
+    aggregated: bool = False
+
+
+def regimes(n_clients: int) -> list[Regime]:
+    loki = {"slots": n_clients, "bins_per_slot": BINS}
+    return [
+        Regime("rtf/fedsgd", "robbing_the_fed", {"num_bins": BINS}, FEDSGD),
+        Regime("rtf/sgd-e1", "robbing_the_fed", {"num_bins": BINS}, fedavg("sgd", 1)),
+        Regime("rtf/sgd-e3", "robbing_the_fed", {"num_bins": BINS}, fedavg("sgd", 3)),
+        Regime("rtf/adam-e1", "robbing_the_fed", {"num_bins": BINS}, fedavg("adam", 1)),
+        Regime("rtf/adam-e3 (paper recipe)", "robbing_the_fed", {"num_bins": BINS}, fedavg("adam", 3)),
+        Regime(
+            "rtf-adam/adam-e1", "robbing_the_fed", {"num_bins": BINS, "tuned_for": "adam"}, fedavg("adam", 1)
+        ),
+        Regime(
+            "rtf-adam/adam-e3 (paper recipe)",
+            "robbing_the_fed",
+            {"num_bins": BINS, "tuned_for": "adam"},
+            fedavg("adam", 3),
+        ),  # fmt: skip
+        Regime("loki/fedsgd secagg", "loki", loki, FEDSGD, aggregated=True),
+        Regime("loki/sgd-e3 secagg", "loki", loki, fedavg("sgd", 3), aggregated=True),
+        Regime(
+            "loki-adam/adam-e3 secagg (paper recipe)",
+            "loki",
+            {**loki, "tuned_for": "adam"},
+            fedavg("adam", 3),
+            aggregated=True,
+        ),  # fmt: skip
+    ]
+
+
+@dataclass(frozen=True)
+class Scale:
+    clients: int  # sampled clients attacked per dataset (LOKI: all of them in one aggregate)
+    datasets: tuple[str, ...] = ("organamnist", "pathmnist", "pneumoniamnist")
+
+
+SCALES = {"smoke": Scale(clients=2), "small": Scale(clients=5), "paper": Scale(clients=10)}
+
+
+@dataclass
+class RegimeResult:
+    regime: str
+    attack: str
+    options: dict[str, Any]
+    local_training: dict[str, Any]
+    aggregated: bool
+    images: int = 0
+    matched: int = 0
+    psnr: list[float] = field(default_factory=list)  # per matched image, capped at 100 dB
+    ssim: list[float] = field(default_factory=list)
+    recovery_seconds: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    prepare_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        ok = [i for i, p in enumerate(self.psnr) if p > THRESHOLD_DB]
+        mean = lambda xs: float(statistics.fmean(xs)) if xs else None  # noqa: E731
+        rec, step = statistics.median(self.recovery_seconds), statistics.median(self.step_seconds)
+        return {
+            "regime": self.regime, "attack": self.attack, "options": self.options,
+            "local_training": self.local_training, "aggregated": self.aggregated,
+            "images": self.images, "matched": self.matched,
+            "reconstruction_rate": len(ok) / max(1, self.images),
+            "psnr_mean_all": mean(self.psnr), "ssim_mean_all": mean(self.ssim),
+            "psnr_mean_successful": mean([self.psnr[i] for i in ok]),
+            "ssim_mean_successful": mean([self.ssim[i] for i in ok]),
+            "recovery_seconds": summarize(self.recovery_seconds),
+            "local_step_seconds": summarize(self.step_seconds),
+            "recovery_over_step": rec / step, "prepare_seconds": self.prepare_seconds,
+            "per_image_psnr": self.psnr, "per_image_ssim": self.ssim, "notes": self.notes,
+        }  # fmt: skip
+
+
+def load_setting(
+    name: str, seed: int, n_clients: int
+) -> tuple[list[ImageDataset], torch.Tensor, dict[str, Any]]:
+    """The sampled clients' data (first 64 samples each) and the server's public images."""
+    rng = np.random.default_rng(derive_seed(seed, 0x11EA))
+    if name == "pathmnist":
+        full = load_dataset(name, "test")
+        perm = rng.permutation(len(full))
+        pool = full.subset(np.sort(perm[:PATH_CLIENT_POOL]))
+        public = full.images[np.sort(perm[PATH_CLIENT_POOL:])]
+        parts = partition("label_skew", pool, PATH_CLIENTS, derive_seed(seed, 0x9A27),
+                          max_classes_per_client=MAX_CLASSES)  # fmt: skip
+        total = PATH_CLIENTS
+    else:
+        pool = load_dataset(name, "train")
+        public = load_dataset(name, "test", limit=PUBLIC_LIMIT).images
+        parts = partition("label_skew", pool, NUM_CLIENTS, derive_seed(seed, 0x9A27),
+                          max_classes_per_client=MAX_CLASSES)  # fmt: skip
+        total = NUM_CLIENTS
+    ids = sorted(int(i) for i in rng.choice(total, size=min(n_clients, total), replace=False))
+    clients = [pool.subset(np.sort(parts[i])[:BATCH]) for i in ids]
+    info = {"client_ids": ids, "client_sizes": [len(c) for c in clients], "public_images": len(public),
+            "num_clients": total, "pool": len(pool)}  # fmt: skip
+    return clients, public, info
+
+
+def run_regime(
+    regime: Regime, model: nn.Module, clients: Sequence[ImageDataset], public: torch.Tensor, seed: int
+) -> RegimeResult:
+    attack = create_attack(regime.attack, **regime.options)
+    out = RegimeResult(regime.name, regime.attack, regime.options, asdict(regime.training), regime.aggregated)
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(derive_seed(seed, 0xBAD))
+    broadcast, secrets = attack.prepare(copy.deepcopy(model), public, generator=gen)  # type: ignore[attr-defined]
+    out.prepare_seconds = time.perf_counter() - t0
+    shape, classes = clients[0].input_shape, clients[0].num_classes
+    results = []
+    for slot, data in enumerate(clients):
+        sent = attack.customize(broadcast, slot) if hasattr(attack, "customize") else broadcast  # type: ignore[attr-defined]
+        gen = torch.Generator().manual_seed(derive_seed(seed, 0xC11E, slot))
+        t0 = time.perf_counter()
+        res = train_client(slot, sent, data, regime.training, [], gen)
+        steps = int(res.update.metadata.get("local_steps", 1)) if res.update is not None else 1  # type: ignore[call-overload]
+        out.step_seconds.append((time.perf_counter() - t0) / steps)
+        results.append(res)
+    if regime.aggregated:
+        agg = secure_sum([r.update for r in results])  # type: ignore[misc]
+        observations = [Observation(broadcast, agg, shape, classes, secrets=secrets, aggregated=True,
+                                    num_clients=len(results))]  # fmt: skip
+        truths = [torch.cat([c.images for c in clients])]
+    else:
+        observations = server_view(broadcast, results, input_shape=shape, num_classes=classes,
+                                   secure_aggregation=False, training=None, secrets=secrets)  # fmt: skip
+        truths = [r.truth.images for r in results]  # type: ignore[union-attr]
+    for k, (obs, truth) in enumerate(zip(observations, truths, strict=True)):
+        t0 = time.perf_counter()
+        rec = attack.reconstruct(obs, generator=torch.Generator().manual_seed(derive_seed(seed, 0xA77C, k)))
+        out.recovery_seconds.append(time.perf_counter() - t0)
+        assert rec.images is not None
+        scores = score_images(rec.images, truth)
+        out.images += scores.n_images
+        out.matched += scores.n_matched
+        out.psnr += [min(p, 100.0) for p in scores.psnr]
+        out.ssim += list(scores.ssim)
+    return out
+
+
+def fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser(__doc__.splitlines()[0])
+    parser.add_argument("--datasets", nargs="+", default=None, help="subset of the three data sets")
+    parser.add_argument("--regimes", nargs="+", default=None, help="regime name prefixes to run")
+    args = parse_args(parser, argv)
+    scale = SCALES[args.scale]
+    datasets = tuple(args.datasets or scale.datasets)
+    threads = configure_torch(args.threads)
+    print(f"{NAME} --scale {args.scale}: {scale}, seeds {args.seeds}, torch threads {threads}", flush=True)
+    per_dataset: dict[str, Any] = {}
+    for seed in args.seeds:
+        for name in datasets:
+            clients, public, info = load_setting(name, seed, scale.clients)
+            model = build_model(
+                MODEL, clients[0].input_shape, clients[0].num_classes, seed=derive_seed(seed, 0x30DE)
+            )
+            rows = []
+            for regime in regimes(len(clients)):
+                if args.regimes and not any(regime.name.startswith(p) for p in args.regimes):
+                    continue
+                s = run_regime(regime, model, clients, public, seed).summary()
+                rows.append(s)
+                print(f"  seed {seed} {name:15s} {regime.name:42s} RR {s['reconstruction_rate']:.3f} "
+                      f"PSNR {fmt(s['psnr_mean_all'], '.1f')} SSIM {fmt(s['ssim_mean_all'], '.3f')} | "
+                      f"successful PSNR {fmt(s['psnr_mean_successful'], '.1f')} "
+                      f"SSIM {fmt(s['ssim_mean_successful'], '.3f')} | recovery/step "
+                      f"{s['recovery_over_step']:.3f}", flush=True)  # fmt: skip
+            per_dataset[f"{name}/seed{seed}"] = {"setting": info, "paper_robbing_the_fed": PAPER_RTF[name],
+                                                 "regimes": rows}  # fmt: skip
+    payload = {
+        "setting": {
+            "model": MODEL, "bins": BINS, "batch": BATCH, "threshold_db": THRESHOLD_DB,
+            "partition": {"name": "label_skew", "num_clients": NUM_CLIENTS,
+                          "max_classes_per_client": MAX_CLASSES,
+                          "pathmnist": f"{PATH_CLIENT_POOL} of 718 test images over {PATH_CLIENTS} clients"},
+            "public": f"first {PUBLIC_LIMIT} test images (pathmnist: the 206 test images clients lack)",
+            "round": "first round (seeded initial weights)", "clients_per_dataset": scale.clients,
+            "psnr_cap_db": 100.0,
+        },
+        "results": per_dataset,
+    }  # fmt: skip
+    path = write_result(NAME, args.scale, payload, seeds=args.seeds, out=args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
