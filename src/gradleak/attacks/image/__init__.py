@@ -1,3 +1,7 @@
 """Optimisation-based image attacks (gradient inversion)."""
 
+from gradleak.attacks.image import dlg as _dlg  # noqa: F401  (registers)
 from gradleak.attacks.image import ig as _ig  # noqa: F401  (registers)
+from gradleak.attacks.image import nlsme as _nlsme  # noqa: F401  (registers)
+from gradleak.attacks.image import pisme as _pisme  # noqa: F401  (registers)
+from gradleak.attacks.image import sme as _sme  # noqa: F401  (registers)

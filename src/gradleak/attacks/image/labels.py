@@ -61,3 +61,48 @@ def recover_labels(obs: Observation, num_samples: int) -> torch.Tensor:
         labels.append(k)
         remaining[k] -= 1.0
     return torch.tensor(sorted(labels), dtype=torch.long)
+
+
+def mean_output_bias_gradient(obs: Observation, *, lr: float, steps: int) -> torch.Tensor:
+    """g_bar_b = (w_0 - w_T)_b / (lr T): the output bias's mean gradient along a T-step SGD trajectory.
+
+    Paper 001, Eq. 2 applied to the last layer's bias. For a FedSGD gradient (one step) it is the gradient.
+    """
+    if lr <= 0 or steps < 1:
+        raise AttackInputError(f"need lr > 0 and steps >= 1 to scale the update, got lr={lr}, steps={steps}")
+    gw, gb = output_layer_gradient(obs)
+    if gb is None:
+        raise AttackInputError("label-count recovery from a multi-step update needs the output layer's bias")
+    scale = 1.0 if obs.update.kind == "gradient" else 1.0 / (lr * steps)
+    return gb * scale
+
+
+def recover_label_counts(obs: Observation, num_samples: int, *, lr: float, steps: int) -> torch.Tensor:
+    """Labels (num_samples,) int64 of a multi-step (FedAvg) update from its output-bias update, sorted.
+
+    Each SGD step on a batch of B adds ``lr/B sum_i (p_i - y_i)`` to ``w_0 - w_T`` in the bias; over E
+    epochs of T = E ceil(N/B) steps, ``g_bar_b = (w_0 - w_T)_b / (lr T) ~ (1/N) sum_i (p_bar_i - y_i)`` with
+    p_bar the softmax averaged along the trajectory, so ``n_c ~ N (p_bar_c - g_bar_b[c])``. We take
+    p_bar_c = 1/C for classes that gain (g_bar_b[c] < 0) and p_bar_c = g_bar_b[c] (i.e. n_c = 0) for the
+    others, then normalise the estimates to sum to N and round greedily as :func:`recover_labels` does
+    (every class with a negative mean gradient first). Paper 001: labels are recovered from the last
+    layer, then held fixed.
+    """
+    if num_samples < 1:
+        raise AttackInputError(f"num_samples must be >= 1, got {num_samples}")
+    g = mean_output_bias_gradient(obs, lr=lr, steps=steps).detach().to(torch.float64)
+    gaining = g < 0
+    if not bool(gaining.any()):
+        raise AttackInputError("no class gains in the output bias update: cannot recover label counts")
+    est = torch.where(gaining, 1.0 / g.numel() - g, torch.zeros_like(g)).clamp_min(0)
+    est = num_samples * est / est.sum().clamp_min(1e-12)
+    order = torch.argsort(g)  # most negative first
+    labels: list[int] = [int(k) for k in order[: int(gaining.sum())].tolist()][:num_samples]
+    remaining = est.clone()
+    for k in labels:
+        remaining[k] -= 1.0
+    while len(labels) < num_samples:
+        k = int(remaining.argmax())
+        labels.append(k)
+        remaining[k] -= 1.0
+    return torch.tensor(sorted(labels), dtype=torch.long)
