@@ -40,10 +40,23 @@ class NLSME:
     def settings(self) -> SurrogateSettings:
         c = self.config
         return SurrogateSettings(
-            path="bezier_t", nodes=1, iterations=c.max_iterations, lr_x=c.lr, lr_path=c.lr_path,
-            lr_t=c.lr_t, lr_d=c.lr_d, tv_weight=c.tv_weight, p_weight=c.p_weight, d_weight=c.d_weight,
-            calibrate=c.calibrate, init_t=c.init_t, lr_decay=c.lr_decay, progress=c.progress, desc="NL-SME",
-        )  # fmt: skip
+            path="bezier_t",
+            nodes=1,
+            iterations=c.max_iterations,
+            lr_x=c.lr,
+            lr_path=c.lr_path,
+            lr_t=c.lr_t,
+            lr_d=c.lr_d,
+            tv_weight=c.tv_weight,
+            p_weight=c.p_weight,
+            d_weight=c.d_weight,
+            calibrate=c.calibrate,
+            init_t=c.init_t,
+            lr_decay=c.lr_decay,
+            box=c.box,
+            progress=c.progress,
+            desc="NL-SME",
+        )
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         return run_surrogate(

@@ -46,10 +46,22 @@ class PISME:
     def settings(self) -> SurrogateSettings:
         c = self.config
         return SurrogateSettings(
-            path="bezier_quad", nodes=c.nodes, iterations=c.max_iterations, lr_x=c.lr, lr_path=c.lr_path,
-            lr_t=1.0, lr_d=c.lr_d, tv_weight=c.tv_weight, p_weight=c.p_weight, d_weight=c.d_weight,
-            calibrate=c.calibrate, lr_decay=c.lr_decay, progress=c.progress, desc=f"PI-SME m={c.nodes}",
-        )  # fmt: skip
+            path="bezier_quad",
+            nodes=c.nodes,
+            iterations=c.max_iterations,
+            lr_x=c.lr,
+            lr_path=c.lr_path,
+            lr_t=1.0,
+            lr_d=c.lr_d,
+            tv_weight=c.tv_weight,
+            p_weight=c.p_weight,
+            d_weight=c.d_weight,
+            calibrate=c.calibrate,
+            lr_decay=c.lr_decay,
+            box=c.box,
+            progress=c.progress,
+            desc=f"PI-SME m={c.nodes}",
+        )
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         return run_surrogate(

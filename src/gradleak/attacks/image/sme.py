@@ -33,10 +33,23 @@ class SME:
     def settings(self) -> SurrogateSettings:
         c = self.config
         return SurrogateSettings(
-            path="line", nodes=1, iterations=c.max_iterations, lr_x=c.lr, lr_path=c.lr_path, lr_t=1.0,
-            lr_d=1.0, tv_weight=c.tv_weight, p_weight=0.0, d_weight=0.0, calibrate=False,
-            init_alpha=c.init_alpha, lr_decay=c.lr_decay, progress=c.progress, desc="SME",
-        )  # fmt: skip
+            path="line",
+            nodes=1,
+            iterations=c.max_iterations,
+            lr_x=c.lr,
+            lr_path=c.lr_path,
+            lr_t=1.0,
+            lr_d=1.0,
+            tv_weight=c.tv_weight,
+            p_weight=0.0,
+            d_weight=0.0,
+            calibrate=False,
+            init_alpha=c.init_alpha,
+            lr_decay=c.lr_decay,
+            box=c.box,
+            progress=c.progress,
+            desc="SME",
+        )
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         return run_surrogate(

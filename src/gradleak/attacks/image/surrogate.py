@@ -200,6 +200,7 @@ class SurrogateSettings:
     init_alpha: float = 0.5
     init_t: float = 0.5
     lr_decay: bool = False  # step decay x0.1 at 3/8, 5/8, 7/8 of the iterations (IG's schedule)
+    box: bool = False  # project x = 0.5 + 0.25 z onto [0, 1] after every step (IG's box constraint)
     progress: bool = False
     desc: str = "surrogate"
 
@@ -319,6 +320,9 @@ def run_surrogate(
         if sched is not None:
             sched.step()
         state.project()
+        if s.box:
+            with torch.no_grad():
+                z.clamp_(-PIXEL_MEAN / PIXEL_STD, (1 - PIXEL_MEAN) / PIXEL_STD)
         if callback is not None:
             callback(it, {"loss": float(total), "matching_loss": float(match)})
     seconds = time.perf_counter() - start
@@ -360,6 +364,7 @@ class SurrogateConfig:
     lr: float = 1.0  # Adam lr of the standardised dummy images z (x = 0.5 + 0.25 z)
     tv_weight: float = 1e-2
     lr_decay: bool = False  # x0.1 at 3/8, 5/8, 7/8 of the iterations (not in paper 001)
+    box: bool = False  # project the images onto [0, 1] after every step (not in paper 001)
     num_samples: int | None = (
         None  # images to reconstruct; None -> granted labels' count or update.num_samples
     )
