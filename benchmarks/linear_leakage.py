@@ -82,6 +82,7 @@ class Regime:
 
 def regimes(n_clients: int) -> list[Regime]:
     loki = {"slots": n_clients, "bins_per_slot": BINS}
+    smia = {"num_bins": BINS, "autoencoder": "pca", "latent_dim": 256}
     return [
         Regime("rtf/fedsgd", "robbing_the_fed", {"num_bins": BINS}, FEDSGD),
         Regime("rtf/sgd-e1", "robbing_the_fed", {"num_bins": BINS}, fedavg("sgd", 1)),
@@ -105,6 +106,14 @@ def regimes(n_clients: int) -> list[Regime]:
             {**loki, "tuned_for": "adam"},
             fedavg("adam", 3),
             aggregated=True,
+        ),  # fmt: skip
+        Regime("scale_mia/fedsgd", "scale_mia", smia, FEDSGD),
+        Regime("scale_mia/sgd-e3", "scale_mia", smia, fedavg("sgd", 3)),
+        Regime(
+            "scale_mia-adam/adam-e3 (paper recipe)",
+            "scale_mia",
+            {**smia, "tuned_for": "adam"},
+            fedavg("adam", 3),
         ),  # fmt: skip
     ]
 

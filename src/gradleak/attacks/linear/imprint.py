@@ -104,9 +104,10 @@ def calibrate_back_weight(
     generator: torch.Generator,
     batch_size: int = 64,
 ) -> float:
-    """Set ``block.back_weight`` so that the largest imprint gradient on a public batch equals ``target``.
+    """Set ``block.back_weight`` so that the largest gradient of any block parameter (the imprint layer and
+    whatever sits in front of it: LOKI's conv, Scale-MIA's encoder) on a public batch equals ``target``.
 
-    The gradient of every imprint parameter is linear in the back-connection weight, so one backward pass
+    The gradient of every block parameter is linear in the back-connection weight, so one backward pass
     at weight 1 gives the scale. Labels are drawn at random (the server has no client labels; random labels
     give a larger loss gradient than confident predictions, a conservative estimate). Returns the weight.
     """
@@ -114,7 +115,7 @@ def calibrate_back_weight(
     x = public_images[idx]
     y = torch.randint(0, num_classes, (len(idx),), generator=generator)
     block.back_weight.fill_(1.0)
-    params = [block.linear.weight, block.linear.bias]
+    params = [p for p in block.parameters() if p.requires_grad]
     with torch.enable_grad():
         loss = F.cross_entropy(model(x), y)
         grads = torch.autograd.grad(loss, params)
