@@ -8,9 +8,11 @@ it and, beside it, the recipes the plain analytic recovery can read (FedSGD, SGD
 names the optimiser and the local steps it was measured under:
 
     rtf/fedsgd            one gradient on B = 64 (the textbook setting)
-    rtf/sgd-e1, sgd-e3    FedAvg, SGD lr 1e-3, 1 or 3 full-batch steps
+    rtf/sgd-e1, -e3, -e10 FedAvg, SGD lr 1e-3, 1, 3 or 10 full-batch steps
     rtf/adam-e1, adam-e3  FedAvg, Adam lr 1e-3 (paper 000's recipe for E = 3), plain imprint
-    rtf-adam/adam-e1,-e3  the same with the imprint tuned for Adam (gradients below Adam's eps)
+    rtf-adam/adam-e1,-e3,-e10  the same with the imprint tuned for Adam (gradients below Adam's eps)
+    rtf-adam/adam-e3 all client data   ... on the client's whole label-skew share (B = 64, several
+                          mini-batches per epoch: more samples than the 64 per update elsewhere)
     loki/...              LOKI, one slot per sampled client, recovery from the secure-aggregation SUM only
     scale_mia/...         Scale-MIA, imprint in the latent space of an autoencoder trained on public data
 
@@ -78,6 +80,7 @@ class Regime:
     options: dict[str, Any]
     training: LocalTraining
     aggregated: bool = False
+    max_samples: int | None = BATCH  # each client's first samples; None: all of its data
 
 
 def regimes(n_clients: int) -> list[Regime]:
@@ -106,6 +109,20 @@ def regimes(n_clients: int) -> list[Regime]:
             {**loki, "tuned_for": "adam"},
             fedavg("adam", 3),
             aggregated=True,
+        ),  # fmt: skip
+        Regime("rtf/sgd-e10", "robbing_the_fed", {"num_bins": BINS}, fedavg("sgd", 10)),
+        Regime(
+            "rtf-adam/adam-e10",
+            "robbing_the_fed",
+            {"num_bins": BINS, "tuned_for": "adam"},
+            fedavg("adam", 10),
+        ),
+        Regime(
+            "rtf-adam/adam-e3 all client data",
+            "robbing_the_fed",
+            {"num_bins": BINS, "tuned_for": "adam"},
+            fedavg("adam", 3),
+            max_samples=None,
         ),  # fmt: skip
         Regime("scale_mia/fedsgd", "scale_mia", smia, FEDSGD),
         Regime("scale_mia/sgd-e3", "scale_mia", smia, fedavg("sgd", 3)),
@@ -165,7 +182,7 @@ class RegimeResult:
 def load_setting(
     name: str, seed: int, n_clients: int
 ) -> tuple[list[ImageDataset], torch.Tensor, dict[str, Any]]:
-    """The sampled clients' data (first 64 samples each) and the server's public images."""
+    """The sampled clients' full data and the server's public images."""
     rng = np.random.default_rng(derive_seed(seed, 0x11EA))
     if name == "pathmnist":
         full = load_dataset(name, "test")
@@ -182,8 +199,8 @@ def load_setting(
                           max_classes_per_client=MAX_CLASSES)  # fmt: skip
         total = NUM_CLIENTS
     ids = sorted(int(i) for i in rng.choice(total, size=min(n_clients, total), replace=False))
-    clients = [pool.subset(np.sort(parts[i])[:BATCH]) for i in ids]
-    info = {"client_ids": ids, "client_sizes": [len(c) for c in clients], "public_images": len(public),
+    clients = [pool.subset(np.sort(parts[i])) for i in ids]
+    info = {"client_ids": ids, "client_full_sizes": [len(c) for c in clients], "public_images": len(public),
             "num_clients": total, "pool": len(pool)}  # fmt: skip
     return clients, public, info
 
@@ -199,6 +216,8 @@ def run_regime(
     out.prepare_seconds = time.perf_counter() - t0
     shape, classes = clients[0].input_shape, clients[0].num_classes
     results = []
+    if regime.max_samples is not None:
+        clients = [c.subset(np.arange(min(regime.max_samples, len(c)))) for c in clients]
     for slot, data in enumerate(clients):
         sent = attack.customize(broadcast, slot) if hasattr(attack, "customize") else broadcast  # type: ignore[attr-defined]
         gen = torch.Generator().manual_seed(derive_seed(seed, 0xC11E, slot))
