@@ -103,9 +103,13 @@ def calibrate_back_weight(
     target: float,
     generator: torch.Generator,
     batch_size: int = 64,
+    include_front: bool = True,
 ) -> float:
-    """Set ``block.back_weight`` so that the largest gradient of any block parameter (the imprint layer and
-    whatever sits in front of it: LOKI's conv, Scale-MIA's encoder) on a public batch equals ``target``.
+    """Set ``block.back_weight`` so that the largest gradient of the imprint layer (and, with
+    ``include_front``, of whatever sits in front of it, e.g. Scale-MIA's encoder) on a public batch equals
+    ``target``. LOKI leaves its 1x1 slot kernels out: Adam moves such a gain by at most lr per step, which
+    rescales a recovered image by a fraction of a percent, while counting them would shrink every imprint
+    gradient (and the precision of the update) by orders of magnitude.
 
     The gradient of every block parameter is linear in the back-connection weight, so one backward pass
     at weight 1 gives the scale. Labels are drawn at random (the server has no client labels; random labels
@@ -115,7 +119,11 @@ def calibrate_back_weight(
     x = public_images[idx]
     y = torch.randint(0, num_classes, (len(idx),), generator=generator)
     block.back_weight.fill_(1.0)
-    params = [p for p in block.parameters() if p.requires_grad]
+    params = (
+        [p for p in block.parameters() if p.requires_grad]
+        if include_front
+        else [block.linear.weight, block.linear.bias]
+    )
     with torch.enable_grad():
         loss = F.cross_entropy(model(x), y)
         grads = torch.autograd.grad(loss, params)

@@ -64,7 +64,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LokiConfig:
     """``slots``: clients the server customises per round; ``bins_per_slot``: k per client; ``scale``,
-    ``back_weight``, ``tuned_for``, ``adam_margin``, ``rel_tol`` as for ``robbing_the_fed``."""
+    ``back_weight``, ``tuned_for``, ``adam_margin``, ``rel_tol`` as for ``robbing_the_fed`` (the block's
+    back-connection weight is ``back_weight * slots``, because the mean runs over every slot's rows and only
+    one slot fires per client: each row then gets the gradient it would get in Robbing the Fed)."""
 
     slots: int = 10
     bins_per_slot: int = 256
@@ -109,7 +111,7 @@ class Loki:
         cuts = cut_points(measured, cfg.bins_per_slot)
         k, s = cfg.bins_per_slot, cfg.slots
         block = ImprintBlock(
-            dim, k, front=SlotSeparator(channels, s), back_weight=cfg.back_weight, groups=s,
+            dim, k, front=SlotSeparator(channels, s), back_weight=cfg.back_weight * s, groups=s,
             offset=mean.repeat(s),
         )  # fmt: skip
         for j in range(s):
@@ -127,7 +129,7 @@ class Loki:
             assert isinstance(imprint, ImprintBlock)
             calibrate_back_weight(
                 broadcast, imprint, public, output_classes(broadcast, public), cfg.adam_margin * ADAM_EPS,
-                generator,
+                generator, include_front=False,
             )  # fmt: skip
         weight_name, bias_name = imprint_parameter_names()
         bias = broadcast.get_parameter(bias_name).detach()

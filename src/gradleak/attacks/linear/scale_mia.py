@@ -58,7 +58,8 @@ log = logging.getLogger(__name__)
 class ScaleMIAConfig:
     """``autoencoder``: ``pca`` (the optimal linear autoencoder of the public images, closed form) or ``mlp``
     (one hidden layer of ``hidden``, trained ``ae_epochs`` with Adam ``ae_lr`` on MSE in batches of
-    ``ae_batch``); ``latent_dim`` d; the imprint options as in ``robbing_the_fed``."""
+    ``ae_batch``); ``latent_dim`` d; the imprint options as in ``robbing_the_fed``; ``calibrate_encoder``:
+    with ``tuned_for = "adam"``, keep the encoder's gradients below Adam's eps too (Adam barely moves it)."""
 
     num_bins: int = 1024
     autoencoder: str = "pca"
@@ -71,6 +72,7 @@ class ScaleMIAConfig:
     back_weight: float = 10.0
     tuned_for: str = "sgd"
     adam_margin: float = 1e-4
+    calibrate_encoder: bool = True
     max_images: int | None = None
     rel_tol: float = 1e-6
 
@@ -201,7 +203,7 @@ class ScaleMIA:
         if cfg.tuned_for == "adam":
             calibrate_back_weight(
                 malicious, block, public, output_classes(malicious, public), cfg.adam_margin * ADAM_EPS,
-                generator,
+                generator, include_front=cfg.calibrate_encoder,
             )  # fmt: skip
         weight_name, bias_name = imprint_parameter_names()
         secrets = ImprintSecrets(
