@@ -246,3 +246,15 @@ def test_update_type_is_unchanged_for_the_client(pool, public):
     assert isinstance(result.update, Update)
     assert set(result.update.tensors) == {n for n, _ in model.named_parameters()}
     assert "imprint.linear.weight" in result.update.tensors
+
+
+def test_prepare_leaves_the_honest_model_untouched_and_barely_changes_its_outputs(pool, public):
+    model = honest()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    attack = RobbingTheFed(RobbingTheFedConfig(num_bins=64))
+    malicious, _ = attack.prepare(model, public, generator=torch.Generator().manual_seed(0))
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert malicious.body is not model
+    with torch.no_grad():
+        shift = (malicious(pool.images[:32]) - model(pool.images[:32])).abs().max()
+    assert float(shift) < 0.05  # the back-connection adds a small, bounded shift: training stays stable
