@@ -1,9 +1,9 @@
 """Model surgery for malicious-server attacks: an imprint (linear-leakage) block in front of a classifier.
 
 The block follows Fowl et al., "Robbing the Fed: Directly Obtaining Private Data in Federated Learning with
-Modified Models" (ICLR 2022), Sec. 3: a linear layer of ``k`` bins measures the (optionally transformed)
-input, a ReLU makes the bins cumulative, and a *back-connection* feeds the bins into the rest of the network
-so that they receive gradient::
+Modified Models" (ICLR 2022), the imprint module: a linear layer of ``k`` bins measures the (optionally
+transformed) input, a ReLU makes the bins cumulative, and a *back-connection* feeds the bins into the rest of
+the network so that they receive gradient::
 
     f = front(x) - offset             (flatten; LOKI: per-client 1x1 conv + flatten; Scale-MIA: encoder;
                                        offset: a fixed centring, the public mean, which keeps bins steady)

@@ -1,6 +1,6 @@
 """The shared imprint (linear-leakage) machinery: programming the bins, and the analytic recovery.
 
-Fowl et al., "Robbing the Fed" (ICLR 2022), Sec. 3.1-3.2. Bin ``i`` of the imprint layer computes
+Fowl et al., "Robbing the Fed" (ICLR 2022), the imprint module and its binning. Bin ``i`` computes
 ``h_i = ReLU(s * (<a, f(x)> - c_i))`` for a measurement direction ``a``, a scale ``s`` and cuts
 ``c_1 < ... < c_k`` placed at the quantiles of the measurement over the server's *public* data. A sample
 whose measurement falls in ``(c_i, c_{i+1}]`` activates bins ``1..i`` (cumulative bins). With a
@@ -9,12 +9,12 @@ back-connection whose weight is the same for every bin, dL/dh_{n,i} = g_n for al
     dL/dW_i = sum_{n: m_n > c_i} g_n f(x_n),          dL/db_i = sum_{n: m_n > c_i} g_n
     (dL/dW_i - dL/dW_{i+1}) / (dL/db_i - dL/db_{i+1}) = sum_{n in bin i} g_n f(x_n) / sum_{n in bin i} g_n
 
-(Eq. 3 of the paper, applied to differences of consecutive bins): exactly ``f(x_n)`` when the bin holds one
-sample, a ``g``-weighted average when it holds several. Scaling the update (FedAvg delta = -lr * grad for one
-SGD step) cancels in the ratio. Adam does not: its per-coordinate normalisation ``m / (sqrt(v) + eps)``
-replaces each coordinate by (roughly) its sign, which destroys the ratio -- unless every imprint gradient is
-far below ``eps``, where Adam is linear in the gradient (``g / eps``). :func:`calibrate_back_weight` uses
-that (see docs/attacks-linear.md); nothing here reads client data.
+(the paper's weight-gradient / bias-gradient ratio, applied to differences of consecutive bins): exactly
+``f(x_n)`` when the bin holds one sample, a ``g``-weighted average when it holds several. Scaling the update
+(FedAvg delta = -lr * grad for one SGD step) cancels in the ratio. Adam does not: its per-coordinate
+normalisation ``m / (sqrt(v) + eps)`` replaces each coordinate by (roughly) its sign, which destroys the ratio
+-- unless every imprint gradient is far below ``eps``, where Adam is linear in the gradient (``g / eps``).
+:func:`calibrate_back_weight` uses that (see docs/attacks-linear.md); nothing here reads client data.
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ MEASUREMENTS = ("random", "mean", "positive")
 def measurement_direction(kind: str, dim: int, generator: torch.Generator) -> torch.Tensor:
     """A direction ``a`` (dim,): ``random`` N(0, 1), ``mean`` 1/dim (brightness), ``positive`` U(0, 1).
 
-    ``positive`` keeps every measurement of a non-negative input non-negative (LOKI needs an all-zero input
-    to fire no bin).
+    ``positive`` keeps every measurement of a non-negative input non-negative.
     """
     if kind == "random":
         return torch.randn(dim, generator=generator, dtype=torch.float64)

@@ -3,7 +3,7 @@ aggregation.
 
 The server gives every client of the round its own *slot*: a 1x1 convolution in front of the imprint layer
 copies the input into slot ``j``'s channels for client ``j`` only (identity kernels for slot ``j``, zero
-kernels elsewhere, Sec. IV-B "convolutional scaling factors"), and a block-diagonal imprint layer gives each
+kernels elsewhere: LOKI's per-client customised convolution), and a block-diagonal imprint layer gives each
 slot its own ``k`` cumulative bins (:class:`~gradleak.models.malicious.GroupedLinear`). A client's data
 therefore reach only its slot's rows, and the secure-aggregation *sum* of all updates keeps every client's
 rows apart: the server runs the Robbing-the-Fed recovery slot by slot on the aggregate alone.

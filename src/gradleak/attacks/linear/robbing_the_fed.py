@@ -2,9 +2,9 @@
 
 ``prepare`` plants an :class:`~gradleak.models.malicious.ImprintBlock` in front of the honest classifier:
 one linear measurement ``<a, x>`` of the input per bin (``a`` random or mean brightness), biases at the
-quantiles of that measurement over the server's *public* images (Sec. 3.2, "binning"), a ReLU so the bins
+quantiles of that measurement over the server's *public* images (the paper's binning), a ReLU so the bins
 are cumulative, and a back-connection with one weight for every bin. ``reconstruct`` inverts the imprint
-layer's update analytically (differences of consecutive bins, weight update over bias update; Eq. 3 and
+layer's update analytically (differences of consecutive bins, weight update over bias update; see
 :mod:`gradleak.attacks.linear.imprint`) and returns one image per non-empty bin, at most as many as the
 update reports samples.
 

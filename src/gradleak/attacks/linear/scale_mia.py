@@ -5,8 +5,8 @@ imprint layer (k cumulative bins on a random direction of the centred latent, cu
 quantiles, the same back-connection as :mod:`~gradleak.attacks.linear.robbing_the_fed`) and keeps the
 decoder. The analytic recovery (difference of consecutive bins, weight update over bias update) returns
 *latent codes* z_n = E(x_n) exactly for isolated samples; the decoder maps them to images, so the image
-quality is the autoencoder's (Sec. 4 of the paper: "reconstruct the latent space representations, then
-decode"). Binning in a low-dimensional latent makes the layer small (k x d instead of k x C*H*W).
+quality is the autoencoder's (the paper's two stages: recover the latent representations, then
+decode them). Binning in a low-dimensional latent makes the layer small (k x d instead of k x C*H*W).
 
 Autoencoder: Scale-MIA trains a convolutional autoencoder on public data. Here the default is the optimal
 *linear* autoencoder of the public images (PCA, closed form, d = 256): on 2 CPU cores an MLP autoencoder
