@@ -287,9 +287,12 @@ def run_surrogate(
     generator: torch.Generator,
     attack: str,
     num_samples: int | None = None,
-    callback: Callable[[int, dict[str, float]], None] | None = None,
+    callback: Callable[[int, dict[str, float], torch.Tensor], None] | None = None,
 ) -> Reconstruction:
-    """Optimise {X, path, d} with Adam (Algorithm 1 of paper 001) and return the reconstruction."""
+    """Optimise {X, path, d} with Adam (Algorithm 1 of paper 001) and return the reconstruction.
+
+    ``callback(iteration, losses, images)`` (optional) sees every iteration's losses and current images.
+    """
     s = settings
     prob = build_problem(obs, attack, num_samples)
     state = SurrogateState(prob, s)
@@ -324,7 +327,11 @@ def run_surrogate(
             with torch.no_grad():
                 z.clamp_(-PIXEL_MEAN / PIXEL_STD, (1 - PIXEL_MEAN) / PIXEL_STD)
         if callback is not None:
-            callback(it, {"loss": float(total), "matching_loss": float(match)})
+            callback(
+                it,
+                {"loss": float(total.detach()), "matching_loss": float(match.detach())},
+                images_of(z.detach()),
+            )
     seconds = time.perf_counter() - start
     x = images_of(z.detach())
     g = [t.detach() for t in state.surrogate_gradient(x, create_graph=False)]
