@@ -1,0 +1,64 @@
+"""Matched random-gradient null baseline and the validity gate of paper 002 (Sec. VI-C).
+
+A probe counts as a valid attack only when its undefended ROUGE-1 exceeds both 0.10 and a matched
+random-gradient null baseline by at least 0.05; a valid probe is blocked by a defense that brings its
+ROUGE-1 to at most max(0.05, null + 0.05). The null observation replaces every update tensor by Gaussian
+noise of the same shape and Frobenius norm (drawn from an explicit generator), so the attack runs on an
+input with the same scale but no data in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from gradleak.types import Attack, Observation, Reconstruction
+
+VALID_MIN_R1 = 0.10
+VALID_MARGIN = 0.05
+BROKEN_R1 = 0.05
+
+
+def null_observation(obs: Observation, generator: torch.Generator) -> Observation:
+    """``obs`` with each update tensor replaced by norm-matched Gaussian noise."""
+    noise = {}
+    for name, t in obs.update.tensors.items():
+        z = torch.randn(t.shape, generator=generator, dtype=torch.float32).to(t.dtype)
+        norm = float(t.norm())
+        noise[name] = (
+            z * (norm / float(z.norm())) if norm > 0 and float(z.norm()) > 0 else torch.zeros_like(t)
+        )
+    return replace(obs, update=obs.update.replace(noise))
+
+
+def is_valid(r1: float, null_r1: float) -> bool:
+    """Paper 002's gate: undefended R-1 > 0.10 and > null + 0.05."""
+    return r1 > VALID_MIN_R1 and r1 > null_r1 + VALID_MARGIN
+
+
+def is_blocked(defended_r1: float, null_r1: float) -> bool:
+    """A valid probe is blocked when the defended R-1 is at most max(0.05, null + 0.05)."""
+    return defended_r1 <= max(BROKEN_R1, null_r1 + VALID_MARGIN)
+
+
+@dataclass(frozen=True)
+class NullReport:
+    rouge1: float
+    null_rouge1: float
+    valid: bool
+
+
+def with_null_baseline(
+    attack: Attack,
+    obs: Observation,
+    score: Callable[[Reconstruction], float],
+    *,
+    generator: torch.Generator,
+) -> tuple[Reconstruction, Reconstruction, NullReport]:
+    """Run ``attack`` on ``obs`` and on its null observation; ``score`` maps a reconstruction to ROUGE-1."""
+    rec = attack.reconstruct(obs, generator=generator)
+    null_rec = attack.reconstruct(null_observation(obs, generator), generator=generator)
+    r1, n1 = score(rec), score(null_rec)
+    return rec, null_rec, NullReport(r1, n1, is_valid(r1, n1))

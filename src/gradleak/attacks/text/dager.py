@@ -1,0 +1,274 @@
+"""DAGER: exact gradient inversion for transformer LMs (Petrov et al., NeurIPS 2024; paper 002, Sec. III-C).
+
+1. **Span estimation (L1).** The input-side gradient of block 1's attention projections (GPT-2: the fused
+   ``c_attn``; Llama/BERT: Q, K and V stacked) is sum_t delta_t x_t^T; its SVD gives a basis of span{x_t}
+   with rank = the number of tokens in the batch (needs rank < d). The same is done for block 2.
+2. **Token filtering.** For every vocabulary token v (and, with learned positions, every position p) the
+   layer-1 input z(v, p) = LN(E[v] + P[p] (+ T[0])) is computed by the model itself; v is a candidate at p
+   iff its relative residual to the L1 span is below ``l1_threshold``. Rotary models (Llama) have
+   position-free layer-1 inputs, so one candidate set serves every position.
+3. **Decoders (causal): extension.** Sequences grow left to right; prefix s + v is kept iff the block-2
+   input of its last token (which under causal attention depends on the prefix only) lies in the L2 span.
+   ``search="greedy"`` keeps each prefix's best extension, ``"beam"`` keeps every accepted one up to
+   ``beam_width`` prefixes. A prefix with no accepted extension is a finished sequence.
+4. **Encoders (BERT): search.** Whole sequences of each length are drawn from the per-position candidate
+   sets, exhaustively when there are at most ``max_samples`` of them, else ``max_samples`` random draws
+   each refined by coordinate descent; a sequence is accepted iff all its block-2 inputs lie in the L2 span.
+5. **Batch assembly.** Of the accepted sequences, the ``B`` (= ``update.num_samples``) with the smallest
+   L2 residual are returned, longest first among ties.
+
+Under the causal-LM loss the last token of each sequence reaches no layer-1 gradient (it is only a label);
+``complete_last_token`` reads it off the LM-head gradient (:mod:`lm_completion`). Classification losses
+expose all tokens to the span checks.
+
+``dager_fedavg`` attacks a FedAvg delta: -delta is used as the gradient, candidate inputs are computed at
+the midpoint weights w_0 + delta / 2 and the thresholds are relaxed (DAGER Sec. 6, FedAvg).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gradleak.attacks.text.family import (
+    FamilySpec,
+    Span,
+    estimate_span,
+    family_of,
+    find_module,
+    input_side_gradient,
+    layer_inputs,
+    vocab_size,
+    with_thresholds,
+)
+from gradleak.attacks.text.lm_completion import complete_last_tokens, output_embedding
+from gradleak.registry import ATTACKS
+from gradleak.types import AttackInputError, Observation, Reconstruction
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DagerConfig:
+    """Thresholds default (None) to the family's (see ``family.FAMILIES``)."""
+
+    l1_threshold: float | None = None
+    l2_threshold: float | None = None
+    rank_tol: float | None = None
+    max_positions: int = 64  # sequences are at most 64 tokens (paper 002)
+    search: str = "beam"  # decoders: "greedy" or "beam"
+    beam_width: int = 64
+    max_samples: int = 4096  # encoders: sequences evaluated per length
+    max_candidates: int = 256  # per position; more means the span check is not discriminating
+    chunk: int = 4096
+    midpoint_weights: bool = False  # evaluate candidates at w_0 + delta/2 (FedAvg)
+    complete_last_token: bool = True  # causal LM: read each sequence's last token off the LM head
+
+    def __post_init__(self) -> None:
+        for name in ("l1_threshold", "l2_threshold", "rank_tol"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v < 1:
+                raise ValueError(f"{name} must be in (0, 1), got {v}")
+        if self.search not in ("greedy", "beam"):
+            raise ValueError(f"search must be 'greedy' or 'beam', got {self.search!r}")
+        for name in ("max_positions", "beam_width", "max_samples", "max_candidates", "chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class DagerFedAvgConfig(DagerConfig):
+    l1_threshold: float | None = 0.05
+    l2_threshold: float | None = 0.1
+    midpoint_weights: bool = True
+
+
+class Dager:
+    """The DAGER pipeline (module docstring); reads only ``obs.model`` and ``obs.update``."""
+
+    def __init__(self, config: DagerConfig | None = None) -> None:
+        self.config = config or DagerConfig()
+
+    def spec(self, model: nn.Module) -> FamilySpec:
+        c = self.config
+        return with_thresholds(
+            family_of(model), l1_threshold=c.l1_threshold, l2_threshold=c.l2_threshold, rank_tol=c.rank_tol
+        )
+
+    def attacker_model(self, obs: Observation) -> nn.Module:
+        model = copy.deepcopy(obs.model).eval()
+        if self.config.midpoint_weights and obs.update.kind == "delta":
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name in obs.update.tensors:
+                        p.add_(obs.update.tensors[name].to(p.dtype), alpha=0.5)
+        return model
+
+    def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
+        start = time.perf_counter()
+        model = self.attacker_model(obs)
+        spec = self.spec(model)
+        span1 = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 0), spec.rank_tol)
+        span2 = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 1), spec.rank_tol)
+        if span1.rank == 0:
+            raise AttackInputError("the first block's attention gradient is zero (frozen or masked)")
+        if span1.full or span2.full:
+            log.warning("DAGER: the attention-gradient span is full rank; nothing can be recovered")
+            return Reconstruction(token_ids=[], stats={"rank_l1": float(span1.rank), "span_full": 1.0})
+        m1 = find_module(model, spec.attn_inputs[0].format(i=0))[1]
+        m2 = find_module(model, spec.attn_inputs[0].format(i=1))[1]
+        cands = self.position_candidates(model, spec, m1, span1)
+        if spec.causal:
+            found = self.extend(model, spec, m2, span2, cands)
+        else:
+            found = self.encoder_search(model, spec, m2, span2, cands, generator)
+        b = max(1, obs.update.num_samples)
+        found.sort(key=lambda sr: (sr[1], -len(sr[0])))
+        seqs = [s for s, _ in found[:b]]
+        if self.config.complete_last_token and spec.causal:
+            if _has_lm_head(model):
+                seqs = complete_last_tokens(obs, model, seqs)
+        stats = {
+            "rank_l1": float(span1.rank),
+            "rank_l2": float(span2.rank),
+            "positions": float(len(cands)),
+            "candidates": float(sum(len(c) for c in cands)),
+            "accepted": float(len(found)),
+            "seconds": time.perf_counter() - start,
+        }
+        log.info("DAGER: L1 rank %d, %d positions, %d accepted sequences", span1.rank, len(cands), len(found))
+        return Reconstruction(token_ids=seqs, stats=stats)
+
+    def position_candidates(
+        self, model: nn.Module, spec: FamilySpec, module: nn.Module, span: Span
+    ) -> list[list[int]]:
+        """Token ids passing the L1 check at each position 0, 1, ... (until a position has none)."""
+        vocab = torch.arange(vocab_size(model)).unsqueeze(1)
+        positions = self.config.max_positions if spec.positions == "learned" else 1
+        out: list[list[int]] = []
+        for p in range(positions):
+            z = layer_inputs(model, module, vocab, start_position=p, chunk=self.config.chunk)[:, 0]
+            res = span.residual(z)
+            ok = torch.nonzero(res < spec.l1_threshold).flatten()
+            if ok.numel() == 0:
+                break
+            if ok.numel() > self.config.max_candidates:
+                ok = ok[res[ok].argsort()[: self.config.max_candidates]]
+            out.append(ok.tolist())
+        if spec.positions == "rotary" and out:
+            out = out * self.config.max_positions
+        return out
+
+    def _l2_residual(
+        self, model: nn.Module, module: nn.Module, span: Span, seqs: torch.Tensor, last_only: bool
+    ) -> torch.Tensor:
+        z = layer_inputs(model, module, seqs, chunk=max(1, self.config.chunk // seqs.shape[1]))
+        res = span.residual(z[:, -1] if last_only else z)
+        return res if last_only else res.max(dim=1).values
+
+    def extend(
+        self, model: nn.Module, spec: FamilySpec, module: nn.Module, span: Span, cands: list[list[int]]
+    ) -> list[tuple[list[int], float]]:
+        """Decoder search: grow prefixes token by token under the L2 check (module docstring, step 3)."""
+        if not cands:
+            return []
+        live: list[tuple[list[int], float]] = [([v], 0.0) for v in cands[0]]
+        done: list[tuple[list[int], float]] = []
+        for p in range(1, len(cands) + 1):
+            if not live:
+                break
+            if p == len(cands):
+                done += live
+                break
+            pairs = [(s, v) for s, _ in live for v in cands[p]]
+            seqs = torch.tensor([s + [v] for s, v in pairs])
+            res = self._l2_residual(model, module, span, seqs, last_only=True)
+            nxt: list[tuple[list[int], float]] = []
+            for s, r in live:
+                idx = [i for i, (q, _) in enumerate(pairs) if q is s and res[i] < spec.l2_threshold]
+                if not idx:
+                    done.append((s, r))
+                    continue
+                idx.sort(key=lambda i: float(res[i]))
+                keep = idx[:1] if self.config.search == "greedy" else idx
+                nxt += [(pairs[i][0] + [pairs[i][1]], max(r, float(res[i]))) for i in keep]
+            nxt.sort(key=lambda sr: sr[1])
+            live = nxt[: self.config.beam_width]
+        return done
+
+    def encoder_search(
+        self,
+        model: nn.Module,
+        spec: FamilySpec,
+        module: nn.Module,
+        span: Span,
+        cands: list[list[int]],
+        generator: torch.Generator,
+    ) -> list[tuple[list[int], float]]:
+        """Encoder search over whole sequences of each length (module docstring, step 4)."""
+        found: list[tuple[list[int], float]] = []
+        for length in range(1, len(cands) + 1):
+            sets = cands[:length]
+            total = 1
+            for c in sets:
+                total *= len(c)
+            if total <= self.config.max_samples:
+                seqs = torch.tensor(list(itertools.product(*sets)))
+            else:
+                seqs = self._refined_samples(model, module, span, sets, generator)
+            res = self._l2_residual(model, module, span, seqs, last_only=False)
+            for i in torch.nonzero(res < spec.l2_threshold).flatten().tolist():
+                found.append((seqs[i].tolist(), float(res[i])))
+        return found
+
+    def _refined_samples(
+        self,
+        model: nn.Module,
+        module: nn.Module,
+        span: Span,
+        sets: list[list[int]],
+        generator: torch.Generator,
+    ) -> torch.Tensor:
+        """Random candidate sequences, each improved by coordinate descent on the L2 residual."""
+        n = max(1, self.config.max_samples // (4 * sum(len(c) for c in sets)))
+        draws = torch.stack(
+            [torch.tensor(c)[torch.randint(len(c), (n,), generator=generator)] for c in sets], dim=1
+        )
+        for _ in range(2):
+            for p, c in enumerate(sets):
+                if len(c) == 1:
+                    continue
+                trial = draws.repeat_interleave(len(c), dim=0)
+                trial[:, p] = torch.tensor(c).repeat(draws.shape[0])
+                res = self._l2_residual(model, module, span, trial, last_only=False).view(-1, len(c))
+                draws[:, p] = torch.tensor(c)[res.argmin(dim=1)]
+        return torch.unique(draws, dim=0)
+
+
+def _has_lm_head(model: nn.Module) -> bool:
+    return output_embedding(model) is not None
+
+
+class DagerFedAvg(Dager):
+    def __init__(self, config: DagerFedAvgConfig | None = None) -> None:
+        super().__init__(config or DagerFedAvgConfig())
+
+
+ATTACKS.register(
+    "dager",
+    Dager,
+    config_cls=DagerConfig,
+    summary="DAGER: exact text from attention-gradient spans (Petrov 2024)",
+)
+ATTACKS.register(
+    "dager_fedavg",
+    DagerFedAvg,
+    config_cls=DagerFedAvgConfig,
+    summary="DAGER on a FedAvg pseudo-gradient (-delta, midpoint weights)",
+)

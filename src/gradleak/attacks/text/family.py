@@ -1,0 +1,230 @@
+"""Architecture specs and the span machinery shared by the analytical text attacks.
+
+DAGER (Petrov et al., NeurIPS 2024, Sec. 3) and paper 002 (Sec. III-C, IV-D) rest on one identity: a linear
+layer y = W x applied to the rows x_1..x_n of a batch has gradient dL/dW = sum_t delta_t x_t^T, so when
+n < d its input-side space is spanned by the layer's inputs. An SVD of the gradient gives a basis of that
+span (rank = the number of singular values above ``rank_tol`` times the largest), and a candidate input z
+belongs to the batch iff its relative residual ||z - P z|| / ||z|| is ~0.
+
+A :class:`FamilySpec` says, per HF ``model_type``, which modules of block ``i`` feed on the block input
+(attention Q/K/V projections, the first MLP projection), whether weights are stored (in, out) (HF
+``Conv1D`` in GPT-2) or (out, in) (``nn.Linear``), how positions enter the first block (learned: the
+layer-1 input depends on the position; rotary: it does not) and the default thresholds. Layer inputs are
+obtained by running the attacker's copy of the model with a forward pre-hook that records the input of the
+target module and stops the forward pass there (:func:`capture_input`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradleak.registry import Registry
+from gradleak.types import AttackInputError, Observation
+
+FULL_SPAN_FRACTION = 0.95
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Where the span channels live in one transformer family (``{i}`` is the block index)."""
+
+    model_type: str
+    attn_inputs: tuple[str, ...]  # module-name suffixes whose input is block i's attention input
+    mlp_inputs: tuple[str, ...]  # module-name suffixes of block i's first MLP projection(s)
+    embedding: str  # suffix of the input token embedding module
+    conv1d: bool  # weights stored (in_features, out_features)
+    positions: str  # "learned" (position-dependent layer-1 input) or "rotary" (position-free)
+    token_types: bool  # BERT: token_type_ids enter the embedding
+    causal: bool
+    l1_threshold: float = 1e-3
+    l2_threshold: float = 1e-3
+    rank_tol: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.positions not in ("learned", "rotary"):
+            raise ValueError(f"positions must be 'learned' or 'rotary', got {self.positions!r}")
+
+
+FAMILIES: Registry[FamilySpec] = Registry("transformer family")
+FAMILIES.register(
+    "gpt2",
+    FamilySpec("gpt2", ("h.{i}.attn.c_attn",), ("h.{i}.mlp.c_fc",), "wte", True, "learned", False, True),
+)
+FAMILIES.register(
+    "llama",
+    FamilySpec(
+        "llama",
+        ("layers.{i}.self_attn.q_proj", "layers.{i}.self_attn.k_proj", "layers.{i}.self_attn.v_proj"),
+        ("layers.{i}.mlp.gate_proj", "layers.{i}.mlp.up_proj"),
+        "embed_tokens",
+        False,
+        "rotary",
+        False,
+        True,
+    ),
+)
+FAMILIES.register(
+    "bert",
+    FamilySpec(
+        "bert",
+        ("layer.{i}.attention.self.query", "layer.{i}.attention.self.key", "layer.{i}.attention.self.value"),
+        ("layer.{i}.intermediate.dense",),
+        "embeddings.word_embeddings",
+        False,
+        "learned",
+        True,
+        False,
+    ),
+)
+
+
+def family_of(model: nn.Module) -> FamilySpec:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        raise AttackInputError(
+            f"no transformer family spec for model_type {model_type!r}; known: {FAMILIES.names()}"
+        )
+    return FAMILIES.get(model_type)
+
+
+def with_thresholds(spec: FamilySpec, **overrides: float | None) -> FamilySpec:
+    """``spec`` with the non-None threshold overrides applied."""
+    changes: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(spec, **changes)
+
+
+def find_module(model: nn.Module, suffix: str) -> tuple[str, nn.Module]:
+    """The unique module whose dotted name ends with ``suffix`` at a name boundary."""
+    hits = [(n, m) for n, m in model.named_modules() if n == suffix or n.endswith("." + suffix)]
+    if len(hits) != 1:
+        raise AttackInputError(f"expected one module named *{suffix}, found {[n for n, _ in hits]}")
+    return hits[0]
+
+
+def update_tensor(obs: Observation, param: str) -> torch.Tensor:
+    """The update's tensor for ``param`` as a gradient direction (FedAvg deltas are negated)."""
+    t = obs.update.tensors.get(param)
+    if t is None:
+        raise AttackInputError(f"the update does not carry {param!r}, which this attack reads")
+    t = t.detach().to(torch.float64)
+    return -t if obs.update.kind == "delta" else t
+
+
+def input_side_gradient(
+    obs: Observation, model: nn.Module, suffixes: tuple[str, ...], layer: int
+) -> torch.Tensor:
+    """(d_in, k) matrix whose column space is the span of the inputs of ``suffixes`` in block ``layer``."""
+    spec = family_of(model)
+    cols = []
+    for suffix in suffixes:
+        name, _ = find_module(model, suffix.format(i=layer))
+        g = update_tensor(obs, f"{name}.weight")
+        cols.append(g if spec.conv1d else g.T)
+    return torch.cat(cols, dim=1)
+
+
+@dataclass(frozen=True)
+class Span:
+    """An orthonormal basis (d, r) of the estimated input span and the singular values it came from."""
+
+    basis: torch.Tensor
+    singular_values: torch.Tensor
+
+    @property
+    def rank(self) -> int:
+        return int(self.basis.shape[1])
+
+    @property
+    def full(self) -> bool:
+        """True when the span fills (nearly) the whole input space: the check cannot discriminate."""
+        return self.rank >= FULL_SPAN_FRACTION * self.basis.shape[0]
+
+    def residual(self, z: torch.Tensor) -> torch.Tensor:
+        """Relative distance ||z - P z|| / ||z|| of each row of ``z`` (..., d) to the span."""
+        z = z.to(torch.float64)
+        proj = (z @ self.basis) @ self.basis.T
+        return (z - proj).norm(dim=-1) / z.norm(dim=-1).clamp_min(1e-30)
+
+
+def estimate_span(
+    grad: torch.Tensor, rank_tol: float, max_rank: int | None = None, min_gap: float = 10.0
+) -> Span:
+    """SVD of the input-side gradient and a rank estimate (DAGER Sec. 4.1).
+
+    The rank is where the spectrum drops the most: r = 1 + argmax_i s_i / s_(i+1) over the singular values
+    with s_i >= ``rank_tol`` * s_0 (a floor below which float32 rounding noise lives), capped at
+    ``max_rank``. A spectrum that never drops by ``min_gap`` (a full-rank gradient: more tokens than the
+    width, or noise) gives every value above the floor, i.e. no low-rank structure.
+    """
+    u, s, _ = torch.linalg.svd(grad.to(torch.float64), full_matrices=False)
+    if s.numel() == 0 or float(s[0]) == 0.0:
+        return Span(u[:, :0], s)
+    n = int((s >= rank_tol * s[0]).sum())
+    m = min(n, s.numel() - 1)  # ratios s_i / s_(i+1) for i < m
+    ratios = s[:m] / s[1 : m + 1].clamp_min(1e-300)
+    r = int(ratios.argmax()) + 1 if m > 0 and float(ratios.max()) >= min_gap else n
+    if max_rank is not None:
+        r = min(r, max_rank)
+    return Span(u[:, :r], s)
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.no_grad()
+def capture_input(model: nn.Module, module: nn.Module, **forward: Any) -> torch.Tensor:
+    """Run ``model(**forward)`` up to ``module`` and return the module's first input (float64)."""
+    box: list[torch.Tensor] = []
+
+    def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        box.append(args[0] if args else kwargs["hidden_states"])
+        raise _Stop
+
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        model(**forward)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if not box:
+        raise AttackInputError(f"the forward pass never reached {type(module).__name__}")
+    return box[0].detach().to(torch.float64)
+
+
+def layer_inputs(
+    model: nn.Module, module: nn.Module, ids: torch.Tensor, *, start_position: int = 0, chunk: int = 4096
+) -> torch.Tensor:
+    """Inputs (n, T, d) of ``module`` for token sequences ``ids`` (n, T) starting at ``start_position``."""
+    spec = family_of(model)
+    outs = []
+    t = ids.shape[1]
+    pos = torch.arange(start_position, start_position + t).unsqueeze(0)
+    for part in ids.split(chunk):
+        kw: dict[str, Any] = {"input_ids": part, "position_ids": pos.expand(part.shape[0], t)}
+        if spec.token_types:
+            kw["token_type_ids"] = torch.zeros_like(part)
+        if spec.causal:
+            kw["use_cache"] = False
+        outs.append(capture_input(model, module, **kw))
+    return torch.cat(outs)
+
+
+def vocab_size(model: nn.Module) -> int:
+    getter: Any = getattr(model, "get_input_embeddings", None)
+    emb = getter() if getter is not None else None
+    if not isinstance(emb, nn.Embedding):
+        raise AttackInputError("the model exposes no input token embedding")
+    return int(emb.num_embeddings)
+
+
+def embedding_param(model: nn.Module) -> str:
+    name, _ = find_module(model, family_of(model).embedding)
+    return f"{name}.weight"

@@ -1,0 +1,99 @@
+"""Adaptive MLP-SVD probe (paper 002, Sec. IV-D "Channel 3" and Sec. VI-C).
+
+The first MLP projection of block 1 (GPT-2 ``c_fc``; Llama ``gate_proj``/``up_proj``; BERT
+``intermediate.dense``) has gradient sum_t delta_t u_t^T with u_t = LN_2(h_t) the MLP input, so DAGER's SVD
+span estimate applies to it unchanged. Unlike the attention input, u_t depends on the context through
+block 1's attention; the probe scores each vocabulary token v by the residual of its *context-free* MLP
+input (v alone at position p, attending to itself; exact for each sequence's first token in a decoder) at
+the first ``positions`` positions (rotary models: position-free), keeps the minimum over positions, and
+returns the ``rank``-many lowest-residual tokens (``select="rank"``: the span dimension estimates the
+number of distinct inputs) or those below ``threshold``. The result is an unordered token set.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from gradleak.attacks.text.family import (
+    estimate_span,
+    family_of,
+    find_module,
+    input_side_gradient,
+    layer_inputs,
+    vocab_size,
+)
+from gradleak.registry import ATTACKS
+from gradleak.types import AttackInputError, Observation, Reconstruction
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MLPSVDConfig:
+    positions: int = 4
+    select: str = "rank"  # "rank" or "threshold"
+    threshold: float = 0.2
+    rank_tol: float | None = None  # default: the family's
+    chunk: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.positions < 1 or self.chunk < 1:
+            raise ValueError("positions and chunk must be >= 1")
+        if self.select not in ("rank", "threshold"):
+            raise ValueError(f"select must be 'rank' or 'threshold', got {self.select!r}")
+        if not 0 < self.threshold < 1:
+            raise ValueError(f"threshold must be in (0, 1), got {self.threshold}")
+        if self.rank_tol is not None and not 0 < self.rank_tol < 1:
+            raise ValueError(f"rank_tol must be in (0, 1), got {self.rank_tol}")
+
+
+class MLPSVD:
+    """Token set from the span of block 1's MLP-expansion gradient (module docstring)."""
+
+    def __init__(self, config: MLPSVDConfig | None = None) -> None:
+        self.config = config or MLPSVDConfig()
+
+    def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
+        cfg = self.config
+        start = time.perf_counter()
+        model = copy.deepcopy(obs.model).eval()
+        spec = family_of(model)
+        span = estimate_span(
+            input_side_gradient(obs, model, spec.mlp_inputs, 0), cfg.rank_tol or spec.rank_tol
+        )
+        if span.rank == 0:
+            raise AttackInputError("the first block's MLP-expansion gradient is zero (frozen or masked)")
+        if span.full:
+            return Reconstruction(token_ids=[[]], stats={"rank": float(span.rank), "span_full": 1.0})
+        module = find_module(model, spec.mlp_inputs[0].format(i=0))[1]
+        vocab = torch.arange(vocab_size(model)).unsqueeze(1)
+        positions = cfg.positions if spec.positions == "learned" else 1
+        best = torch.full((vocab.shape[0],), float("inf"), dtype=torch.float64)
+        for p in range(positions):
+            z = layer_inputs(model, module, vocab, start_position=p, chunk=cfg.chunk)[:, 0]
+            best = torch.minimum(best, span.residual(z))
+        order = best.argsort()
+        if cfg.select == "rank":
+            tokens = order[: span.rank].tolist()
+        else:
+            tokens = order[: int((best < cfg.threshold).sum())].tolist()
+        log.info("MLP-SVD: rank %d, %d tokens", span.rank, len(tokens))
+        stats = {
+            "rank": float(span.rank),
+            "tokens": float(len(tokens)),
+            "seconds": time.perf_counter() - start,
+        }
+        return Reconstruction(token_ids=[tokens], stats=stats)
+
+
+ATTACKS.register(
+    "mlp_svd",
+    MLPSVD,
+    config_cls=MLPSVDConfig,
+    summary="adaptive MLP-SVD: span check on block 1's MLP-expansion gradient (paper 002 Channel 3)",
+)

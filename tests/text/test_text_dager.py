@@ -1,0 +1,81 @@
+"""DAGER recovers short batches exactly on tiny GPT-2 and BERT configs (random init, real tokenizers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradleak.attacks.text.baseline import null_observation
+from gradleak.attacks.text.dager import Dager, DagerConfig
+from gradleak.registry import ATTACKS
+from gradleak.text.client import fedavg_text_update, fedsgd_text_update
+from gradleak.types import AttackInputError, Observation
+
+
+def _observe(tm, batch, task):
+    update = fedsgd_text_update(tm.model, batch, task)
+    return Observation(tm.model, update, (batch.input_ids.shape[1],), 2)
+
+
+def _gen():
+    return torch.Generator().manual_seed(0)
+
+
+@pytest.mark.parametrize("fixture,task", [("gpt2_cls", "classification"), ("bert_cls", "classification")])
+def test_dager_exact_batch_of_two(request, make_batch, fixture, task):
+    tm = request.getfixturevalue(fixture)
+    batch = make_batch(tm)
+    rec = ATTACKS.create("dager").reconstruct(_observe(tm, batch, task), generator=_gen())
+    assert sorted(rec.token_ids) == sorted(batch.sequences())
+    texts = {tm.tokenizer.decode(s, skip_special_tokens=True).replace(" .", ".") for s in rec.token_ids}
+    assert texts == {"the movie was surprisingly good", "a dull and lifeless film."}
+
+
+def test_dager_causal_lm_exact_with_last_token_from_lm_head(gpt2_lm, make_batch):
+    batch = make_batch(gpt2_lm)
+    obs = _observe(gpt2_lm, batch, "causal_lm")
+    rec = Dager().reconstruct(obs, generator=_gen())
+    assert sorted(rec.token_ids) == sorted(batch.sequences())
+    # without the LM-head completion the last token of each sequence is out of reach of the span checks
+    short = Dager(DagerConfig(complete_last_token=False)).reconstruct(obs, generator=_gen())
+    assert sorted(short.token_ids) == sorted(s[:-1] for s in batch.sequences())
+
+
+def test_dager_greedy_search_and_span_ranks(gpt2_cls, make_batch):
+    batch = make_batch(gpt2_cls)
+    rec = Dager(DagerConfig(search="greedy")).reconstruct(
+        _observe(gpt2_cls, batch, "classification"), generator=_gen()
+    )
+    assert sorted(rec.token_ids) == sorted(batch.sequences())
+    assert rec.stats["rank_l1"] == len({(t, p) for s in batch.sequences() for p, t in enumerate(s)})
+
+
+def test_dager_fedavg_variant_attacks_multistep_delta(gpt2_cls, make_batch):
+    batch = make_batch(gpt2_cls)
+    update = fedavg_text_update(gpt2_cls.model, [batch], "classification", lr=1e-3, epochs=3)
+    obs = Observation(gpt2_cls.model, update, (batch.input_ids.shape[1],), 2)
+    rec = ATTACKS.create("dager_fedavg").reconstruct(obs, generator=_gen())
+    assert sorted(rec.token_ids) == sorted(batch.sequences())
+
+
+def test_dager_on_null_gradient_recovers_nothing(gpt2_cls, make_batch):
+    obs = _observe(gpt2_cls, make_batch(gpt2_cls), "classification")
+    rec = Dager().reconstruct(null_observation(obs, _gen()), generator=_gen())
+    assert rec.token_ids == []
+
+
+def test_dager_rejects_frozen_attention(gpt2_cls, make_batch):
+    obs = _observe(gpt2_cls, make_batch(gpt2_cls), "classification")
+    zeroed = {n: (torch.zeros_like(t) if ".attn." in n else t) for n, t in obs.update.tensors.items()}
+    frozen = Observation(obs.model, obs.update.replace(zeroed), obs.input_shape, 2)
+    with pytest.raises(AttackInputError, match="zero"):
+        Dager().reconstruct(frozen, generator=_gen())
+
+
+def test_dager_config_validation():
+    with pytest.raises(ValueError, match="search"):
+        DagerConfig(search="dfs")
+    with pytest.raises(ValueError, match="l1_threshold"):
+        DagerConfig(l1_threshold=2.0)
+    with pytest.raises(ValueError, match="unknown option"):
+        ATTACKS.create("dager", nonsense=1)
