@@ -6,6 +6,7 @@ from typing import Any
 
 from gradleak.attacks import image as _image  # noqa: F401  (registers)
 from gradleak.attacks import linear as _linear  # noqa: F401
+from gradleak.attacks import text as _text  # noqa: F401
 from gradleak.registry import ATTACKS
 from gradleak.types import Attack
 
