@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from gradleak.registry import ATTACKS
+from gradleak.attacks import create_attack
 from gradleak.text import models
 from gradleak.text.client import fedavg_text_update, fedsgd_text_update
 from gradleak.text.data import encode
@@ -56,7 +56,7 @@ def test_missing_model_package_names_the_install(monkeypatch):
 def _dager_exact(tm, task):
     batch = encode(SENTENCES, tm.tokenizer, labels=[1, 0])
     obs = Observation(tm.model, fedsgd_text_update(tm.model, batch, task), (batch.input_ids.shape[1],), 2)
-    rec = ATTACKS.create("dager").reconstruct(obs, generator=torch.Generator().manual_seed(0))
+    rec = create_attack("dager").reconstruct(obs, generator=torch.Generator().manual_seed(0))
     assert sorted(rec.token_ids) == sorted(batch.sequences()), rec.stats
 
 

@@ -7,13 +7,16 @@
    layer-1 input z(v, p) = LN(E[v] + P[p] (+ T[0])) is computed by the model itself; v is a candidate at p
    iff its relative residual to the L1 span is below ``l1_threshold``. Rotary models (Llama) have
    position-free layer-1 inputs, so one candidate set serves every position.
-3. **Decoders (causal): extension.** Sequences grow left to right; prefix s + v is kept iff the block-2
-   input of its last token (which under causal attention depends on the prefix only) lies in the L2 span.
+3. **Decoders (causal): extension.** Sequences grow left to right from the first tokens whose block-2
+   input lies in the L2 span; prefix s + v is kept iff the block-2 input of its last token (which under
+   causal attention depends on the prefix only) lies in the L2 span.
    ``search="greedy"`` keeps each prefix's best extension, ``"beam"`` keeps every accepted one up to
    ``beam_width`` prefixes. A prefix with no accepted extension is a finished sequence.
 4. **Encoders (BERT): search.** Whole sequences of each length are drawn from the per-position candidate
    sets, exhaustively when there are at most ``max_samples`` of them, else ``max_samples`` random draws
-   each refined by coordinate descent; a sequence is accepted iff all its block-2 inputs lie in the L2 span.
+   each refined by coordinate descent on the mean L2 residual; a sequence is accepted iff all its block-2
+   inputs lie in the L2 span. With ``end_token_id`` (BERT's [SEP]) only lengths whose last position can
+   hold it are searched. ``fill_to_batch`` completes B with the best rejected sequence of each length.
 5. **Batch assembly.** Of the accepted sequences, the ``B`` (= ``update.num_samples``) with the smallest
    L2 residual are returned, longest first among ties.
 
@@ -65,10 +68,12 @@ class DagerConfig:
     search: str = "beam"  # decoders: "greedy" or "beam"
     beam_width: int = 64
     max_samples: int = 4096  # encoders: sequences evaluated per length
-    max_candidates: int = 256  # per position; more means the span check is not discriminating
+    max_candidates: int = 512  # per position; more means the span check is not discriminating
     chunk: int = 4096
     midpoint_weights: bool = False  # evaluate candidates at w_0 + delta/2 (FedAvg)
     complete_last_token: bool = True  # causal LM: read each sequence's last token off the LM head
+    end_token_id: int | None = None  # encoders: a token that ends every sequence ([SEP]); limits lengths
+    fill_to_batch: bool = True  # encoders: complete B with the best rejected sequences (partial recovery)
 
     def __post_init__(self) -> None:
         for name in ("l1_threshold", "l2_threshold", "rank_tol"):
@@ -124,13 +129,20 @@ class Dager:
         m1 = find_module(model, spec.attn_inputs[0].format(i=0))[1]
         m2 = find_module(model, spec.attn_inputs[0].format(i=1))[1]
         cands = self.position_candidates(model, spec, m1, span1)
+        fallback: list[tuple[list[int], float]] = []
         if spec.causal:
             found = self.extend(model, spec, m2, span2, cands)
         else:
-            found = self.encoder_search(model, spec, m2, span2, cands, generator)
+            found, fallback = self.encoder_search(model, spec, m2, span2, cands, generator)
         b = max(1, obs.update.num_samples)
         found.sort(key=lambda sr: (sr[1], -len(sr[0])))
         seqs = [s for s, _ in found[:b]]
+        filled = 0
+        if not spec.causal and self.config.fill_to_batch and len(seqs) < b:
+            for s, _ in sorted(fallback, key=lambda sr: sr[1]):
+                if len(seqs) < b and s not in seqs:
+                    seqs.append(s)
+                    filled += 1
         if self.config.complete_last_token and spec.causal:
             if _has_lm_head(model):
                 seqs = complete_last_tokens(obs, model, seqs)
@@ -140,6 +152,7 @@ class Dager:
             "positions": float(len(cands)),
             "candidates": float(sum(len(c) for c in cands)),
             "accepted": float(len(found)),
+            "filled": float(filled),
             "seconds": time.perf_counter() - start,
         }
         log.info("DAGER: L1 rank %d, %d positions, %d accepted sequences", span1.rank, len(cands), len(found))
@@ -166,11 +179,19 @@ class Dager:
         return out
 
     def _l2_residual(
-        self, model: nn.Module, module: nn.Module, span: Span, seqs: torch.Tensor, last_only: bool
+        self,
+        model: nn.Module,
+        module: nn.Module,
+        span: Span,
+        seqs: torch.Tensor,
+        last_only: bool,
+        reduce: str = "max",
     ) -> torch.Tensor:
         z = layer_inputs(model, module, seqs, chunk=max(1, self.config.chunk // seqs.shape[1]))
         res = span.residual(z[:, -1] if last_only else z)
-        return res if last_only else res.max(dim=1).values
+        if last_only:
+            return res
+        return res.max(dim=1).values if reduce == "max" else res.mean(dim=1)
 
     def extend(
         self, model: nn.Module, spec: FamilySpec, module: nn.Module, span: Span, cands: list[list[int]]
@@ -178,7 +199,9 @@ class Dager:
         """Decoder search: grow prefixes token by token under the L2 check (module docstring, step 3)."""
         if not cands:
             return []
-        live: list[tuple[list[int], float]] = [([v], 0.0) for v in cands[0]]
+        # first tokens: under causal attention their block-2 input depends on themselves only
+        first = self._l2_residual(model, module, span, torch.tensor(cands[0]).unsqueeze(1), last_only=True)
+        live = [([v], float(r)) for v, r in zip(cands[0], first, strict=True) if r < spec.l2_threshold]
         done: list[tuple[list[int], float]] = []
         for p in range(1, len(cands) + 1):
             if not live:
@@ -210,11 +233,17 @@ class Dager:
         span: Span,
         cands: list[list[int]],
         generator: torch.Generator,
-    ) -> list[tuple[list[int], float]]:
-        """Encoder search over whole sequences of each length (module docstring, step 4)."""
+    ) -> tuple[list[tuple[list[int], float]], list[tuple[list[int], float]]]:
+        """Accepted sequences and the best sequence of each searched length (module docstring, step 4)."""
         found: list[tuple[list[int], float]] = []
+        fallback: list[tuple[list[int], float]] = []
+        end = self.config.end_token_id
         for length in range(1, len(cands) + 1):
+            if end is not None and end not in cands[length - 1]:
+                continue
             sets = cands[:length]
+            if end is not None:
+                sets = [*sets[:-1], [end]]
             total = 1
             for c in sets:
                 total *= len(c)
@@ -225,7 +254,9 @@ class Dager:
             res = self._l2_residual(model, module, span, seqs, last_only=False)
             for i in torch.nonzero(res < spec.l2_threshold).flatten().tolist():
                 found.append((seqs[i].tolist(), float(res[i])))
-        return found
+            best = int(res.argmin())
+            fallback.append((seqs[best].tolist(), float(res[best])))
+        return found, fallback
 
     def _refined_samples(
         self,
@@ -236,7 +267,7 @@ class Dager:
         generator: torch.Generator,
     ) -> torch.Tensor:
         """Random candidate sequences, each improved by coordinate descent on the L2 residual."""
-        n = max(1, self.config.max_samples // (4 * sum(len(c) for c in sets)))
+        n = max(2, self.config.max_samples // (4 * sum(len(c) for c in sets)))
         draws = torch.stack(
             [torch.tensor(c)[torch.randint(len(c), (n,), generator=generator)] for c in sets], dim=1
         )
@@ -246,7 +277,8 @@ class Dager:
                     continue
                 trial = draws.repeat_interleave(len(c), dim=0)
                 trial[:, p] = torch.tensor(c).repeat(draws.shape[0])
-                res = self._l2_residual(model, module, span, trial, last_only=False).view(-1, len(c))
+                res = self._l2_residual(model, module, span, trial, last_only=False, reduce="mean")
+                res = res.view(-1, len(c))
                 draws[:, p] = torch.tensor(c)[res.argmin(dim=1)]
         return torch.unique(draws, dim=0)
 

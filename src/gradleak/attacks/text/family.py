@@ -157,10 +157,12 @@ def estimate_span(
 ) -> Span:
     """SVD of the input-side gradient and a rank estimate (DAGER Sec. 4.1).
 
-    The rank is where the spectrum drops the most: r = 1 + argmax_i s_i / s_(i+1) over the singular values
-    with s_i >= ``rank_tol`` * s_0 (a floor below which float32 rounding noise lives), capped at
-    ``max_rank``. A spectrum that never drops by ``min_gap`` (a full-rank gradient: more tokens than the
-    width, or noise) gives every value above the floor, i.e. no low-rank structure.
+    The rank is after the last sharp drop of the spectrum: r = 1 + the largest i with
+    s_i / s_(i+1) >= ``min_gap`` among the singular values with s_i >= ``rank_tol`` * s_0 (a floor below
+    which float32 rounding noise lives), capped at ``max_rank``. The *last* drop, not the largest: one
+    dominant token (BERT's [CLS] under a classification loss) makes an earlier, larger drop inside the
+    signal. A spectrum that never drops by ``min_gap`` (a full-rank gradient: more tokens than the width,
+    or noise) gives every value above the floor, i.e. no low-rank structure.
     """
     u, s, _ = torch.linalg.svd(grad.to(torch.float64), full_matrices=False)
     if s.numel() == 0 or float(s[0]) == 0.0:
@@ -168,7 +170,8 @@ def estimate_span(
     n = int((s >= rank_tol * s[0]).sum())
     m = min(n, s.numel() - 1)  # ratios s_i / s_(i+1) for i < m
     ratios = s[:m] / s[1 : m + 1].clamp_min(1e-300)
-    r = int(ratios.argmax()) + 1 if m > 0 and float(ratios.max()) >= min_gap else n
+    drops = torch.nonzero(ratios >= min_gap).flatten()
+    r = int(drops[-1]) + 1 if drops.numel() else n
     if max_rank is not None:
         r = min(r, max_rank)
     return Span(u[:, :r], s)
