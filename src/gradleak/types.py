@@ -151,3 +151,14 @@ class ModelModifyingAttack(Attack, Protocol):
     def prepare(
         self, model: nn.Module, public_images: torch.Tensor | None, *, generator: torch.Generator
     ) -> tuple[nn.Module, Mapping[str, object]]: ...
+
+
+@runtime_checkable
+class ClientCustomizingAttack(ModelModifyingAttack, Protocol):
+    """A malicious server that sends each audited client its own variant of the prepared model (LOKI).
+
+    ``customize(broadcast, slot)`` returns the model for the ``slot``-th audited client; the Observation still
+    carries ``broadcast`` (the server's reference model) and the secrets from ``prepare``.
+    """
+
+    def customize(self, broadcast: nn.Module, slot: int) -> nn.Module: ...

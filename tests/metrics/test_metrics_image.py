@@ -430,3 +430,18 @@ def test_lpips_reported_unavailable(tmp_path: Path, gray: torch.Tensor) -> None:
     assert not lpips_available(str(tmp_path / "missing.pth"))
     with pytest.raises(LPIPSUnavailableError, match="unavailable"):
         lpips(gray[:2], gray[:2])
+
+
+def test_successful_subset_means():
+    """Two exact copies (capped 100 dB, SSIM 1) and two poor ones: the successful subset is the copies."""
+    g = torch.Generator().manual_seed(3)
+    truth = torch.rand((4, 1, 16, 16), generator=g)
+    recon = truth.clone()
+    recon[2:] = 0.5  # flat grey: far below 18 dB against uniform noise
+    s = score_images(recon, truth, match=False)
+    assert s.reconstruction_rate == 0.5
+    assert s.psnr_mean_successful == pytest.approx(100.0)
+    assert s.ssim_mean_successful == pytest.approx(1.0, abs=1e-6)
+    assert s.psnr_mean < 60.0
+    none = score_images(torch.full_like(truth, 0.5), truth, match=False)
+    assert none.psnr_mean_successful is None and none.ssim_mean_successful is None

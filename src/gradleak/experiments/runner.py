@@ -36,7 +36,7 @@ from gradleak.fl.client import ClientResult
 from gradleak.metrics import score_images
 from gradleak.models import build_model
 from gradleak.registry import DEFENSES
-from gradleak.types import ModelModifyingAttack, Observation, Reconstruction
+from gradleak.types import ClientCustomizingAttack, ModelModifyingAttack, Observation, Reconstruction
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,26 @@ def _figure(
     return truth[matched], recon, title, caps
 
 
+def collect_malicious(
+    sim: FederatedSimulation,
+    attack: ModelModifyingAttack,
+    broadcast: nn.Module,
+    ids: list[int],
+    cfg: ExperimentConfig,
+) -> list[ClientResult]:
+    """Audited clients train the server's model; a client-customising attack sends each its own variant."""
+    a = cfg.audit
+    if not isinstance(attack, ClientCustomizingAttack):
+        return sim.collect(ids, a.training, broadcast=broadcast, max_samples=a.max_samples)
+    return [
+        r
+        for slot, cid in enumerate(ids)
+        for r in sim.collect(
+            [cid], a.training, broadcast=attack.customize(broadcast, slot), max_samples=a.max_samples
+        )
+    ]
+
+
 def any_model_modifying(cfg: ExperimentConfig) -> bool:
     return any(
         isinstance(create_attack(s.name, **s.options), ModelModifyingAttack) for s in cfg.audit.attacks
@@ -207,7 +227,7 @@ def run_experiment(
             if isinstance(attack, ModelModifyingAttack):  # the server broadcasts its own model this round
                 gen = torch.Generator().manual_seed(derive_seed(seed, 0xBAD, len(records)))
                 broadcast, secrets = attack.prepare(copy.deepcopy(sim.model), public, generator=gen)
-                results = sim.collect(ids, audit.training, broadcast=broadcast, max_samples=audit.max_samples)
+                results = collect_malicious(sim, attack, broadcast, ids, cfg)
             else:
                 if honest is None:
                     honest = sim.collect(ids, audit.training, max_samples=audit.max_samples)

@@ -229,7 +229,14 @@ def server_view(
         agg = secure_sum([r.update for r in received])  # type: ignore[misc]
         return [
             Observation(
-                w0, agg, input_shape, num_classes, training, aggregated=True, num_clients=len(received)
+                w0,
+                agg,
+                input_shape,
+                num_classes,
+                training,
+                secrets=secrets,
+                aggregated=True,
+                num_clients=len(received),
             )
         ]
     out = []

@@ -208,7 +208,9 @@ class ImageScores:
     exact reconstructions. ``matching[j]`` is the reconstruction index paired with truth ``j`` (-1: none).
     Means are over matched pairs; ``psnr_mean`` / ``psnr_var`` (population variance) use PSNR capped at
     ``PSNR_CAP_DB`` = 100 dB. ``reconstruction_rate`` divides by ``n_images`` (all ground truths), so
-    unmatched truths count as failures. ``lpips`` is ``None`` with the reason in ``lpips_note``.
+    unmatched truths count as failures. ``psnr_mean_successful`` / ``ssim_mean_successful`` average over the
+    pairs above ``threshold_db`` only (paper 000's "successful subset"; None when there are none).
+    ``lpips`` is ``None`` with the reason in ``lpips_note``.
     """
 
     psnr: tuple[float, ...]
@@ -220,6 +222,8 @@ class ImageScores:
     ssim_mean: float
     fsim_mean: float
     reconstruction_rate: float
+    psnr_mean_successful: float | None
+    ssim_mean_successful: float | None
     n_images: int
     n_matched: int
     threshold_db: float
@@ -291,6 +295,7 @@ def score_images(
     psnr_vals = psnr(r, t).to(torch.float64)
     capped = psnr_vals.clamp(max=PSNR_CAP_DB)
     ssim_vals = ssim(r, t).to(torch.float64)
+    ok = psnr_vals > threshold_db  # paper 000 also reports means over the successful subset
     fsim_vals = fsim(r, t).to(torch.float64)
     reason = lpips_unavailable_reason(lpips_weights)
     return ImageScores(
@@ -303,6 +308,8 @@ def score_images(
         ssim_mean=float(ssim_vals.mean()),
         fsim_mean=float(fsim_vals.mean()),
         reconstruction_rate=reconstruction_rate(psnr_vals, threshold_db, n_total=truth.shape[0]),
+        psnr_mean_successful=float(capped[ok].mean()) if ok.any() else None,
+        ssim_mean_successful=float(ssim_vals[ok].mean()) if ok.any() else None,
         n_images=int(truth.shape[0]),
         n_matched=int(matched.numel()),
         threshold_db=float(threshold_db),
