@@ -35,3 +35,23 @@ def test_secure_aggregation_sum_is_attacked_once(attack):
     (a,) = out.of_kind("attack")
     assert a["aggregated"] and a["num_clients"] == 2 and a["batch_size"] == 16
     assert a["reconstruction_rate"] >= 0.5, a["psnr"]
+
+
+def test_runner_customises_loki_per_client(monkeypatch):
+    """Each audited client trains its own slot's model (ClientCustomizingAttack), so the sum keeps them apart."""
+    from gradleak.attacks.linear.loki import Loki
+
+    slots: list[int] = []
+    original = Loki.customize
+
+    def spy(self, broadcast, slot):
+        slots.append(slot)
+        return original(self, broadcast, slot)
+
+    monkeypatch.setattr(Loki, "customize", spy)
+    cfg = load_config(EXAMPLES / "organamnist_loki_secagg.toml",
+                      [*SMALL, "audit.clients=3", "audit.training.batch_size=8"])  # fmt: skip
+    (a,) = run_experiment(cfg).of_kind("attack")
+    assert slots == [0, 1, 2]
+    assert a["aggregated"] and a["num_clients"] == 3 and a["batch_size"] == 24
+    assert a["reconstruction_rate"] >= 0.9, a["psnr"]
