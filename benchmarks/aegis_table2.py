@@ -40,9 +40,9 @@ from gradleak.generators import ClassGaussianGenerator
 from gradleak.metrics import score_images
 from gradleak.models import build_model
 from gradleak.types import Observation
+from linear_leakage import BATCH, BINS, MODEL, PAPER_RTF, Regime, RegimeResult, fedavg, fmt, load_setting
 
 from _common import configure_torch, make_parser, parse_args, summarize, write_result
-from linear_leakage import BATCH, BINS, MODEL, PAPER_RTF, Regime, RegimeResult, fedavg, fmt, load_setting
 
 NAME = "aegis_table2"
 M_DEFAULT = 2048
@@ -53,9 +53,10 @@ PAPER_AEGIS = {  # paper 000 Table 2 (Aegis, M = 2048, Robbing the Fed): RR %, P
     "pneumoniamnist": None,  # ChestMNIST in the paper: 9.50 %, 18.70 dB, 0.46 (succ. 29.80 dB, 0.91)
 }
 PAPER_SWEEP_RR = {  # paper 000 Table A.5, RR % for M = 512, 1024, 1536, 2048
-    "organamnist": [47.82, 27.31, 17.66, 11.63], "pathmnist": [44.34, 24.53, 15.21, 9.38],
+    "organamnist": [47.82, 27.31, 17.66, 11.63],
+    "pathmnist": [44.34, 24.53, 15.21, 9.38],
     "pneumoniamnist": None,  # ChestMNIST: 49.95, 27.03, 16.24, 9.50
-}  # fmt: skip
+}
 SMIA = {"num_bins": BINS, "autoencoder": "pca", "latent_dim": 256, "tuned_for": "adam"}
 SCALES = {"smoke": 2, "small": 5, "paper": 10}
 
@@ -63,13 +64,21 @@ SCALES = {"smoke": 2, "small": 5, "paper": 10}
 def attack_regimes(n_clients: int) -> dict[str, Regime]:
     return {
         "rtf": Regime("rtf/sgd-e3", "robbing_the_fed", {"num_bins": BINS}, fedavg("sgd", 3)),
-        "rtf-adam": Regime("rtf-adam/adam-e3 (paper recipe)", "robbing_the_fed",
-                           {"num_bins": BINS, "tuned_for": "adam"}, fedavg("adam", 3)),
-        "loki-adam": Regime("loki-adam/adam-e3 secagg (paper recipe)", "loki",
-                            {"slots": n_clients, "bins_per_slot": BINS, "tuned_for": "adam"},
-                            fedavg("adam", 3), aggregated=True),
+        "rtf-adam": Regime(
+            "rtf-adam/adam-e3 (paper recipe)",
+            "robbing_the_fed",
+            {"num_bins": BINS, "tuned_for": "adam"},
+            fedavg("adam", 3),
+        ),
+        "loki-adam": Regime(
+            "loki-adam/adam-e3 secagg (paper recipe)",
+            "loki",
+            {"slots": n_clients, "bins_per_slot": BINS, "tuned_for": "adam"},
+            fedavg("adam", 3),
+            aggregated=True,
+        ),
         "smia-adam": Regime("scale_mia-adam/adam-e3 (paper recipe)", "scale_mia", SMIA, fedavg("adam", 3)),
-    }  # fmt: skip
+    }
 
 
 def client_cache(share: ImageDataset, size: int, seed: int, slot: int) -> SyntheticCache:
@@ -77,8 +86,12 @@ def client_cache(share: ImageDataset, size: int, seed: int, slot: int) -> Synthe
     t0 = time.perf_counter()
     source = ClassGaussianGenerator.fit(share)
     fit = time.perf_counter() - t0
-    cache = build_cache(source, share, CacheConfig(size=size),
-                        generator=torch.Generator().manual_seed(derive_seed(seed, 0xCAC4E, slot)))  # fmt: skip
+    cache = build_cache(
+        source,
+        share,
+        CacheConfig(size=size),
+        generator=torch.Generator().manual_seed(derive_seed(seed, 0xCAC4E, slot)),
+    )
     cache.stats["generator_fit_seconds"] = fit
     return cache
 
@@ -96,8 +109,11 @@ def run_defended(
     attack = create_attack(regime.attack, **regime.options)
     out = RegimeResult(regime.name, regime.attack, regime.options, asdict(regime.training), regime.aggregated)
     t0 = time.perf_counter()
-    broadcast, secrets = attack.prepare(copy.deepcopy(model), public,  # type: ignore[attr-defined]
-                                        generator=torch.Generator().manual_seed(derive_seed(seed, 0xBAD)))  # fmt: skip
+    broadcast, secrets = attack.prepare(
+        copy.deepcopy(model),
+        public,  # type: ignore[attr-defined]
+        generator=torch.Generator().manual_seed(derive_seed(seed, 0xBAD)),
+    )
     out.prepare_seconds = time.perf_counter() - t0
     shape, classes = shares[0].input_shape, shares[0].num_classes
     data = [c.subset(np.arange(min(BATCH, len(c)))) for c in shares]
@@ -106,20 +122,36 @@ def run_defended(
         sent = attack.customize(broadcast, slot) if hasattr(attack, "customize") else broadcast  # type: ignore[attr-defined]
         defenses = [] if caches is None else [aegis_for_client(caches[slot], **aegis)]
         t0 = time.perf_counter()
-        res = train_client(slot, sent, d, regime.training, defenses,
-                           torch.Generator().manual_seed(derive_seed(seed, 0xC11E, slot)))  # fmt: skip
+        res = train_client(
+            slot,
+            sent,
+            d,
+            regime.training,
+            defenses,
+            torch.Generator().manual_seed(derive_seed(seed, 0xC11E, slot)),
+        )
         if res.update is None:
             raise RuntimeError(f"client {slot} withheld its update: {res.error}")
         out.step_seconds.append(time.perf_counter() - t0)  # here: the client's whole local training
         results.append(res)
     if regime.aggregated:
         agg = secure_sum([r.update for r in results])  # type: ignore[misc]
-        observations = [Observation(broadcast, agg, shape, classes, secrets=secrets, aggregated=True,
-                                    num_clients=len(results))]  # fmt: skip
+        observations = [
+            Observation(
+                broadcast, agg, shape, classes, secrets=secrets, aggregated=True, num_clients=len(results)
+            )
+        ]
         truths = [torch.cat([d.images for d in data])]
     else:
-        observations = server_view(broadcast, results, input_shape=shape, num_classes=classes,
-                                   secure_aggregation=False, training=None, secrets=secrets)  # fmt: skip
+        observations = server_view(
+            broadcast,
+            results,
+            input_shape=shape,
+            num_classes=classes,
+            secure_aggregation=False,
+            training=None,
+            secrets=secrets,
+        )
         truths = [r.truth.images for r in results]  # type: ignore[union-attr]
     for k, (obs, truth) in enumerate(zip(observations, truths, strict=True)):
         t0 = time.perf_counter()
@@ -137,13 +169,17 @@ def run_defended(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser(__doc__.splitlines()[0])
     parser.add_argument("--datasets", nargs="+", default=["organamnist", "pathmnist", "pneumoniamnist"])
-    parser.add_argument("--attacks", nargs="+", default=["rtf", "rtf-adam"], help="rtf rtf-adam loki-adam smia-adam")
+    parser.add_argument(
+        "--attacks", nargs="+", default=["rtf", "rtf-adam"], help="rtf rtf-adam loki-adam smia-adam"
+    )
     parser.add_argument("--sweep", action="store_true", help="Table A.5: M in 512..2048")
     parser.add_argument("--same-lr", action="store_true", help="also run the same-lr normalisation")
     args = parse_args(parser, argv)
     n_clients = SCALES[args.scale]
     threads = configure_torch(args.threads)
-    print(f"{NAME} --scale {args.scale}: {n_clients} clients, seeds {args.seeds}, threads {threads}", flush=True)
+    print(
+        f"{NAME} --scale {args.scale}: {n_clients} clients, seeds {args.seeds}, threads {threads}", flush=True
+    )
     defenses: list[tuple[str, int | None, dict[str, Any]]] = [("none", None, {}), ("aegis", M_DEFAULT, {})]
     if args.same_lr:
         defenses.append(("aegis-same_lr", M_DEFAULT, {"normalization": "same_lr"}))
@@ -153,30 +189,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     for seed in args.seeds:
         for name in args.datasets:
             shares, public, info = load_setting(name, seed, n_clients)
-            model = build_model(MODEL, shares[0].input_shape, shares[0].num_classes, seed=derive_seed(seed, 0x30DE))
+            model = build_model(
+                MODEL, shares[0].input_shape, shares[0].num_classes, seed=derive_seed(seed, 0x30DE)
+            )
             caches = [client_cache(s, M_DEFAULT, seed, i) for i, s in enumerate(shares)]
             info["cache"] = [c.stats for c in caches]
             rows = []
             for key in args.attacks:
                 regime = attack_regimes(len(shares))[key]
                 for label, m, opts in defenses:
-                    res = run_defended(regime, model, shares, None if m is None else caches, opts, public, seed)
+                    res = run_defended(
+                        regime, model, shares, None if m is None else caches, opts, public, seed
+                    )
                     s = res.summary()
-                    s.update(defense=label, cache_size=m, aegis_options=opts,
-                             client_seconds=summarize(res.step_seconds))
+                    s.update(
+                        defense=label,
+                        cache_size=m,
+                        aegis_options=opts,
+                        client_seconds=summarize(res.step_seconds),
+                    )
                     rows.append(s)
-                    print(f"  seed {seed} {name:14s} {regime.name:40s} {label:14s} RR {s['reconstruction_rate']:.3f} "
-                          f"PSNR {fmt(s['psnr_mean_all'], '.1f')} SSIM {fmt(s['ssim_mean_all'], '.3f')} | succ "
-                          f"{fmt(s['psnr_mean_successful'], '.1f')} {fmt(s['ssim_mean_successful'], '.3f')} | "
-                          f"client {s['client_seconds']['median']:.1f}s", flush=True)  # fmt: skip
-            per[f"{name}/seed{seed}"] = {"setting": info, "paper_no_defense": PAPER_RTF[name],
-                                         "paper_aegis": PAPER_AEGIS[name], "paper_sweep_rr": PAPER_SWEEP_RR[name],
-                                         "rows": rows}  # fmt: skip
-    payload = {"setting": {"model": MODEL, "bins": BINS, "batch": BATCH, "cache_default": M_DEFAULT,
-                           "generator": "per-class PCA Gaussian (32 components) fit on the client's share",
-                           "acceptance": "feature MSE to nearest same-label private sample <= H (q0.9 LOO)",
-                           "clients_per_dataset": n_clients, "round": "first round"},
-               "results": per}  # fmt: skip
+                    print(
+                        f"  seed {seed} {name:14s} {regime.name:40s} {label:14s} "
+                        f"RR {s['reconstruction_rate']:.3f} "
+                        f"PSNR {fmt(s['psnr_mean_all'], '.1f')} SSIM {fmt(s['ssim_mean_all'], '.3f')} | succ "
+                        f"{fmt(s['psnr_mean_successful'], '.1f')} {fmt(s['ssim_mean_successful'], '.3f')} | "
+                        f"client {s['client_seconds']['median']:.1f}s",
+                        flush=True,
+                    )
+            per[f"{name}/seed{seed}"] = {
+                "setting": info,
+                "paper_no_defense": PAPER_RTF[name],
+                "paper_aegis": PAPER_AEGIS[name],
+                "paper_sweep_rr": PAPER_SWEEP_RR[name],
+                "rows": rows,
+            }
+    payload = {
+        "setting": {
+            "model": MODEL,
+            "bins": BINS,
+            "batch": BATCH,
+            "cache_default": M_DEFAULT,
+            "generator": "per-class PCA Gaussian (32 components) fit on the client's share",
+            "acceptance": "feature MSE to nearest same-label private sample <= H (q0.9 LOO)",
+            "clients_per_dataset": n_clients,
+            "round": "first round",
+        },
+        "results": per,
+    }
     name = "aegis_tableA5" if args.sweep else NAME
     print(f"wrote {write_result(name, args.scale, payload, seeds=args.seeds, out=args.out)}")
     return 0

@@ -93,7 +93,10 @@ class _FrozenFeatures(nn.Module):
         self.conv = nn.Conv2d(channels, 16, 3, padding=1)
         with torch.no_grad():
             w = torch.randn(self.conv.weight.shape, generator=g) / math.sqrt(9 * channels)
-            self.conv.weight.copy_(w - w.mean(dim=(1, 2, 3), keepdim=True))  # zero-mean: texture, not brightness
+            self.conv.weight.copy_(
+                w - w.mean(dim=(1, 2, 3), keepdim=True)
+            )  # zero-mean: texture, not brightness
+            assert self.conv.bias is not None
             self.conv.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -195,7 +198,9 @@ def build_cache(
         tried += n
     images, labels = torch.cat(imgs)[: config.size], torch.cat(labs)[: config.size]
     rejection = 1 - accepted / tried
-    log.info("aegis cache: %d accepted of %d candidates (rejection rate %.1f%%)", accepted, tried, 100 * rejection)
+    log.info(
+        "aegis cache: %d accepted of %d candidates (rejection rate %.1f%%)", accepted, tried, 100 * rejection
+    )
     stats = {"candidates": float(tried), "accepted": float(accepted), "rejection_rate": rejection,
              "budget": filt.budget, "seconds": time.perf_counter() - start}  # fmt: skip
     return SyntheticCache(images.contiguous(), labels.contiguous(), stats)

@@ -21,7 +21,8 @@ Normalisation (paper 000 uses two descriptions and does not reconcile them):
   left unchanged. **Default**: it is the reading under which synthetic samples actually mix with real ones
   in a linear-leakage bin (docs/defenses.md gives the measurements for both).
 
-Fail closed: a missing cache, a cache that does not match the model's input, or a non-finite gradient
+Fail closed: a missing cache, a cache whose image shape differs from the real batches' (recorded by a
+forward pre-hook during the first epoch), or a non-finite gradient
 raises, and :class:`~gradleak.defenses.base.DefenseChain` withholds the update.
 """
 
@@ -74,7 +75,9 @@ class AegisConfig:
 
 
 def batch_dependent(model: nn.Module) -> list[str]:
-    return [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    return [
+        n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+    ]
 
 
 def accumulate_mean_gradient(
@@ -105,6 +108,8 @@ class AegisSynthetic(Defense):
         self.cache: SyntheticCache | None = None
         self.steps = 0
         self.last_loss = math.nan
+        self._real_shape: tuple[int, ...] | None = None
+        self._hook: torch.utils.hooks.RemovableHandle | None = None
         if cache is not None:
             self.bind(cache)
 
@@ -116,17 +121,30 @@ class AegisSynthetic(Defense):
 
     def setup(self, model: nn.Module, *, generator: torch.Generator) -> None:
         if self.cache is None:
-            raise RuntimeError("aegis has no synthetic cache: build one (defenses.aegis_cache.build_cache) and bind it")
+            raise RuntimeError(
+                "aegis has no synthetic cache: build one (defenses.aegis_cache.build_cache) and bind it"
+            )
         bad = batch_dependent(model)
         if bad and self.config.micro_batch < self.config.cache_size:
             raise RuntimeError(f"batch-dependent layers {bad[:3]} break micro-batch accumulation")
         self.steps = 0
+        self._real_shape = None
+        self._hook = model.register_forward_pre_hook(self._record_shape)
+
+    def _record_shape(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        if self._real_shape is None and args and isinstance(args[0], torch.Tensor):
+            self._real_shape = tuple(args[0].shape[1:])
 
     def on_epoch_end(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if self.cache is None:
             raise RuntimeError("aegis has no synthetic cache")
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         m = self.config.cache_size
         images, labels = self.cache.images[:m], self.cache.labels[:m]
+        if self._real_shape is not None and tuple(images.shape[1:]) != self._real_shape:
+            raise ValueError(f"cache images are {tuple(images.shape[1:])}, the task's are {self._real_shape}")
         optimizer.zero_grad(set_to_none=True)
         self.last_loss = accumulate_mean_gradient(
             model, images, labels, self.config.micro_batch, self.config.synthetic_weight
@@ -142,7 +160,8 @@ class AegisSynthetic(Defense):
 
 def aegis_for_client(cache: SyntheticCache, **options: object) -> AegisSynthetic:
     """A client's Aegis defense from config options (as ``DEFENSES.create``) and its own cache."""
-    return DEFENSES.create("aegis", **options).bind(cache)  # type: ignore[no-any-return]
+    defense: AegisSynthetic = DEFENSES.create("aegis", **options)
+    return defense.bind(cache)
 
 
 DEFENSES.register(

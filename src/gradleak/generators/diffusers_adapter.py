@@ -38,7 +38,9 @@ class DiffusersGenerator:
         try:
             diffusers = importlib.import_module("diffusers")
         except ImportError as exc:  # pragma: no cover - optional dependency
-            raise ImportError("DiffusersGenerator needs the 'diffusers' package (pip install diffusers)") from exc
+            raise ImportError(
+                "DiffusersGenerator needs the 'diffusers' package (pip install diffusers)"
+            ) from exc
         if not prompts:
             raise ValueError("prompts must name at least one class")
         self.pipe = diffusers.DiffusionPipeline.from_pretrained(
