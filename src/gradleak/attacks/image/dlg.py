@@ -133,7 +133,6 @@ class DLG:
                 best = (loss, x.detach().clone(), y.detach().clone())
             if loss == 0.0:
                 break
-        final = float(objective().detach()) if math.isfinite(best[0]) else math.inf
         with torch.no_grad():
             x.copy_(best[1])
             y.copy_(best[2])
