@@ -1,0 +1,184 @@
+"""Paper 000 Table 1 / Table A.4 analogue: round wall-clock of Aegis and baseline defenses, and accuracy.
+
+Paper 000's FL protocol on OrganAMNIST (default): 100 label-skew clients (at most 5 classes), 10 % sampled
+per round, FedAvg with Adam lr 1e-3, E = 3, B = 64, the honest ``aegis_cnn``. Every client trains on its
+whole share (~350 images). Per sampled client and defense we time its local training
+(``train_client``); a round's time is the sum over its sampled clients (clients run sequentially, as on
+the paper's single workstation). Reported:
+
+- utility (paper recipe, Adam): test accuracy after ``rounds`` rounds, no defense vs Aegis (M = 2048,
+  lambda weighting), same seeds and sampled clients;
+- Table 1 analogue: round time of Aegis, gradient compression, DP noise and Soteria as ratios to no
+  defense, measured on the same clients in round 1 (Soteria: its first ``--soteria-clients`` clients only,
+  ratio per client); and the compute-bound Aegis ratio ``(N_real + M) / N_real`` per client;
+- the one-time cache cost (generator fit + candidate generation + acceptance), separately.
+
+    python benchmarks/aegis_table1.py --scale smoke|small|paper --threads 1 [--datasets organamnist]
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from aegis_table2 import client_cache
+from gradleak.data import ImageDataset, load_dataset, partition
+from gradleak.defenses.aegis_cache import SyntheticCache
+from gradleak.defenses.aegis_synthetic import aegis_for_client
+from gradleak.defenses.base import Defense
+from gradleak.fl import apply_update, derive_seed, evaluate, sample_clients, weighted_mean
+from gradleak.fl.client import train_client
+from gradleak.models import build_model
+from gradleak.registry import DEFENSES
+from gradleak.types import LocalTraining
+from linear_leakage import MAX_CLASSES, MODEL, NUM_CLIENTS
+
+from _common import configure_torch, make_parser, parse_args, summarize, write_result
+
+NAME = "aegis_table1"
+M = 2048
+ADAM = LocalTraining("fedavg", epochs=3, batch_size=64, lr=1e-3, optimizer="adam")
+ROUNDS = {"smoke": 2, "small": 5, "paper": 20}
+PAPER_TABLE1 = {  # seconds for the whole training run (MNIST 100 rounds, CIFAR-10 150 rounds)
+    "MNIST": {"none": 290.5, "aegis": 1890.1, "compression": 334.5, "dp_noise": 4622.4, "soteria": 19816.2},
+    "CIFAR-10": {
+        "none": 433.1,
+        "aegis": 2339.3,
+        "compression": 512.1,
+        "dp_noise": 8356.8,
+        "soteria": 32482.0,
+    },
+}
+PAPER_ACC = {"organamnist": (58.6, 58.8), "pathmnist": (57.3, 57.2)}  # Table A.4 (none, Aegis)
+BASELINES = ("compression", "dp_noise", "soteria")
+
+
+def timed(
+    model: nn.Module, cid: int, data: ImageDataset, defenses: list[Defense], seed: int, rnd: int
+) -> Any:
+    t0 = time.perf_counter()
+    res = train_client(
+        cid, model, data, ADAM, defenses, torch.Generator().manual_seed(derive_seed(seed, rnd, cid))
+    )
+    if res.update is None:
+        raise RuntimeError(f"client {cid} withheld its update: {res.error}")
+    return res, time.perf_counter() - t0
+
+
+def run(name: str, seed: int, rounds: int, soteria_clients: int) -> dict[str, Any]:
+    pool = load_dataset(name, "train")
+    test = load_dataset(name, "test")
+    parts = partition(
+        "label_skew", pool, NUM_CLIENTS, derive_seed(seed, 0x9A27), max_classes_per_client=MAX_CLASSES
+    )
+    shares = {i: pool.subset(np.sort(p)) for i, p in enumerate(parts)}
+    init = build_model(MODEL, pool.input_shape, pool.num_classes, seed=derive_seed(seed, 0x30DE))
+    models = {"none": copy.deepcopy(init), "aegis": copy.deepcopy(init)}
+    caches: dict[int, SyntheticCache] = {}
+    rng = np.random.default_rng(derive_seed(seed, 0x5A11))
+    rounds_out, baseline_rows = [], []
+    for rnd in range(rounds):
+        sampled = sample_clients(NUM_CLIENTS, 0.1, rng)
+        row: dict[str, Any] = {"round": rnd, "clients": sampled, "seconds": {"none": 0.0, "aegis": 0.0}}
+        for cid in sampled:
+            if cid not in caches:
+                caches[cid] = client_cache(shares[cid], M, seed, cid)
+        for label, model in models.items():
+            updates = []
+            for cid in sampled:
+                defenses: list[Defense] = [] if label == "none" else [aegis_for_client(caches[cid])]
+                res, sec = timed(model, cid, shares[cid], defenses, seed, rnd)
+                row["seconds"][label] += sec
+                updates.append(res.update)
+                if rnd == 0:
+                    baseline_rows.append(
+                        {"client": cid, "defense": label, "seconds": sec, "n_real": len(shares[cid])}
+                    )
+            apply_update(model, weighted_mean(updates))
+            row[f"acc_{label}"] = evaluate(model, test.images, test.labels)
+        if rnd == 0:  # baselines: the same clients, the same broadcast model (the initial one)
+            for b in BASELINES:
+                for j, cid in enumerate(sampled):
+                    if b == "soteria" and j >= soteria_clients:
+                        break
+                    _, sec = timed(init, cid, shares[cid], [DEFENSES.create(b)], seed, rnd)
+                    baseline_rows.append(
+                        {"client": cid, "defense": b, "seconds": sec, "n_real": len(shares[cid])}
+                    )
+        print(
+            f"  {name} round {rnd}: acc none {row['acc_none']:.4f} aegis {row['acc_aegis']:.4f} | seconds "
+            f"none {row['seconds']['none']:.1f} aegis {row['seconds']['aegis']:.1f}",
+            flush=True,
+        )
+        rounds_out.append(row)
+    per_client: dict[str, dict[int, float]] = {}
+    for r in baseline_rows:
+        per_client.setdefault(r["defense"], {})[r["client"]] = r["seconds"]
+    ratios = {}
+    for d, times in per_client.items():
+        if d == "none":
+            continue
+        rs = [t / per_client["none"][c] for c, t in times.items()]
+        ratios[d] = {"median": statistics.median(rs), "per_client": rs, "clients": len(rs)}
+    sizes = {r["client"]: r["n_real"] for r in baseline_rows}
+    bound = [(n + M) / n for n in sizes.values()]
+    cache_stats = [c.stats for c in caches.values()]
+    return {
+        "rounds": rounds_out,
+        "client_timings_round0": baseline_rows,
+        "ratio_to_none": ratios,
+        "aegis_compute_bound_ratio": {"median": statistics.median(bound), "per_client": bound},
+        "final_acc": {"none": rounds_out[-1]["acc_none"], "aegis": rounds_out[-1]["acc_aegis"]},
+        "round_seconds": {k: summarize([r["seconds"][k] for r in rounds_out]) for k in ("none", "aegis")},
+        "cache_one_time_seconds": summarize([c["seconds"] + c["generator_fit_seconds"] for c in cache_stats]),
+        "cache_rejection_rate": summarize([c["rejection_rate"] for c in cache_stats]),
+        "paper_acc_none_aegis": PAPER_ACC.get(name),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser(__doc__.splitlines()[0])
+    parser.add_argument("--datasets", nargs="+", default=["organamnist"])
+    parser.add_argument("--soteria-clients", type=int, default=1)
+    args = parse_args(parser, argv)
+    threads = configure_torch(args.threads)
+    rounds = ROUNDS[args.scale]
+    print(f"{NAME} --scale {args.scale}: {rounds} rounds, seeds {args.seeds}, threads {threads}", flush=True)
+    results = {
+        f"{n}/seed{s}": run(n, s, rounds, args.soteria_clients) for s in args.seeds for n in args.datasets
+    }
+    for key, r in results.items():
+        print(
+            key,
+            {d: round(v["median"], 2) for d, v in r["ratio_to_none"].items()},
+            "bound",
+            round(r["aegis_compute_bound_ratio"]["median"], 2),
+            "acc",
+            r["final_acc"],
+        )
+    payload = {
+        "setting": {
+            "model": MODEL,
+            "training": "FedAvg Adam lr 1e-3, E=3, B=64 (paper 000)",
+            "cache": M,
+            "clients": NUM_CLIENTS,
+            "fraction": 0.1,
+            "rounds": rounds,
+            "baselines": {b: str(DEFENSES.make_config(b)) for b in BASELINES},
+        },
+        "paper_table1_seconds": PAPER_TABLE1,
+        "results": results,
+    }
+    print(f"wrote {write_result(NAME, args.scale, payload, seeds=args.seeds, out=args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

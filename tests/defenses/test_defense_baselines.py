@@ -1,0 +1,96 @@
+"""Baseline defenses for the timing table: compression (top-k + error feedback), DP noise, Soteria."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from gradleak.defenses.baselines import (
+    Compression,
+    CompressionConfig,
+    DPNoise,
+    DPNoiseConfig,
+    Soteria,
+    SoteriaConfig,
+)
+from gradleak.fl.client import train_client
+from gradleak.models import build_model
+from gradleak.registry import DEFENSES
+from gradleak.types import LocalTraining
+
+from conftest import synthetic_dataset
+
+SHAPE = (1, 12, 12)
+
+
+def model_with_grads(seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.Tensor]:
+    model = build_model("aegis_cnn", SHAPE, 3, seed=seed)
+    data = synthetic_dataset(n=8, shape=SHAPE, classes=3, seed=1)
+    model.zero_grad()
+    F.cross_entropy(model(data.images), data.labels).backward()
+    return model, {n: p.grad.clone() for n, p in model.named_parameters()}, data.images  # type: ignore[union-attr]
+
+
+def test_compression_keeps_top_k_and_feeds_back_the_rest() -> None:
+    model, grads, _ = model_with_grads()
+    comp = Compression(CompressionConfig(ratio=0.1))
+    comp.setup(model, generator=torch.Generator())
+    comp.on_gradients(model, 0)
+    for n, p in model.named_parameters():
+        kept = int((p.grad != 0).sum())  # type: ignore[union-attr]
+        assert kept <= max(1, -(-grads[n].numel() // 10))
+        torch.testing.assert_close(p.grad + comp.residual[n], grads[n])  # type: ignore[operator]
+
+
+def test_dp_noise_clips_and_adds_seeded_noise() -> None:
+    model, _, _ = model_with_grads()
+    dp = DPNoise(DPNoiseConfig(clip=1e-3, sigma=0.0))
+    dp.setup(model, generator=torch.Generator())
+    dp.on_gradients(model, 0)
+    norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))  # type: ignore[union-attr]
+    assert float(norm) == pytest.approx(1e-3, rel=1e-4)
+    outs = []
+    for seed in (0, 0, 1):
+        model, _, _ = model_with_grads()
+        dp = DPNoise(DPNoiseConfig(sigma=1.0))
+        dp.setup(model, generator=torch.Generator().manual_seed(seed))
+        dp.on_gradients(model, 0)
+        outs.append(torch.cat([p.grad.flatten() for p in model.parameters()]))  # type: ignore[union-attr]
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+
+
+def test_soteria_prunes_representation_columns_and_estimates_ratios() -> None:
+    model, grads, images = model_with_grads()
+    sot = Soteria(SoteriaConfig(percent=50.0, probes=400))
+    sot.setup(model, generator=torch.Generator().manual_seed(0))
+    model(images)  # the forward the client did
+    sot.on_gradients(model, 0)
+    w = model.classifier[3].weight.grad
+    assert int((w.abs().sum(0) == 0).sum()) >= 256
+    for n, p in model.named_parameters():  # only the consumer layer is touched
+        if n != "classifier.3.weight":
+            torch.testing.assert_close(p.grad, grads[n])
+    x = images.clone().requires_grad_(True)
+    r = model.classifier[:3](model.features(x))
+    jac = torch.stack(
+        [torch.autograd.grad(r[:, i].sum(), x, retain_graph=True)[0].norm() for i in range(512)]
+    )
+    live = jac > 0
+    exact = r.detach().norm(dim=0)[live] / jac[live]
+    est = sot.ratios(model, images)[live]
+    assert float(((est - exact).abs() / exact).median()) < 0.1
+
+
+def test_baselines_run_in_the_client_and_fail_closed() -> None:
+    data = synthetic_dataset(n=16, shape=SHAPE, classes=3, seed=1)
+    model = build_model("aegis_cnn", SHAPE, 3, seed=0)
+    training = LocalTraining("fedavg", epochs=1, batch_size=8, optimizer="adam")
+    for name in ("compression", "dp_noise", "soteria"):
+        res = train_client(
+            0, model, data, training, [DEFENSES.create(name)], torch.Generator().manual_seed(0)
+        )
+        assert res.update is not None, (name, res.error)
+    bad = DEFENSES.create("soteria", consumer="features.0")
+    res = train_client(0, model, data, training, [bad], torch.Generator())
+    assert res.update is None and "not a Linear layer" in (res.error or "")
