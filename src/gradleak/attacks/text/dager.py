@@ -3,10 +3,11 @@
 1. **Span estimation (L1).** The input-side gradient of block 1's attention projections (GPT-2: the fused
    ``c_attn``; Llama/BERT: Q, K and V stacked) is sum_t delta_t x_t^T; its SVD gives a basis of span{x_t}
    with rank = the number of tokens in the batch (needs rank < d). The same is done for block 2.
-2. **Token filtering.** For every vocabulary token v (and, with learned positions, every position p) the
-   layer-1 input z(v, p) = LN(E[v] + P[p] (+ T[0])) is computed by the model itself; v is a candidate at p
-   iff its relative residual to the L1 span is below ``l1_threshold``. Rotary models (Llama) have
-   position-free layer-1 inputs, so one candidate set serves every position.
+2. **Token filtering.** For every vocabulary token v (with ``vocab="embedding"``: every token the
+   embedding row-norm channel keeps, paper 002's "combined recovery") and, with learned positions, every
+   position p, the layer-1 input z(v, p) = LN(E[v] + P[p] (+ T[0])) is computed by the model itself;
+   v is a candidate at p iff its relative residual to the L1 span is below ``l1_threshold``. Rotary
+   models (Llama) have position-free layer-1 inputs, so one candidate set serves every position.
 3. **Decoders (causal): extension.** Sequences grow left to right from the first tokens whose block-2
    input lies in the L2 span; prefix s + v is kept iff the block-2 input of its last token (which under
    causal attention depends on the prefix only) lies in the L2 span.
@@ -42,15 +43,19 @@ from torch import nn
 from gradleak.attacks.text.family import (
     FamilySpec,
     Span,
+    capture_input,
+    embedding_param,
     estimate_span,
     family_of,
     find_module,
     input_side_gradient,
     layer_inputs,
+    update_tensor,
     vocab_size,
     with_thresholds,
 )
 from gradleak.attacks.text.lm_completion import complete_last_tokens, output_embedding
+from gradleak.attacks.text.rownorm import RowNormConfig, select_rows
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
 
@@ -72,6 +77,7 @@ class DagerConfig:
     chunk: int = 4096
     midpoint_weights: bool = False  # evaluate candidates at w_0 + delta/2 (FedAvg)
     complete_last_token: bool = True  # causal LM: read each sequence's last token off the LM head
+    vocab: str = "full"  # "full" or "embedding": scan only the embedding row-norm channel's token set
     end_token_id: int | None = None  # encoders: a token that ends every sequence ([SEP]); limits lengths
     fill_to_batch: bool = True  # encoders: complete B with the best rejected sequences (partial recovery)
 
@@ -80,6 +86,8 @@ class DagerConfig:
             v = getattr(self, name)
             if v is not None and not 0 < v < 1:
                 raise ValueError(f"{name} must be in (0, 1), got {v}")
+        if self.vocab not in ("full", "embedding"):
+            raise ValueError(f"vocab must be 'full' or 'embedding', got {self.vocab!r}")
         if self.search not in ("greedy", "beam"):
             raise ValueError(f"search must be 'greedy' or 'beam', got {self.search!r}")
         for name in ("max_positions", "beam_width", "max_samples", "max_candidates", "chunk"):
@@ -128,7 +136,7 @@ class Dager:
             return Reconstruction(token_ids=[], stats={"rank_l1": float(span1.rank), "span_full": 1.0})
         m1 = find_module(model, spec.attn_inputs[0].format(i=0))[1]
         m2 = find_module(model, spec.attn_inputs[0].format(i=1))[1]
-        cands = self.position_candidates(model, spec, m1, span1)
+        cands = self.position_candidates(model, spec, m1, span1, self.scan_vocab(obs, model))
         fallback: list[tuple[list[int], float]] = []
         if spec.causal:
             found = self.extend(model, spec, m2, span2, cands)
@@ -158,22 +166,34 @@ class Dager:
         log.info("DAGER: L1 rank %d, %d positions, %d accepted sequences", span1.rank, len(cands), len(found))
         return Reconstruction(token_ids=seqs, stats=stats)
 
+    def scan_vocab(self, obs: Observation, model: nn.Module) -> torch.Tensor:
+        """The token ids the L1 filter scans: the whole vocabulary, or the embedding channel's set.
+
+        ``vocab="embedding"`` combines DAGER with paper 002's Channel 2 ("combined recovery", Sec. III-C):
+        only the tokens the embedding row-norm selection keeps are scanned; the full vocabulary when the
+        update lacks the embedding gradient.
+        """
+        full = torch.arange(vocab_size(model))
+        if self.config.vocab == "full" or embedding_param(model) not in obs.update.tensors:
+            return full
+        tokens, _ = select_rows(update_tensor(obs, embedding_param(model)), RowNormConfig())
+        return torch.tensor(sorted(tokens), dtype=torch.long) if tokens else full
+
     def position_candidates(
-        self, model: nn.Module, spec: FamilySpec, module: nn.Module, span: Span
+        self, model: nn.Module, spec: FamilySpec, module: nn.Module, span: Span, scan: torch.Tensor
     ) -> list[list[int]]:
         """Token ids passing the L1 check at each position 0, 1, ... (until a position has none)."""
-        vocab = torch.arange(vocab_size(model)).unsqueeze(1)
+        vocab = scan.unsqueeze(1)
         positions = self.config.max_positions if spec.positions == "learned" else 1
         out: list[list[int]] = []
         for p in range(positions):
             z = layer_inputs(model, module, vocab, start_position=p, chunk=self.config.chunk)[:, 0]
-            res = span.residual(z)
-            ok = torch.nonzero(res < spec.l1_threshold).flatten()
+            ok, res = span.below(z, spec.l1_threshold)
             if ok.numel() == 0:
                 break
             if ok.numel() > self.config.max_candidates:
-                ok = ok[res[ok].argsort()[: self.config.max_candidates]]
-            out.append(ok.tolist())
+                ok = ok[res.argsort()[: self.config.max_candidates]]
+            out.append(scan[ok].tolist())
         if spec.positions == "rotary" and out:
             out = out * self.config.max_positions
         return out
@@ -210,8 +230,15 @@ class Dager:
                 done += live
                 break
             pairs = [(s, v) for s, _ in live for v in cands[p]]
-            seqs = torch.tensor([s + [v] for s, v in pairs])
-            res = self._l2_residual(model, module, span, seqs, last_only=True)
+            group = max(1, self.config.chunk // (8 * len(cands[p])))
+            res = torch.cat(
+                [
+                    self._extension_residuals(
+                        model, module, span, [s for s, _ in live[i : i + group]], cands[p]
+                    )
+                    for i in range(0, len(live), group)
+                ]
+            )
             nxt: list[tuple[list[int], float]] = []
             for s, r in live:
                 idx = [i for i, (q, _) in enumerate(pairs) if q is s and res[i] < spec.l2_threshold]
@@ -224,6 +251,35 @@ class Dager:
             nxt.sort(key=lambda sr: sr[1])
             live = nxt[: self.config.beam_width]
         return done
+
+    def _extension_residuals(
+        self, model: nn.Module, module: nn.Module, span: Span, prefixes: list[list[int]], cands: list[int]
+    ) -> torch.Tensor:
+        """L2 residual of the last token of ``s + [v]`` for each prefix s (outer) and candidate v (inner).
+
+        The prefixes (all of one length) run once through block 1 into a key/value cache that every
+        candidate reuses (one token each); without a usable cache whole sequences are recomputed (same
+        result).
+        """
+        n, t = len(prefixes), len(prefixes[0])
+        ids = torch.tensor(cands).repeat(n).unsqueeze(1)
+        try:
+            from transformers import DynamicCache
+
+            cache = DynamicCache()
+            capture_input(
+                model, module, input_ids=torch.tensor(prefixes), past_key_values=cache, use_cache=True
+            )
+            cache.batch_repeat_interleave(len(cands))
+            pos = torch.full((n * len(cands), 1), t)
+            z = capture_input(
+                model, module, input_ids=ids, past_key_values=cache, use_cache=True, position_ids=pos
+            )[:, -1]
+        except (ImportError, TypeError, AttributeError, RuntimeError, ValueError) as err:
+            log.debug("no KV-cache fast path (%s); recomputing whole prefixes", err)
+            seqs = torch.cat([torch.tensor(prefixes).repeat_interleave(len(cands), dim=0), ids], dim=1)
+            return self._l2_residual(model, module, span, seqs, last_only=True)
+        return span.residual(z)
 
     def encoder_search(
         self,

@@ -145,6 +145,23 @@ class Span:
         """True when the span fills (nearly) the whole input space: the check cannot discriminate."""
         return self.rank >= FULL_SPAN_FRACTION * self.basis.shape[0]
 
+    def residual_squared32(self, z: torch.Tensor) -> torch.Tensor:
+        """Approximate squared relative residual in float32 (accurate to ~1e-6): for ranking and screens."""
+        z32 = z.to(torch.float32)
+        proj = (z32 @ self.basis.to(torch.float32)).pow(2).sum(-1)
+        return 1 - proj / z32.pow(2).sum(-1).clamp_min(1e-30)
+
+    def below(self, z: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices of the rows of ``z`` (n, d) with residual < ``threshold``, and their residuals.
+
+        A float32 screen (r^2 = 1 - ||B^T z||^2 / ||z||^2, one matmul) keeps the rows with r < 10 x the
+        threshold (plus float32 slack); only those get the exact float64 residual.
+        """
+        keep = torch.nonzero(self.residual_squared32(z) < (10 * threshold) ** 2 + 1e-5).flatten()
+        res = self.residual(z[keep])
+        ok = res < threshold
+        return keep[ok], res[ok]
+
     def residual(self, z: torch.Tensor) -> torch.Tensor:
         """Relative distance ||z - P z|| / ||z|| of each row of ``z`` (..., d) to the span."""
         z = z.to(torch.float64)
@@ -183,7 +200,7 @@ class _Stop(Exception):
 
 @torch.no_grad()
 def capture_input(model: nn.Module, module: nn.Module, **forward: Any) -> torch.Tensor:
-    """Run ``model(**forward)`` up to ``module`` and return the module's first input (float64)."""
+    """Run ``model(**forward)`` up to ``module`` and return the module's first input."""
     box: list[torch.Tensor] = []
 
     def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -199,7 +216,7 @@ def capture_input(model: nn.Module, module: nn.Module, **forward: Any) -> torch.
         handle.remove()
     if not box:
         raise AttackInputError(f"the forward pass never reached {type(module).__name__}")
-    return box[0].detach().to(torch.float64)
+    return box[0].detach()
 
 
 def layer_inputs(

@@ -58,7 +58,7 @@ def complete_last_tokens(obs: Observation, model: nn.Module, prefixes: list[list
     lasts = []
     for s in prefixes:
         ids = torch.tensor([s])
-        h = capture_input(model, head, input_ids=ids, use_cache=False)[0]  # (len(s), d)
+        h = capture_input(model, head, input_ids=ids, use_cache=False)[0].to(torch.float64)  # (len(s), d)
         p = torch.softmax(h @ weight.detach().to(torch.float64).T, dim=-1)
         known += p.T @ h
         targets = torch.tensor(s[1:], dtype=torch.long)

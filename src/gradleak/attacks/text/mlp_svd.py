@@ -76,7 +76,7 @@ class MLPSVD:
         best = torch.full((vocab.shape[0],), float("inf"), dtype=torch.float64)
         for p in range(positions):
             z = layer_inputs(model, module, vocab, start_position=p, chunk=cfg.chunk)[:, 0]
-            best = torch.minimum(best, span.residual(z))
+            best = torch.minimum(best, span.residual_squared32(z).clamp_min(0).sqrt().to(torch.float64))
         order = best.argsort()
         if cfg.select == "rank":
             tokens = order[: span.rank].tolist()
