@@ -79,3 +79,22 @@ def test_dager_config_validation():
         DagerConfig(l1_threshold=2.0)
     with pytest.raises(ValueError, match="unknown option"):
         ATTACKS.create("dager", nonsense=1)
+
+
+def test_dager_with_embedding_channel_vocabulary(gpt2_lm, make_batch):
+    batch = make_batch(gpt2_lm)
+    obs = _observe(gpt2_lm, batch, "causal_lm")
+    rec = Dager(DagerConfig(vocab="embedding")).reconstruct(obs, generator=_gen())
+    assert sorted(rec.token_ids) == sorted(batch.sequences())
+
+
+def test_span_rank_is_after_the_last_sharp_drop():
+    from gradleak.attacks.text.family import estimate_span
+
+    g = torch.Generator().manual_seed(0)
+    u = torch.linalg.qr(torch.randn(64, 64, generator=g, dtype=torch.float64))[0]
+    s = torch.tensor([1.0, 1e-2, 5e-3, 3e-3, 2e-3] + [1e-9] * 59, dtype=torch.float64)  # dominant first value
+    span = estimate_span(u @ torch.diag(s) @ u.T, rank_tol=1e-8)
+    assert span.rank == 5 and not span.full
+    noise = estimate_span(torch.randn(64, 200, generator=g), rank_tol=1e-8)
+    assert noise.full

@@ -32,6 +32,7 @@ the midpoint weights w_0 + delta / 2 and the thresholds are relaxed (DAGER Sec. 
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import logging
 import time
@@ -267,14 +268,13 @@ class Dager:
             from transformers import DynamicCache
 
             cache = DynamicCache()
-            capture_input(
-                model, module, input_ids=torch.tensor(prefixes), past_key_values=cache, use_cache=True
-            )
+            # transformers >= 5.x names the argument `cache` (`past_key_values` is deprecated)
+            key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+            capture_input(model, module, input_ids=torch.tensor(prefixes), use_cache=True, **{key: cache})
             cache.batch_repeat_interleave(len(cands))
             pos = torch.full((n * len(cands), 1), t)
-            z = capture_input(
-                model, module, input_ids=ids, past_key_values=cache, use_cache=True, position_ids=pos
-            )[:, -1]
+            z = capture_input(model, module, input_ids=ids, use_cache=True, position_ids=pos, **{key: cache})
+            z = z[:, -1]
         except (ImportError, TypeError, AttributeError, RuntimeError, ValueError) as err:
             log.debug("no KV-cache fast path (%s); recomputing whole prefixes", err)
             seqs = torch.cat([torch.tensor(prefixes).repeat_interleave(len(cands), dim=0), ids], dim=1)
