@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from gradleak.attacks import create_attack
-from gradleak.data import ImageDataset
+from gradleak.data import ImageDataset, load_dataset
 from gradleak.defenses.aegis_cache import CacheConfig, SyntheticCache, build_cache
 from gradleak.defenses.aegis_synthetic import aegis_for_client
 from gradleak.fl import derive_seed, secure_sum, server_view
@@ -40,7 +40,20 @@ from gradleak.generators import ClassGaussianGenerator
 from gradleak.metrics import score_images
 from gradleak.models import build_model
 from gradleak.types import Observation
-from linear_leakage import BATCH, BINS, MODEL, PAPER_RTF, Regime, RegimeResult, fedavg, fmt, load_setting
+from linear_leakage import (
+    BATCH,
+    BINS,
+    MODEL,
+    PAPER_RTF,
+    PATH_CLIENT_POOL,
+    PUBLIC_LIMIT,
+    THRESHOLD_DB,
+    Regime,
+    RegimeResult,
+    fedavg,
+    fmt,
+    load_setting,
+)
 
 from _common import configure_torch, make_parser, parse_args, summarize, write_result
 
@@ -81,10 +94,13 @@ def attack_regimes(n_clients: int) -> dict[str, Regime]:
     }
 
 
-def client_cache(share: ImageDataset, size: int, seed: int, slot: int) -> SyntheticCache:
-    """The client's offline cache: generator fit on its whole share, acceptance against the same share."""
+def client_cache(
+    share: ImageDataset, size: int, seed: int, slot: int, fit_on: ImageDataset | None = None
+) -> SyntheticCache:
+    """The client's offline cache: generator fit on its whole share (or on ``fit_on``, e.g. public data,
+    the analogue of an off-the-shelf generator), acceptance against the client's share."""
     t0 = time.perf_counter()
-    source = ClassGaussianGenerator.fit(share)
+    source = ClassGaussianGenerator.fit(share if fit_on is None else fit_on)
     fit = time.perf_counter() - t0
     cache = build_cache(
         source,
@@ -94,6 +110,23 @@ def client_cache(share: ImageDataset, size: int, seed: int, slot: int) -> Synthe
     )
     cache.stats["generator_fit_seconds"] = fit
     return cache
+
+
+def mean_image_floor(shares: Sequence[ImageDataset], public: torch.Tensor) -> float:
+    """RR of a trivial "attack" that returns the public mean image for every client image: the share of
+    attacked images within 18 dB of it (where RR at 18 dB cannot tell a reconstruction from the mean)."""
+    truth = torch.cat([s.images[:BATCH] for s in shares])
+    mse = (truth - public.mean(0, keepdim=True)).pow(2).flatten(1).mean(1)
+    return float((10 * torch.log10(1 / mse.clamp_min(1e-12)) > THRESHOLD_DB).float().mean())
+
+
+def public_labelled(name: str, seed: int) -> ImageDataset:
+    """The server's public images with their labels (the data ``load_setting`` gives the server)."""
+    if name == "pathmnist":
+        full = load_dataset(name, "test")
+        perm = np.random.default_rng(derive_seed(seed, 0x11EA)).permutation(len(full))
+        return full.subset(np.sort(perm[PATH_CLIENT_POOL:]))
+    return load_dataset(name, "test", limit=PUBLIC_LIMIT)
 
 
 def run_defended(
@@ -174,6 +207,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--sweep", action="store_true", help="Table A.5: M in 512..2048")
     parser.add_argument("--same-lr", action="store_true", help="also run the same-lr normalisation")
+    parser.add_argument(
+        "--generator-data",
+        choices=["share", "public"],
+        default="share",
+        help="fit the generator on the client's share (default) or on the public test images",
+    )
+    parser.add_argument("--no-baseline", action="store_true", help="skip the undefended rows")
     args = parse_args(parser, argv)
     n_clients = SCALES[args.scale]
     threads = configure_torch(args.threads)
@@ -181,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{NAME} --scale {args.scale}: {n_clients} clients, seeds {args.seeds}, threads {threads}", flush=True
     )
     defenses: list[tuple[str, int | None, dict[str, Any]]] = [("none", None, {}), ("aegis", M_DEFAULT, {})]
+    if args.no_baseline:
+        defenses = defenses[1:]
     if args.same_lr:
         defenses.append(("aegis-same_lr", M_DEFAULT, {"normalization": "same_lr"}))
     if args.sweep:
@@ -192,7 +234,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = build_model(
                 MODEL, shares[0].input_shape, shares[0].num_classes, seed=derive_seed(seed, 0x30DE)
             )
-            caches = [client_cache(s, M_DEFAULT, seed, i) for i, s in enumerate(shares)]
+            fit_on = None
+            if args.generator_data == "public":
+                fit_on = public_labelled(name, seed)
+            caches = [client_cache(s, M_DEFAULT, seed, i, fit_on) for i, s in enumerate(shares)]
+            info["mean_image_rr_floor"] = mean_image_floor(shares, public)
             info["cache"] = [c.stats for c in caches]
             rows = []
             for key in args.attacks:
@@ -238,6 +284,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "results": per,
     }
     name = "aegis_tableA5" if args.sweep else NAME
+    if args.generator_data == "public":
+        name += "_publicgen"
+    payload["setting"]["generator_data"] = args.generator_data
     print(f"wrote {write_result(name, args.scale, payload, seeds=args.seeds, out=args.out)}")
     return 0
 
