@@ -17,7 +17,8 @@
    sets, exhaustively when there are at most ``max_samples`` of them, else ``max_samples`` random draws
    each refined by coordinate descent on the mean L2 residual; a sequence is accepted iff all its block-2
    inputs lie in the L2 span. With ``end_token_id`` (BERT's [SEP]) only lengths whose last position can
-   hold it are searched. ``fill_to_batch`` completes B with the best rejected sequence of each length.
+   hold it are searched. ``fill_to_batch`` completes B with the best rejected sequences (up to B per
+   length, lowest L2 residual first).
 5. **Batch assembly.** Of the accepted sequences, the ``B`` (= ``update.num_samples``) with the smallest
    L2 residual are returned, longest first among ties.
 
@@ -139,11 +140,11 @@ class Dager:
         m2 = find_module(model, spec.attn_inputs[0].format(i=1))[1]
         cands = self.position_candidates(model, spec, m1, span1, self.scan_vocab(obs, model))
         fallback: list[tuple[list[int], float]] = []
+        b = max(1, obs.update.num_samples)
         if spec.causal:
             found = self.extend(model, spec, m2, span2, cands)
         else:
-            found, fallback = self.encoder_search(model, spec, m2, span2, cands, generator)
-        b = max(1, obs.update.num_samples)
+            found, fallback = self.encoder_search(model, spec, m2, span2, cands, generator, b)
         found.sort(key=lambda sr: (sr[1], -len(sr[0])))
         seqs = [s for s, _ in found[:b]]
         filled = 0
@@ -289,8 +290,9 @@ class Dager:
         span: Span,
         cands: list[list[int]],
         generator: torch.Generator,
+        batch: int = 1,
     ) -> tuple[list[tuple[list[int], float]], list[tuple[list[int], float]]]:
-        """Accepted sequences and the best sequence of each searched length (module docstring, step 4)."""
+        """Accepted sequences and the ``batch`` best of each searched length (module docstring, step 4)."""
         found: list[tuple[list[int], float]] = []
         fallback: list[tuple[list[int], float]] = []
         end = self.config.end_token_id
@@ -310,8 +312,8 @@ class Dager:
             res = self._l2_residual(model, module, span, seqs, last_only=False)
             for i in torch.nonzero(res < spec.l2_threshold).flatten().tolist():
                 found.append((seqs[i].tolist(), float(res[i])))
-            best = int(res.argmin())
-            fallback.append((seqs[best].tolist(), float(res[best])))
+            for i in res.argsort()[:batch].tolist():
+                fallback.append((seqs[i].tolist(), float(res[i])))
         return found, fallback
 
     def _refined_samples(
