@@ -33,8 +33,6 @@ the midpoint weights w_0 + delta / 2 and the thresholds are relaxed (DAGER Sec. 
 from __future__ import annotations
 
 import copy
-import inspect
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -45,7 +43,6 @@ from torch import nn
 from gradleak.attacks.text.family import (
     FamilySpec,
     Span,
-    capture_input,
     embedding_param,
     estimate_span,
     family_of,
@@ -58,6 +55,7 @@ from gradleak.attacks.text.family import (
 )
 from gradleak.attacks.text.lm_completion import complete_last_tokens, output_embedding
 from gradleak.attacks.text.rownorm import RowNormConfig, select_rows
+from gradleak.attacks.text.search import L2Search, Scored
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
 
@@ -139,12 +137,19 @@ class Dager:
         m1 = find_module(model, spec.attn_inputs[0].format(i=0))[1]
         m2 = find_module(model, spec.attn_inputs[0].format(i=1))[1]
         cands = self.position_candidates(model, spec, m1, span1, self.scan_vocab(obs, model))
-        fallback: list[tuple[list[int], float]] = []
+        fallback: list[Scored] = []
         b = max(1, obs.update.num_samples)
+        search = L2Search(model, m2, span2, spec.l2_threshold, self.config.chunk)
         if spec.causal:
-            found = self.extend(model, spec, m2, span2, cands)
+            found = search.extend(cands, self.config.search, self.config.beam_width)
         else:
-            found, fallback = self.encoder_search(model, spec, m2, span2, cands, generator, b)
+            found, fallback = search.encoder_search(
+                cands,
+                end=self.config.end_token_id,
+                max_samples=self.config.max_samples,
+                generator=generator,
+                batch=b,
+            )
         found.sort(key=lambda sr: (sr[1], -len(sr[0])))
         seqs = [s for s, _ in found[:b]]
         filled = 0
@@ -199,146 +204,6 @@ class Dager:
         if spec.positions == "rotary" and out:
             out = out * self.config.max_positions
         return out
-
-    def _l2_residual(
-        self,
-        model: nn.Module,
-        module: nn.Module,
-        span: Span,
-        seqs: torch.Tensor,
-        last_only: bool,
-        reduce: str = "max",
-    ) -> torch.Tensor:
-        z = layer_inputs(model, module, seqs, chunk=max(1, self.config.chunk // seqs.shape[1]))
-        res = span.residual(z[:, -1] if last_only else z)
-        if last_only:
-            return res
-        return res.max(dim=1).values if reduce == "max" else res.mean(dim=1)
-
-    def extend(
-        self, model: nn.Module, spec: FamilySpec, module: nn.Module, span: Span, cands: list[list[int]]
-    ) -> list[tuple[list[int], float]]:
-        """Decoder search: grow prefixes token by token under the L2 check (module docstring, step 3)."""
-        if not cands:
-            return []
-        # first tokens: under causal attention their block-2 input depends on themselves only
-        first = self._l2_residual(model, module, span, torch.tensor(cands[0]).unsqueeze(1), last_only=True)
-        live = [([v], float(r)) for v, r in zip(cands[0], first, strict=True) if r < spec.l2_threshold]
-        done: list[tuple[list[int], float]] = []
-        for p in range(1, len(cands) + 1):
-            if not live:
-                break
-            if p == len(cands):
-                done += live
-                break
-            pairs = [(s, v) for s, _ in live for v in cands[p]]
-            group = max(1, self.config.chunk // (8 * len(cands[p])))
-            res = torch.cat(
-                [
-                    self._extension_residuals(
-                        model, module, span, [s for s, _ in live[i : i + group]], cands[p]
-                    )
-                    for i in range(0, len(live), group)
-                ]
-            )
-            nxt: list[tuple[list[int], float]] = []
-            for s, r in live:
-                idx = [i for i, (q, _) in enumerate(pairs) if q is s and res[i] < spec.l2_threshold]
-                if not idx:
-                    done.append((s, r))
-                    continue
-                idx.sort(key=lambda i: float(res[i]))
-                keep = idx[:1] if self.config.search == "greedy" else idx
-                nxt += [(pairs[i][0] + [pairs[i][1]], max(r, float(res[i]))) for i in keep]
-            nxt.sort(key=lambda sr: sr[1])
-            live = nxt[: self.config.beam_width]
-        return done
-
-    def _extension_residuals(
-        self, model: nn.Module, module: nn.Module, span: Span, prefixes: list[list[int]], cands: list[int]
-    ) -> torch.Tensor:
-        """L2 residual of the last token of ``s + [v]`` for each prefix s (outer) and candidate v (inner).
-
-        The prefixes (all of one length) run once through block 1 into a key/value cache that every
-        candidate reuses (one token each); without a usable cache whole sequences are recomputed (same
-        result).
-        """
-        n, t = len(prefixes), len(prefixes[0])
-        ids = torch.tensor(cands).repeat(n).unsqueeze(1)
-        try:
-            from transformers import DynamicCache
-
-            cache = DynamicCache()
-            # transformers >= 5.x names the argument `cache` (`past_key_values` is deprecated)
-            key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-            capture_input(model, module, input_ids=torch.tensor(prefixes), use_cache=True, **{key: cache})
-            cache.batch_repeat_interleave(len(cands))
-            pos = torch.full((n * len(cands), 1), t)
-            z = capture_input(model, module, input_ids=ids, use_cache=True, position_ids=pos, **{key: cache})
-            z = z[:, -1]
-        except (ImportError, TypeError, AttributeError, RuntimeError, ValueError) as err:
-            log.debug("no KV-cache fast path (%s); recomputing whole prefixes", err)
-            seqs = torch.cat([torch.tensor(prefixes).repeat_interleave(len(cands), dim=0), ids], dim=1)
-            return self._l2_residual(model, module, span, seqs, last_only=True)
-        return span.residual(z)
-
-    def encoder_search(
-        self,
-        model: nn.Module,
-        spec: FamilySpec,
-        module: nn.Module,
-        span: Span,
-        cands: list[list[int]],
-        generator: torch.Generator,
-        batch: int = 1,
-    ) -> tuple[list[tuple[list[int], float]], list[tuple[list[int], float]]]:
-        """Accepted sequences and the ``batch`` best of each searched length (module docstring, step 4)."""
-        found: list[tuple[list[int], float]] = []
-        fallback: list[tuple[list[int], float]] = []
-        end = self.config.end_token_id
-        for length in range(1, len(cands) + 1):
-            if end is not None and end not in cands[length - 1]:
-                continue
-            sets = cands[:length]
-            if end is not None:
-                sets = [*sets[:-1], [end]]
-            total = 1
-            for c in sets:
-                total *= len(c)
-            if total <= self.config.max_samples:
-                seqs = torch.tensor(list(itertools.product(*sets)))
-            else:
-                seqs = self._refined_samples(model, module, span, sets, generator)
-            res = self._l2_residual(model, module, span, seqs, last_only=False)
-            for i in torch.nonzero(res < spec.l2_threshold).flatten().tolist():
-                found.append((seqs[i].tolist(), float(res[i])))
-            for i in res.argsort()[:batch].tolist():
-                fallback.append((seqs[i].tolist(), float(res[i])))
-        return found, fallback
-
-    def _refined_samples(
-        self,
-        model: nn.Module,
-        module: nn.Module,
-        span: Span,
-        sets: list[list[int]],
-        generator: torch.Generator,
-    ) -> torch.Tensor:
-        """Random candidate sequences, each improved by coordinate descent on the L2 residual."""
-        n = max(2, self.config.max_samples // (4 * sum(len(c) for c in sets)))
-        draws = torch.stack(
-            [torch.tensor(c)[torch.randint(len(c), (n,), generator=generator)] for c in sets], dim=1
-        )
-        for _ in range(2):
-            for p, c in enumerate(sets):
-                if len(c) == 1:
-                    continue
-                trial = draws.repeat_interleave(len(c), dim=0)
-                trial[:, p] = torch.tensor(c).repeat(draws.shape[0])
-                res = self._l2_residual(model, module, span, trial, last_only=False, reduce="mean")
-                res = res.view(-1, len(c))
-                draws[:, p] = torch.tensor(c)[res.argmin(dim=1)]
-        return torch.unique(draws, dim=0)
 
 
 def _has_lm_head(model: nn.Module) -> bool:
