@@ -9,6 +9,9 @@ number labelled with its setting:
 
     rtf/sgd-e3              FedAvg, SGD lr 1e-3, E = 3 (the plain attack reads SGD deltas)
     rtf-adam/adam-e3        FedAvg, Adam lr 1e-3, E = 3 (paper 000's recipe), Adam-tuned imprint
+    rtf-all, rtf-adam-all   the same, but the attack returns every non-empty bin (up to k) instead of the
+                            ``num_samples`` bins of largest mass, and matching picks the best per image: an
+                            upper bound on what the attack can leak when synthetic bins outnumber real ones
     loki-adam/adam-e3       LOKI (Adam-tuned), secure-aggregation sum of the sampled clients
     scale_mia-adam/adam-e3  Scale-MIA (PCA-256 autoencoder, Adam-tuned)
 
@@ -81,6 +84,18 @@ def attack_regimes(n_clients: int) -> dict[str, Regime]:
             "rtf-adam/adam-e3 (paper recipe)",
             "robbing_the_fed",
             {"num_bins": BINS, "tuned_for": "adam"},
+            fedavg("adam", 3),
+        ),
+        "rtf-all": Regime(
+            "rtf/sgd-e3, all bins returned",
+            "robbing_the_fed",
+            {"num_bins": BINS, "max_images": BINS},
+            fedavg("sgd", 3),
+        ),
+        "rtf-adam-all": Regime(
+            "rtf-adam/adam-e3, all bins returned",
+            "robbing_the_fed",
+            {"num_bins": BINS, "tuned_for": "adam", "max_images": BINS},
             fedavg("adam", 3),
         ),
         "loki-adam": Regime(
