@@ -104,6 +104,11 @@ def test_fails_closed_without_a_usable_cache() -> None:
     wrong = SyntheticCache(torch.rand(8, 1, 10, 10), torch.zeros(8, dtype=torch.int64))
     res = train_client(0, model, data, training, [aegis_for_client(wrong, cache_size=8)], torch.Generator())
     assert res.update is None and "the task's are (1, 12, 12)" in (res.error or "")
+    fedsgd = LocalTraining("fedsgd", batch_size=8)
+    res = train_client(
+        0, model, data, fedsgd, [aegis_for_client(cache_of(8), cache_size=8)], torch.Generator()
+    )
+    assert res.update is None and "no synthetic step" in (res.error or "")
     with pytest.raises(ValueError, match="needs M"):
         aegis_for_client(cache_of(8), cache_size=16)
 

@@ -39,6 +39,7 @@ from torch.nn import functional as F
 from gradleak.defenses.aegis_cache import SyntheticCache
 from gradleak.defenses.base import Defense
 from gradleak.registry import DEFENSES
+from gradleak.types import Update
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,16 @@ class AegisSynthetic(Defense):
         optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         log.debug("aegis: synthetic step %d, mean loss %.4f", self.steps, self.last_loss)
+
+    def on_update(self, update: Update) -> Update:
+        """Fail closed when no synthetic step ran (e.g. FedSGD, which has no local epochs): the update
+        would leave unmasked. Otherwise the ordinary delta goes out unchanged."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.steps == 0:
+            raise RuntimeError("aegis took no synthetic step (FedSGD has no epochs); update withheld")
+        return update
 
 
 def aegis_for_client(cache: SyntheticCache, **options: object) -> AegisSynthetic:
