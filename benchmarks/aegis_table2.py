@@ -228,6 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="share",
         help="fit the generator on the client's share (default) or on the public test images",
     )
+    parser.add_argument("--tag", default="", help="suffix of the result file name")
     parser.add_argument("--no-baseline", action="store_true", help="skip the undefended rows")
     args = parse_args(parser, argv)
     n_clients = SCALES[args.scale]
@@ -301,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = "aegis_tableA5" if args.sweep else NAME
     if args.generator_data == "public":
         name += "_publicgen"
+    if args.tag:
+        name += f"_{args.tag}"
     payload["setting"]["generator_data"] = args.generator_data
     print(f"wrote {write_result(name, args.scale, payload, seeds=args.seeds, out=args.out)}")
     return 0
