@@ -38,7 +38,7 @@ def test_secure_aggregation_sum_is_attacked_once(attack):
 
 
 def test_runner_customises_loki_per_client(monkeypatch):
-    """Each audited client trains its own slot's model (ClientCustomizingAttack), so the sum keeps them apart."""
+    """Each audited client trains its own slot's model (ClientCustomizingAttack): the sum keeps them apart."""
     from gradleak.attacks.linear.loki import Loki
 
     slots: list[int] = []
