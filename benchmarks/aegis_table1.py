@@ -72,7 +72,7 @@ def timed(
     return res, time.perf_counter() - t0
 
 
-def run(name: str, seed: int, rounds: int, soteria_clients: int) -> dict[str, Any]:
+def run(name: str, seed: int, rounds: int, soteria_clients: int, baselines: bool = True) -> dict[str, Any]:
     pool = load_dataset(name, "train")
     test = load_dataset(name, "test")
     parts = partition(
@@ -103,7 +103,7 @@ def run(name: str, seed: int, rounds: int, soteria_clients: int) -> dict[str, An
                     )
             apply_update(model, weighted_mean(updates))
             row[f"acc_{label}"] = evaluate(model, test.images, test.labels)
-        if rnd == 0:  # baselines: the same clients, the same broadcast model (the initial one)
+        if rnd == 0 and baselines:  # baselines: the same clients, the same broadcast model (the initial one)
             for b in BASELINES:
                 for j, cid in enumerate(sampled):
                     if b == "soteria" and j >= soteria_clients:
@@ -147,12 +147,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser(__doc__.splitlines()[0])
     parser.add_argument("--datasets", nargs="+", default=["organamnist"])
     parser.add_argument("--soteria-clients", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=None, help="override the scale's round count")
+    parser.add_argument("--utility-only", action="store_true", help="skip the baseline timings")
     args = parse_args(parser, argv)
     threads = configure_torch(args.threads)
-    rounds = ROUNDS[args.scale]
+    rounds = args.rounds or ROUNDS[args.scale]
     print(f"{NAME} --scale {args.scale}: {rounds} rounds, seeds {args.seeds}, threads {threads}", flush=True)
     results = {
-        f"{n}/seed{s}": run(n, s, rounds, args.soteria_clients) for s in args.seeds for n in args.datasets
+        f"{n}/seed{s}": run(n, s, rounds, args.soteria_clients, not args.utility_only)
+        for s in args.seeds
+        for n in args.datasets
     }
     for key, r in results.items():
         print(
@@ -176,7 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "paper_table1_seconds": PAPER_TABLE1,
         "results": results,
     }
-    print(f"wrote {write_result(NAME, args.scale, payload, seeds=args.seeds, out=args.out)}")
+    name = NAME + (f"_utility_r{rounds}" if args.utility_only else "")
+    print(f"wrote {write_result(name, args.scale, payload, seeds=args.seeds, out=args.out)}")
     return 0
 
 
