@@ -13,7 +13,7 @@ channels: the recovered token set against the batch's concatenated references), 
 the attack time as a ratio to the median of 3 forward+backward passes of the same model on the same batch.
 Target: DAGER R-1 >= 0.95 (paper: >= 0.98 on decoders, >= 0.87 on BERT).
 
-    python benchmarks/text_attacks.py --scale smoke|small|paper [--seed S ...] [--threads T]
+    python benchmarks/text_attacks.py --scale smoke|small|paper [--seed S ...] [--threads T] [--models M ...]
 """
 
 from __future__ import annotations
@@ -60,11 +60,15 @@ SCALES = {
 
 
 def attack_options(name: str, tm: TextModel) -> dict[str, Any]:
-    """DAGER scans the embedding channel's token set (paper 002's combined recovery; the full-vocabulary
-    scan gives the same result at 50k/|set| times the L1 cost) and, on BERT, knows [SEP] ends sequences."""
+    """On GPT-2, DAGER scans the embedding channel's token set (paper 002's combined recovery; the full
+    vocabulary gives the same result at 50k/|set| times the L1 cost); on BERT it knows [SEP] ends sequences.
+    SmolLM2 (tied head, trained) scans the full vocabulary: its embedding gradient's output-projection
+    term hides the input rows, and its position-free L1 check needs a single scan anyway."""
     if name != "dager":
         return {}
-    opts: dict[str, Any] = {"vocab": "embedding"}
+    opts: dict[str, Any] = {}
+    if tm.family == "gpt2":  # learned positions: one L1 scan per position; rotary models scan once
+        opts["vocab"] = "embedding"
     if tm.family == "bert":
         opts["end_token_id"] = int(tm.tokenizer.sep_token_id)  # the attacker knows the tokenizer
     return opts
@@ -142,8 +146,14 @@ def summarize_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(make_parser(__doc__.splitlines()[0]), argv)
+    parser = make_parser(__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=None, help="override the scale's models")
+    args = parse_args(parser, argv)
     scale = SCALES[args.scale]
+    name = NAME
+    if args.models:
+        scale = Scale(tuple(args.models), scale.datasets, scale.batch_size, scale.max_tokens, scale.batches)
+        name = f"{NAME}_{'_'.join(args.models)}"  # a partial run never overwrites the full result
     threads = configure_torch(args.threads)
     print(f"{NAME} --scale {args.scale}: {scale}, seeds {args.seeds}, torch threads {threads}", flush=True)
     rows: list[dict[str, Any]] = []
@@ -172,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": summary,
         "rows": rows,
     }
-    path = write_result(NAME, args.scale, payload, seeds=args.seeds, out=args.out)
+    path = write_result(name, args.scale, payload, seeds=args.seeds, out=args.out)
     print(
         "| model | dataset | attack | R-1 | R-2 | R-L | METEOR | exact | null R-1 | valid | s | x fwd+bwd |"
     )
