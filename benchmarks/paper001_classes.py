@@ -15,10 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from _common import configure_torch, make_parser, parse_args
 from paper001_common import Victim
 from paper001_sweeps import Cell, run_cells
-
-from _common import configure_torch, make_parser, parse_args
 
 NAME = "paper001_classes"
 ATTACKS = ("sme", "nlsme", "pisme")

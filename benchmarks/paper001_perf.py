@@ -41,9 +41,9 @@ from gradleak.attacks.image.surrogate import (
     weighted_sum,
 )
 from gradleak.types import Observation
-from paper001_common import Victim, victim_update
 
 from _common import configure_torch, make_parser, parse_args, summarize, write_result
+from paper001_common import Victim, victim_update
 
 NAME = "paper001_perf"
 WARMUP = 2

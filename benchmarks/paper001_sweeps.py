@@ -12,9 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from paper001_common import Victim, aggregate, run_attack, victim_update
-
 from _common import write_result
+from paper001_common import Victim, aggregate, run_attack, victim_update
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from paper001_common import PAPER_TABLE1, VICTIM_LR, Victim, aggregate, run_attack, victim_update
-
 from _common import configure_torch, make_parser, parse_args, write_result
+from paper001_common import PAPER_TABLE1, VICTIM_LR, Victim, aggregate, run_attack, victim_update
 
 NAME = "paper001_table1"
 ATTACKS = ("ig", "sme", "nlsme", "pisme")

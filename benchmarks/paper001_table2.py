@@ -19,10 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from _common import configure_torch, make_parser, parse_args
 from paper001_common import Victim
 from paper001_sweeps import Cell, run_cells
-
-from _common import configure_torch, make_parser, parse_args
 
 NAME = "paper001_table2"
 PAPER = {

@@ -36,9 +36,9 @@ from torch.nn import functional as F
 from gradleak.attacks.image.ig import cosine_distance
 from gradleak.attacks.image.surrogate import bezier, gauss_legendre, weighted_sum
 from gradleak.models import build_model
-from paper001_common import VICTIM_LR, Victim, client_data, dataset
 
 from _common import configure_torch, make_parser, parse_args, write_result
+from paper001_common import VICTIM_LR, Victim, client_data, dataset
 
 NAME = "paper001_table3"
 PAPER = {
