@@ -25,7 +25,29 @@ def _flat_dim(features: nn.Module, input_shape: tuple[int, int, int]) -> int:
         return int(features(torch.zeros(1, *input_shape)).numel())
 
 
-class AegisCNN(nn.Module):
+class ConvClassifier(nn.Module):
+    """``features`` (conv stack) then ``classifier`` (flatten + fully connected layers)."""
+
+    features: nn.Sequential
+    classifier: nn.Sequential
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+def _two_layer_head(
+    features: nn.Module, input_shape: tuple[int, int, int], hidden: int, classes: int
+) -> nn.Sequential:
+    """Flatten -> Linear(hidden) -> ReLU -> Linear(classes)."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(_flat_dim(features, input_shape), hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, classes),
+    )
+
+
+class AegisCNN(ConvClassifier):
     """Paper 000's classifier: 3 conv blocks + FC-512 + output layer."""
 
     def __init__(
@@ -38,16 +60,10 @@ class AegisCNN(nn.Module):
             nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
             nn.Conv2d(2 * width, 4 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         )  # fmt: skip
-        self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(_flat_dim(self.features, input_shape), hidden), nn.ReLU(),
-            nn.Linear(hidden, num_classes),
-        )  # fmt: skip
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
+        self.classifier = _two_layer_head(self.features, input_shape, hidden, num_classes)
 
 
-class SMECNN(nn.Module):
+class SMECNN(ConvClassifier):
     """Paper 001's victim: 2 conv (5x5, 32/64) + 2 FC layers."""
 
     def __init__(self, input_shape: tuple[int, int, int], num_classes: int, hidden: int | None = None):
@@ -59,16 +75,10 @@ class SMECNN(nn.Module):
             nn.Conv2d(c, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
             nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
         )  # fmt: skip
-        self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(_flat_dim(self.features, input_shape), hidden), nn.ReLU(),
-            nn.Linear(hidden, num_classes),
-        )  # fmt: skip
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
+        self.classifier = _two_layer_head(self.features, input_shape, hidden, num_classes)
 
 
-class LeNet(nn.Module):
+class LeNet(ConvClassifier):
     """DLG's LeNet (Zhu et al. 2019): sigmoid convs, one linear output layer."""
 
     def __init__(self, input_shape: tuple[int, int, int], num_classes: int, width: int = 12):
@@ -82,9 +92,6 @@ class LeNet(nn.Module):
         self.classifier = nn.Sequential(
             nn.Flatten(), nn.Linear(_flat_dim(self.features, input_shape), num_classes)
         )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
 
 
 MODELS.register("aegis_cnn", AegisCNN, summary="paper 000 classifier: 3 conv + FC-512")
