@@ -17,6 +17,7 @@ demo: $(STAMP)
 	$(BIN)/gradleak demo
 
 test: $(STAMP)
+	-bash scripts/setup_wordnet.sh $(BIN)/python
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
