@@ -18,6 +18,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -168,6 +169,14 @@ def summarize(times: Sequence[float]) -> dict[str, float]:
     }
 
 
+_NUMBER_LIST = re.compile(r"\[\s+(-?[0-9][-0-9.eE+]*(?:,\s+-?[0-9][-0-9.eE+]*)*)\s+\]")
+
+
+def compact_number_lists(text: str) -> str:
+    """Put each JSON array of plain numbers on one line (per-image lists otherwise take a line per value)."""
+    return _NUMBER_LIST.sub(lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+
+
 def write_result(
     name: str,
     scale: str,
@@ -195,7 +204,7 @@ def write_result(
         "machine": machine_info(),
         "result": dict(payload),
     }
-    text = json.dumps(record, indent=2, allow_nan=False) + "\n"
+    text = compact_number_lists(json.dumps(record, indent=2, allow_nan=False)) + "\n"
     target = folder / f"{name}_{scale}.json"
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
     try:

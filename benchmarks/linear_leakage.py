@@ -175,7 +175,8 @@ class RegimeResult:
             "recovery_seconds": summarize(self.recovery_seconds),
             "local_step_seconds": summarize(self.step_seconds),
             "recovery_over_step": rec / step, "prepare_seconds": self.prepare_seconds,
-            "per_image_psnr": self.psnr, "per_image_ssim": self.ssim, "notes": self.notes,
+            "per_image_psnr": [round(v, 3) for v in self.psnr],
+            "per_image_ssim": [round(v, 4) for v in self.ssim], "notes": self.notes,
         }  # fmt: skip
 
 
