@@ -37,12 +37,10 @@ from gradleak.attacks import create_attack
 from gradleak.data import ImageDataset, load_dataset
 from gradleak.defenses.aegis_cache import CacheConfig, SyntheticCache, build_cache
 from gradleak.defenses.aegis_synthetic import aegis_for_client
-from gradleak.fl import derive_seed, secure_sum, server_view
+from gradleak.fl import derive_seed
 from gradleak.fl.client import train_client
 from gradleak.generators import ClassGaussianGenerator
-from gradleak.metrics import score_images
 from gradleak.models import build_model
-from gradleak.types import Observation
 from linear_leakage import (
     BATCH,
     BINS,
@@ -56,6 +54,7 @@ from linear_leakage import (
     fedavg,
     fmt,
     load_setting,
+    score_regime,
 )
 
 from _common import configure_torch, make_parser, parse_args, summarize, write_result
@@ -182,36 +181,10 @@ def run_defended(
             raise RuntimeError(f"client {slot} withheld its update: {res.error}")
         out.step_seconds.append(time.perf_counter() - t0)  # here: the client's whole local training
         results.append(res)
-    if regime.aggregated:
-        agg = secure_sum([r.update for r in results])  # type: ignore[misc]
-        observations = [
-            Observation(
-                broadcast, agg, shape, classes, secrets=secrets, aggregated=True, num_clients=len(results)
-            )
-        ]
-        truths = [torch.cat([d.images for d in data])]
-    else:
-        observations = server_view(
-            broadcast,
-            results,
-            input_shape=shape,
-            num_classes=classes,
-            secure_aggregation=False,
-            training=None,
-            secrets=secrets,
-        )
-        truths = [r.truth.images for r in results]  # type: ignore[union-attr]
-    for k, (obs, truth) in enumerate(zip(observations, truths, strict=True)):
-        t0 = time.perf_counter()
-        rec = attack.reconstruct(obs, generator=torch.Generator().manual_seed(derive_seed(seed, 0xA77C, k)))
-        out.recovery_seconds.append(time.perf_counter() - t0)
-        assert rec.images is not None
-        scores = score_images(rec.images, truth)
-        out.images += scores.n_images
-        out.matched += scores.n_matched
-        out.psnr += [min(p, 100.0) for p in scores.psnr]
-        out.ssim += list(scores.ssim)
-    return out
+    images = [d.images for d in data]
+    return score_regime(
+        out, attack, broadcast, secrets, results, images, shape, classes, regime.aggregated, seed
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

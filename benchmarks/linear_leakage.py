@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -43,7 +43,7 @@ from torch import nn
 from gradleak.attacks import create_attack
 from gradleak.data import ImageDataset, load_dataset, partition
 from gradleak.fl import derive_seed, secure_sum, server_view
-from gradleak.fl.client import train_client
+from gradleak.fl.client import ClientResult, train_client
 from gradleak.metrics import score_images
 from gradleak.models import build_model
 from gradleak.types import LocalTraining, Observation
@@ -227,11 +227,31 @@ def run_regime(
         steps = int(res.update.metadata.get("local_steps", 1)) if res.update is not None else 1  # type: ignore[call-overload]
         out.step_seconds.append((time.perf_counter() - t0) / steps)
         results.append(res)
-    if regime.aggregated:
+    images = [c.images for c in clients]
+    return score_regime(
+        out, attack, broadcast, secrets, results, images, shape, classes, regime.aggregated, seed
+    )
+
+
+def score_regime(
+    out: RegimeResult,
+    attack: Any,
+    broadcast: nn.Module,
+    secrets: Mapping[str, object],
+    results: Sequence[ClientResult],
+    client_images: Sequence[torch.Tensor],
+    shape: tuple[int, ...],
+    classes: int,
+    aggregated: bool,
+    seed: int,
+) -> RegimeResult:
+    """The server's view of ``results`` (one update each, or their secure sum), the attack on it, and the
+    scores against the clients' images, accumulated into ``out``."""
+    if aggregated:
         agg = secure_sum([r.update for r in results])  # type: ignore[misc]
         observations = [Observation(broadcast, agg, shape, classes, secrets=secrets, aggregated=True,
                                     num_clients=len(results))]  # fmt: skip
-        truths = [torch.cat([c.images for c in clients])]
+        truths = [torch.cat(list(client_images))]
     else:
         observations = server_view(broadcast, results, input_shape=shape, num_classes=classes,
                                    secure_aggregation=False, training=None, secrets=secrets)  # fmt: skip

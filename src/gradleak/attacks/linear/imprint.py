@@ -93,6 +93,23 @@ def normalised_direction(
     return direction / std, m / std
 
 
+def place_bins(
+    public_features: torch.Tensor,
+    kind: str,
+    num_bins: int,
+    generator: torch.Generator,
+    *,
+    center: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the server's public features (N, d): the offset (their mean, or 0 without centring), the
+    normalised measurement direction ``a`` and the k bin cuts at the quantiles of ``<a, f - offset>``."""
+    f = public_features.detach().to(torch.float64).flatten(1)
+    offset = f.mean(dim=0) if center else torch.zeros(f.shape[1], dtype=torch.float64)
+    direction = measurement_direction(kind, int(f.shape[1]), generator)
+    direction, measured = normalised_direction(direction, f - offset)
+    return offset, direction, cut_points(measured, num_bins)
+
+
 @torch.no_grad()
 def calibrate_back_weight(
     model: nn.Module,

@@ -33,12 +33,10 @@ from torch import nn
 from gradleak.attacks.linear.imprint import (
     ImprintSecrets,
     calibrate_back_weight,
-    cut_points,
     features_to_images,
     invert_bins,
     local_step_count,
-    measurement_direction,
-    normalised_direction,
+    place_bins,
     program_bins,
 )
 from gradleak.attacks.linear.robbing_the_fed import (
@@ -104,11 +102,7 @@ class Loki:
         cfg = self.config
         public = require_public(public_images, "loki")
         channels, dim = int(public.shape[1]), int(public[0].numel())
-        flat = public.flatten(1).to(torch.float64)
-        mean = flat.mean(dim=0)
-        direction = measurement_direction("random", dim, generator)
-        direction, measured = normalised_direction(direction, flat - mean)
-        cuts = cut_points(measured, cfg.bins_per_slot)
+        mean, direction, cuts = place_bins(public, "random", cfg.bins_per_slot, generator)
         k, s = cfg.bins_per_slot, cfg.slots
         block = ImprintBlock(
             dim, k, front=SlotSeparator(channels, s), back_weight=cfg.back_weight * s, groups=s,

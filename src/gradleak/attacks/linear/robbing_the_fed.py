@@ -30,12 +30,10 @@ from gradleak.attacks.linear.imprint import (
     MEASUREMENTS,
     ImprintSecrets,
     calibrate_back_weight,
-    cut_points,
     features_to_images,
     invert_bins,
     local_step_count,
-    measurement_direction,
-    normalised_direction,
+    place_bins,
     program_bins,
 )
 from gradleak.models.malicious import ImprintBlock, imprint_parameter_names, insert_imprint
@@ -118,11 +116,9 @@ class RobbingTheFed:
         cfg = self.config
         public = require_public(public_images, "robbing_the_fed")
         dim = int(public[0].numel())
-        direction = measurement_direction(cfg.measurement, dim, generator)
-        flat = public.flatten(1).to(torch.float64)
-        offset = flat.mean(dim=0) if cfg.center else torch.zeros(dim, dtype=torch.float64)
-        direction, measured = normalised_direction(direction, flat - offset)
-        cuts = cut_points(measured, cfg.num_bins)
+        offset, direction, cuts = place_bins(
+            public, cfg.measurement, cfg.num_bins, generator, center=cfg.center
+        )
         block = ImprintBlock(dim, cfg.num_bins, back_weight=cfg.back_weight, offset=offset)
         program_bins(block.linear, direction, cuts, scale_for(cfg.scale, cfg.tuned_for))
         malicious = insert_imprint(model, block)

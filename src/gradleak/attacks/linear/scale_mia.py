@@ -33,11 +33,9 @@ from torch.nn import functional as F
 from gradleak.attacks.linear.imprint import (
     ImprintSecrets,
     calibrate_back_weight,
-    cut_points,
     invert_bins,
     local_step_count,
-    measurement_direction,
-    normalised_direction,
+    place_bins,
     program_bins,
 )
 from gradleak.attacks.linear.robbing_the_fed import (
@@ -190,11 +188,8 @@ class ScaleMIA:
         log.info("scale_mia: autoencoder public MSE %.4g in %.1fs", mse, time.perf_counter() - t0)
         with torch.no_grad():
             latents = enc(public).to(torch.float64)
-        mean = latents.mean(dim=0)
         d = int(latents.shape[1])
-        direction = measurement_direction("random", d, generator)
-        direction, measured = normalised_direction(direction, latents - mean)
-        cuts = cut_points(measured, cfg.num_bins)
+        mean, direction, cuts = place_bins(latents, "random", cfg.num_bins, generator)
         block = ImprintBlock(
             d, cfg.num_bins, front=copy.deepcopy(enc), back_weight=cfg.back_weight, offset=mean
         )
