@@ -1,5 +1,6 @@
 """Client-side defenses (hooks into local training); see :mod:`gradleak.defenses.base`."""
 
+from gradleak.defenses import aegis_llm as _aegis_llm  # noqa: F401  (registers)
 from gradleak.defenses import aegis_synthetic as _aegis  # noqa: F401  (registers)
 from gradleak.defenses import baselines as _baselines  # noqa: F401  (registers)
 from gradleak.defenses import pruning as _pruning  # noqa: F401  (registers)
