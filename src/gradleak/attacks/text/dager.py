@@ -80,6 +80,7 @@ class DagerConfig:
     vocab: str = "full"  # "full" or "embedding": scan only the embedding row-norm channel's token set
     end_token_id: int | None = None  # encoders: a token that ends every sequence ([SEP]); limits lengths
     fill_to_batch: bool = True  # encoders: complete B with the best rejected sequences (partial recovery)
+    repeat_tol: float = 1e-4  # decoders: reject extensions whose block-2 input repeats the previous (0: off)
 
     def __post_init__(self) -> None:
         for name in ("l1_threshold", "l2_threshold", "rank_tol"):
@@ -90,6 +91,8 @@ class DagerConfig:
             raise ValueError(f"vocab must be 'full' or 'embedding', got {self.vocab!r}")
         if self.search not in ("greedy", "beam"):
             raise ValueError(f"search must be 'greedy' or 'beam', got {self.search!r}")
+        if not 0 <= self.repeat_tol < 1:
+            raise ValueError(f"repeat_tol must be in [0, 1), got {self.repeat_tol}")
         for name in ("max_positions", "beam_width", "max_samples", "max_candidates", "chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -139,7 +142,7 @@ class Dager:
         cands = self.position_candidates(model, spec, m1, span1, self.scan_vocab(obs, model))
         fallback: list[Scored] = []
         b = max(1, obs.update.num_samples)
-        search = L2Search(model, m2, span2, spec.l2_threshold, self.config.chunk)
+        search = L2Search(model, m2, span2, spec.l2_threshold, self.config.chunk, self.config.repeat_tol)
         if spec.causal:
             found = search.extend(cands, self.config.search, self.config.beam_width)
         else:

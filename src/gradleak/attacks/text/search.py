@@ -31,6 +31,7 @@ class L2Search:
     span: Span
     threshold: float
     chunk: int = 4096
+    repeat_tol: float = 1e-4  # decoders: an extension whose block-2 input repeats the previous one
 
     def residual(self, seqs: torch.Tensor, last_only: bool, reduce: str = "max") -> torch.Tensor:
         """L2 residual of each sequence's last token, or its max / mean over the positions."""
@@ -78,6 +79,12 @@ class L2Search:
     def extension_residuals(self, prefixes: list[list[int]], cands: list[int]) -> torch.Tensor:
         """L2 residual of the last token of ``s + [v]`` for each prefix s (outer) and candidate v (inner).
 
+        Extensions whose block-2 input repeats the prefix's last one (relative distance below
+        ``repeat_tol``) get residual ``inf``: they add no new direction, so the span cannot confirm them.
+        Under rotary (position-free) attention a run of one token [a, a, ...] has the same block-2 input at
+        every position (the values are all a's, whatever the attention weights), so without this rule
+        every first token a grows an accepted run a, a, a, ... next to its true continuation.
+
         The prefixes (all of one length) run once through block 1 into a key/value cache that every
         candidate reuses (one token each); without a usable cache whole sequences are recomputed (same
         result).
@@ -91,16 +98,22 @@ class L2Search:
             cache = DynamicCache()
             # transformers >= 5.x names the argument `cache` (`past_key_values` is deprecated)
             key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-            capture_input(model, module, input_ids=torch.tensor(prefixes), use_cache=True, **{key: cache})
+            zp = capture_input(
+                model, module, input_ids=torch.tensor(prefixes), use_cache=True, **{key: cache}
+            )
             cache.batch_repeat_interleave(len(cands))
             pos = torch.full((n * len(cands), 1), t)
             z = capture_input(model, module, input_ids=ids, use_cache=True, position_ids=pos, **{key: cache})
-            z = z[:, -1]
+            z, prev = z[:, -1], zp[:, -1].repeat_interleave(len(cands), dim=0)
         except (ImportError, TypeError, AttributeError, RuntimeError, ValueError) as err:
             log.debug("no KV-cache fast path (%s); recomputing whole prefixes", err)
             seqs = torch.cat([torch.tensor(prefixes).repeat_interleave(len(cands), dim=0), ids], dim=1)
-            return self.residual(seqs, last_only=True)
-        return self.span.residual(z)
+            zz = layer_inputs(self.model, self.module, seqs, chunk=max(1, self.chunk // seqs.shape[1]))
+            z, prev = zz[:, -1], zz[:, -2]
+        res = self.span.residual(z)
+        z64 = z.to(torch.float64)
+        repeat = (z64 - prev.to(torch.float64)).norm(dim=-1) < self.repeat_tol * z64.norm(dim=-1)
+        return torch.where(repeat, torch.full_like(res, float("inf")), res)
 
     def encoder_search(
         self,
