@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -72,7 +72,21 @@ def timed(
     return res, time.perf_counter() - t0
 
 
-def run(name: str, seed: int, rounds: int, soteria_clients: int, baselines: bool = True) -> dict[str, Any]:
+def tail_mean(rounds_out: Sequence[dict[str, Any]], key: str, last: int) -> float:
+    """Mean test accuracy of the last ``last`` rounds (early non-IID FedAvg rounds swing by 10-20 points)."""
+    xs = [r[key] for r in rounds_out[-last:]]
+    return sum(xs) / len(xs)
+
+
+def run(
+    name: str,
+    seed: int,
+    rounds: int,
+    soteria_clients: int,
+    baselines: bool = True,
+    last: int = 5,
+    checkpoint: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> dict[str, Any]:
     pool = load_dataset(name, "train")
     test = load_dataset(name, "test")
     parts = partition(
@@ -118,6 +132,8 @@ def run(name: str, seed: int, rounds: int, soteria_clients: int, baselines: bool
             flush=True,
         )
         rounds_out.append(row)
+        if checkpoint is not None:
+            checkpoint(rounds_out)
     per_client: dict[str, dict[int, float]] = {}
     for r in baseline_rows:
         per_client.setdefault(r["defense"], {})[r["client"]] = r["seconds"]
@@ -136,6 +152,11 @@ def run(name: str, seed: int, rounds: int, soteria_clients: int, baselines: bool
         "ratio_to_none": ratios,
         "aegis_compute_bound_ratio": {"median": statistics.median(bound), "per_client": bound},
         "final_acc": {"none": rounds_out[-1]["acc_none"], "aegis": rounds_out[-1]["acc_aegis"]},
+        "last_rounds_mean_acc": {
+            "rounds": min(last, len(rounds_out)),
+            "none": tail_mean(rounds_out, "acc_none", last),
+            "aegis": tail_mean(rounds_out, "acc_aegis", last),
+        },
         "round_seconds": {k: summarize([r["seconds"][k] for r in rounds_out]) for k in ("none", "aegis")},
         "cache_one_time_seconds": summarize([c["seconds"] + c["generator_fit_seconds"] for c in cache_stats]),
         "cache_rejection_rate": summarize([c["rejection_rate"] for c in cache_stats]),
@@ -149,15 +170,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--soteria-clients", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=None, help="override the scale's round count")
     parser.add_argument("--utility-only", action="store_true", help="skip the baseline timings")
+    parser.add_argument("--last", type=int, default=5, help="report the mean accuracy of the last N rounds")
     args = parse_args(parser, argv)
     threads = configure_torch(args.threads)
     rounds = args.rounds or ROUNDS[args.scale]
     print(f"{NAME} --scale {args.scale}: {rounds} rounds, seeds {args.seeds}, threads {threads}", flush=True)
-    results = {
-        f"{n}/seed{s}": run(n, s, rounds, args.soteria_clients, not args.utility_only)
-        for s in args.seeds
-        for n in args.datasets
-    }
+    name = NAME + (f"_utility_r{rounds}" if args.utility_only else "")
+    results: dict[str, Any] = {}
+
+    def setting() -> dict[str, Any]:
+        return {
+            "model": MODEL,
+            "training": "FedAvg Adam lr 1e-3, E=3, B=64 (paper 000)",
+            "cache": M,
+            "clients": NUM_CLIENTS,
+            "fraction": 0.1,
+            "rounds": rounds,
+            "last_rounds_mean": args.last,
+            "baselines": {b: str(DEFENSES.make_config(b)) for b in BASELINES},
+        }
+
+    for s in args.seeds:
+        for n in args.datasets:
+            key = f"{n}/seed{s}"
+
+            def checkpoint(rows: list[dict[str, Any]], key: str = key) -> None:  # partial results, per round
+                partial = {**results, key: {"partial": True, "rounds": rows}}
+                payload = {"setting": setting(), "paper_table1_seconds": PAPER_TABLE1, "results": partial}
+                write_result(name, args.scale, payload, seeds=args.seeds, out=args.out)
+
+            results[key] = run(
+                n, s, rounds, args.soteria_clients, not args.utility_only, args.last, checkpoint
+            )
     for key, r in results.items():
         print(
             key,
@@ -166,21 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             round(r["aegis_compute_bound_ratio"]["median"], 2),
             "acc",
             r["final_acc"],
+            f"mean of last {args.last}",
+            r["last_rounds_mean_acc"],
         )
-    payload = {
-        "setting": {
-            "model": MODEL,
-            "training": "FedAvg Adam lr 1e-3, E=3, B=64 (paper 000)",
-            "cache": M,
-            "clients": NUM_CLIENTS,
-            "fraction": 0.1,
-            "rounds": rounds,
-            "baselines": {b: str(DEFENSES.make_config(b)) for b in BASELINES},
-        },
-        "paper_table1_seconds": PAPER_TABLE1,
-        "results": results,
-    }
-    name = NAME + (f"_utility_r{rounds}" if args.utility_only else "")
+    payload = {"setting": setting(), "paper_table1_seconds": PAPER_TABLE1, "results": results}
     print(f"wrote {write_result(name, args.scale, payload, seeds=args.seeds, out=args.out)}")
     return 0
 

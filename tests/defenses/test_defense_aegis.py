@@ -19,6 +19,7 @@ from gradleak.defenses.aegis_synthetic import (
     accumulate_mean_gradient,
     aegis_for_client,
 )
+from gradleak.defenses.base import DefenseChain, DefenseFailure
 from gradleak.fl import server_view
 from gradleak.fl.client import train_client
 from gradleak.generators import ClassGaussianGenerator
@@ -98,9 +99,11 @@ def test_fails_closed_without_a_usable_cache() -> None:
     data = synthetic_dataset(n=16, shape=SHAPE, classes=3, seed=1)
     model = build_model("aegis_cnn", SHAPE, 3, seed=0)
     training = LocalTraining("fedavg", epochs=1, batch_size=8)
-    unbound = DEFENSES.create("aegis", cache_size=8)
-    res = train_client(0, model, data, training, [unbound], torch.Generator())
-    assert res.update is None and "no synthetic cache" in (res.error or "")
+    unbound = DEFENSES.create("aegis", cache_size=8)  # no cache bound and no client data: fail closed
+    with pytest.raises(DefenseFailure, match="no synthetic cache"):
+        DefenseChain([unbound]).setup(model, generator=torch.Generator())
+    res = train_client(0, model, data, training, [unbound], torch.Generator())  # builds from the data
+    assert res.update is not None and unbound.active_cache is not None and unbound.cache is None
     wrong = SyntheticCache(torch.rand(8, 1, 10, 10), torch.zeros(8, dtype=torch.int64))
     res = train_client(0, model, data, training, [aegis_for_client(wrong, cache_size=8)], torch.Generator())
     assert res.update is None and "the task's are (1, 12, 12)" in (res.error or "")

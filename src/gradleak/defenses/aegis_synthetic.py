@@ -21,41 +21,75 @@ Normalisation (paper 000 uses two descriptions and does not reconcile them):
   left unchanged. **Default**: it is the reading under which synthetic samples actually mix with real ones
   in a linear-leakage bin (docs/defenses.md gives the measurements for both).
 
-Fail closed: a missing cache, a cache whose image shape differs from the real batches' (recorded by a
-forward pre-hook during the first epoch), or a non-finite gradient
-raises, and :class:`~gradleak.defenses.base.DefenseChain` withholds the update.
+Cache: bound explicitly (:meth:`AegisSynthetic.bind`, :func:`aegis_for_client`), or, when none is bound,
+built in ``setup`` from the client's private data that the client passes to the hook (``setup(model, *,
+generator, data)``, :class:`~gradleak.defenses.base.DefenseChain`): the built-in class-conditional generator
+fit on that data, candidates accepted by the feature-space budget H (:mod:`gradleak.defenses.aegis_cache`),
+drawn from a seed derived from ``cache_seed`` and a hash of the data. That makes the cache a deterministic
+function of (data, options), so it is memoised per client by content (the data's hash and the options, not
+a client id: two clients never share a cache, and a client gets the same cache every round); ``memo_size``
+caches are kept (least recently used dropped; ``M * C*H*W * 4`` bytes each, 6.4 MB for M = 2048 grey 28x28),
+0 disables. This is what makes ``[[defenses]] name = "aegis"`` work from a TOML config.
+
+Fail closed: a missing cache (none bound and no data), a cache that cannot be built from the data, a
+cache whose image shape differs from the real batches' (recorded by a forward pre-hook during the first
+epoch), or a non-finite gradient raises, and :class:`~gradleak.defenses.base.DefenseChain` withholds the
+update.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gradleak.defenses.aegis_cache import SyntheticCache
+from gradleak.data.base import ImageDataset
+from gradleak.defenses.aegis_cache import CacheConfig, SyntheticCache, build_cache
 from gradleak.defenses.base import Defense
+from gradleak.generators.gaussian import ClassGaussianGenerator, GaussianGeneratorConfig
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
 
 log = logging.getLogger(__name__)
 
 NORMALISATIONS = ("lambda", "same_lr")
+GENERATORS = ("gaussian",)
 
 
 @dataclass(frozen=True)
 class AegisConfig:
     """``cache_size`` M (the cache must hold at least M images; the first M are used); ``micro_batch``
     images per forward/backward; ``normalization`` ``"lambda"`` | ``"same_lr"``; ``real_batch_size`` B in
-    ``lambda = M / (B + M)``."""
+    ``lambda = M / (B + M)``.
+
+    Building the cache from the client's data in ``setup`` (when none is bound): ``generator`` (only the
+    built-in ``"gaussian"``, :class:`~gradleak.generators.ClassGaussianGenerator`) with
+    ``generator_components`` and ``generator_temperature``; the acceptance filter's ``budget`` H (None:
+    calibrated), ``budget_quantile``, ``budget_scale``, ``match_k``, ``max_candidates_factor``
+    (:class:`~gradleak.defenses.aegis_cache.CacheConfig`); ``cache_seed``; ``memo_size`` caches memoised.
+    """
 
     cache_size: int = 2048
     micro_batch: int = 256
     normalization: str = "lambda"
     real_batch_size: int = 64
+    generator: str = "gaussian"
+    generator_components: int = 32
+    generator_temperature: float = 1.0
+    budget: float | None = None
+    budget_quantile: float = 0.9
+    budget_scale: float = 1.0
+    match_k: int = 1
+    max_candidates_factor: float = 8.0
+    cache_seed: int = 0
+    memo_size: int = 100
 
     def __post_init__(self) -> None:
         for key in ("cache_size", "micro_batch", "real_batch_size"):
@@ -64,6 +98,24 @@ class AegisConfig:
                 raise ValueError(f"{key} must be an int >= 1, got {v!r}")
         if self.normalization not in NORMALISATIONS:
             raise ValueError(f"normalization must be one of {NORMALISATIONS}, got {self.normalization!r}")
+        if self.generator not in GENERATORS:
+            raise ValueError(f"generator must be one of {GENERATORS}, got {self.generator!r}")
+        for key in ("cache_seed", "memo_size"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{key} must be an int >= 0, got {v!r}")
+        self.cache_config()  # validates the acceptance options
+        self.generator_config()
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            size=self.cache_size, budget=self.budget, budget_quantile=self.budget_quantile,
+            budget_scale=self.budget_scale, match_k=self.match_k,
+            max_candidates_factor=self.max_candidates_factor,
+        )  # fmt: skip
+
+    def generator_config(self) -> GaussianGeneratorConfig:
+        return GaussianGeneratorConfig(self.generator_components, self.generator_temperature)
 
     @property
     def lam(self) -> float:
@@ -97,16 +149,78 @@ def accumulate_mean_gradient(
     return total / n
 
 
+def data_digest(data: ImageDataset) -> bytes:
+    """A hash of the client's images and labels (the memo key; never sent anywhere)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr((tuple(data.images.shape), data.num_classes)).encode())
+    h.update(data.images.detach().to(torch.float32).contiguous().numpy().tobytes())
+    h.update(data.labels.detach().to(torch.int64).contiguous().numpy().tobytes())
+    return h.digest()
+
+
+_MEMO: OrderedDict[tuple[bytes, AegisConfig], SyntheticCache] = OrderedDict()
+
+
+def _memo_key(data: ImageDataset, config: AegisConfig) -> tuple[bytes, AegisConfig]:
+    # options that do not change the cache (step, weighting, memo size) are not part of the key
+    return data_digest(data), AegisConfig(
+        cache_size=config.cache_size, generator=config.generator,
+        generator_components=config.generator_components, generator_temperature=config.generator_temperature,
+        budget=config.budget, budget_quantile=config.budget_quantile, budget_scale=config.budget_scale,
+        match_k=config.match_k, max_candidates_factor=config.max_candidates_factor,
+        cache_seed=config.cache_seed, memo_size=0,
+    )  # fmt: skip
+
+
+def cache_from_data(data: ImageDataset, config: AegisConfig) -> SyntheticCache:
+    """The client's synthetic cache built from its own data: the built-in generator fit on ``data``, then
+    :func:`~gradleak.defenses.aegis_cache.build_cache` accepting candidates against ``data``, from a seed
+    derived from ``cache_seed`` and the data's hash. Memoised by content (``memo_size`` entries)."""
+    key = _memo_key(data, config)
+    if config.memo_size > 0 and key in _MEMO:
+        _MEMO.move_to_end(key)
+        return _MEMO[key]
+    seed = int.from_bytes(hashlib.blake2b(key[0] + config.cache_seed.to_bytes(8), digest_size=8).digest())
+    t0 = time.perf_counter()
+    source = ClassGaussianGenerator.fit(data, config.generator_config())
+    fit = time.perf_counter() - t0
+    cache = build_cache(
+        source, data, config.cache_config(), generator=torch.Generator().manual_seed(seed >> 1)
+    )
+    cache.stats["generator_fit_seconds"] = fit
+    log.info(
+        "aegis: built a cache of %d from %d client images in %.2fs (rejection rate %.1f%%)",
+        len(cache), len(data), fit + cache.stats["seconds"], 100 * cache.stats["rejection_rate"],
+    )  # fmt: skip
+    if config.memo_size > 0:
+        _MEMO[key] = cache
+        while len(_MEMO) > config.memo_size:
+            _MEMO.popitem(last=False)
+    return cache
+
+
+def memoised_caches() -> list[SyntheticCache]:
+    """The caches currently memoised (least recently used first)."""
+    return list(_MEMO.values())
+
+
+def clear_cache_memo() -> None:
+    """Drop every memoised cache (e.g. between experiments, to free memory)."""
+    _MEMO.clear()
+
+
 class AegisSynthetic(Defense):
-    """The Aegis defense for one client; bind its offline-built cache with :meth:`bind` (or the
-    constructor) before local training. ``DEFENSES.create("aegis", ...)`` returns an unbound instance,
-    which fails closed in ``setup`` until a cache is bound."""
+    """The Aegis defense for one client. Either bind its offline-built cache with :meth:`bind` (or the
+    constructor) before local training, or let ``setup`` build it from the client's ``data`` (what a client
+    does when the defense comes from a config: ``DEFENSES.create("aegis", ...)`` returns an unbound
+    instance). Unbound and without data, ``setup`` fails closed."""
 
     name = "aegis"
 
     def __init__(self, config: AegisConfig | None = None, cache: SyntheticCache | None = None) -> None:
         self.config = config or AegisConfig()
-        self.cache: SyntheticCache | None = None
+        self.cache: SyntheticCache | None = None  # bound by the caller; used for every client
+        self.active_cache: SyntheticCache | None = None  # this local training run's cache
         self.steps = 0
         self.last_loss = math.nan
         self._real_shape: tuple[int, ...] | None = None
@@ -120,14 +234,28 @@ class AegisSynthetic(Defense):
         self.cache = cache
         return self
 
-    def setup(self, model: nn.Module, *, generator: torch.Generator) -> None:
-        if self.cache is None:
+    def setup(
+        self, model: nn.Module, *, generator: torch.Generator, data: ImageDataset | None = None
+    ) -> None:
+        """Pick this run's cache: the bound one, else one built from ``data`` (the client's private data,
+        :func:`cache_from_data`); neither: fail closed. ``generator`` (the client's training randomness)
+        is not consumed, so real batches are drawn as without the defense."""
+        self.active_cache = None
+        if self.cache is not None:
+            active = self.cache
+        elif data is not None:
+            active = cache_from_data(data, self.config)
+        else:
             raise RuntimeError(
-                "aegis has no synthetic cache: build one (defenses.aegis_cache.build_cache) and bind it"
+                "aegis has no synthetic cache and got no client data: bind one "
+                "(defenses.aegis_cache.build_cache) or pass the client's data to setup"
             )
+        if len(active) < self.config.cache_size:
+            raise ValueError(f"cache holds {len(active)} images, Aegis needs M = {self.config.cache_size}")
         bad = batch_dependent(model)
         if bad and self.config.micro_batch < self.config.cache_size:
             raise RuntimeError(f"batch-dependent layers {bad[:3]} break micro-batch accumulation")
+        self.active_cache = active
         self.steps = 0
         self._real_shape = None
         self._hook = model.register_forward_pre_hook(self._record_shape)
@@ -137,13 +265,14 @@ class AegisSynthetic(Defense):
             self._real_shape = tuple(args[0].shape[1:])
 
     def on_epoch_end(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        if self.cache is None:
-            raise RuntimeError("aegis has no synthetic cache")
+        cache = self.active_cache
+        if cache is None:
+            raise RuntimeError("aegis has no synthetic cache (setup did not run or failed)")
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
         m = self.config.cache_size
-        images, labels = self.cache.images[:m], self.cache.labels[:m]
+        images, labels = cache.images[:m], cache.labels[:m]
         if self._real_shape is not None and tuple(images.shape[1:]) != self._real_shape:
             raise ValueError(f"cache images are {tuple(images.shape[1:])}, the task's are {self._real_shape}")
         optimizer.zero_grad(set_to_none=True)

@@ -2,7 +2,11 @@
 
 A defense is a set of optional hooks called by the client's local training loop, in list order:
 
-- ``setup(model)`` once before local training (e.g. freeze attention);
+- ``setup(model, *, generator)`` once before local training (e.g. freeze attention); a defense that needs
+  the client's private data (Aegis builds its synthetic cache from it) declares a keyword-only
+  ``data: ImageDataset | None = None`` parameter on its ``setup``, and :meth:`DefenseChain.setup` passes
+  the client's data to it (only to it: defenses whose ``setup`` has no ``data`` parameter are called as
+  before, so existing subclasses and callers of ``setup(model, generator=g)`` keep working);
 - ``on_gradients(model, step)`` after each backward, before the optimizer step (clipping + noise, pruning);
 - ``on_epoch_end(model, optimizer)`` after each local epoch (e.g. Aegis' synthetic logical batch);
 - ``on_update(update) -> Update`` on the outgoing payload (compression, noise on the delta).
@@ -12,12 +16,17 @@ If any hook raises, the client raises :class:`DefenseFailure` and sends nothing:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from gradleak.types import Update
+
+if TYPE_CHECKING:
+    from gradleak.data.base import ImageDataset
 
 
 class DefenseFailure(RuntimeError):
@@ -30,7 +39,9 @@ class Defense:
     name: str = "defense"
 
     def setup(self, model: nn.Module, *, generator: torch.Generator) -> None:
-        """Called once per local training run, before the first step."""
+        """Called once per local training run, before the first step. Subclasses may add a keyword-only
+        ``data: ImageDataset | None = None`` parameter to receive the client's private data (see
+        :func:`accepts_data`); it never leaves the client."""
 
     def on_gradients(self, model: nn.Module, step: int) -> None:
         """Called after each backward pass, before the optimizer step."""
@@ -41,6 +52,15 @@ class Defense:
     def on_update(self, update: Update) -> Update:
         """Transform the outgoing update."""
         return update
+
+
+def accepts_data(defense: Defense) -> bool:
+    """Whether ``defense.setup`` takes the client's data: it declares ``data`` (or ``**kwargs``)."""
+    try:
+        params = inspect.signature(defense.setup).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "data" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 class DefenseChain:
@@ -56,8 +76,20 @@ class DefenseChain:
             except Exception as exc:  # any failure withholds the update
                 raise DefenseFailure(f"defense {d.name!r} failed in {hook}: {exc}") from exc
 
-    def setup(self, model: nn.Module, *, generator: torch.Generator) -> None:
-        self._call("setup", model, generator=generator)
+    def setup(
+        self, model: nn.Module, *, generator: torch.Generator, data: ImageDataset | None = None
+    ) -> None:
+        """Every defense's ``setup``; ``data`` (the client's private data, optional) goes only to the
+        defenses whose ``setup`` accepts it (:func:`accepts_data`). A failure raises
+        :class:`DefenseFailure`, as in every hook."""
+        for d in self.defenses:
+            kwargs: dict[str, object] = {"generator": generator}
+            if data is not None and accepts_data(d):
+                kwargs["data"] = data
+            try:
+                d.setup(model, **kwargs)  # type: ignore[arg-type]
+            except Exception as exc:  # any failure withholds the update
+                raise DefenseFailure(f"defense {d.name!r} failed in setup: {exc}") from exc
 
     def on_gradients(self, model: nn.Module, step: int) -> None:
         self._call("on_gradients", model, step)

@@ -91,8 +91,14 @@ def train_client(
     training: LocalTraining,
     defenses: Sequence[Defense],
     generator: torch.Generator,
+    *,
+    private: ImageDataset | None = None,
 ) -> ClientResult:
     """Run one client's local training on a private copy of the broadcast model.
+
+    Defenses whose ``setup`` takes ``data`` receive the client's private data: ``private`` when given (the
+    client's whole share when the training data is a subset of it, e.g. an audit's ``max_samples``), else
+    ``data``. It stays on the client; only the update leaves.
 
     Fail closed: if a defense raises, the result carries ``update=None`` and the error text.
     """
@@ -100,7 +106,7 @@ def train_client(
     model.train()
     chain = DefenseChain(defenses)
     try:
-        chain.setup(model, generator=generator)
+        chain.setup(model, generator=generator, data=data if private is None else private)
         if training.protocol == "fedsgd":
             update, truth = fedsgd_update(model, data, chain, generator, training.batch_size)
         else:

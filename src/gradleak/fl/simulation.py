@@ -37,12 +37,14 @@ def derive_seed(*parts: int) -> int:
 
 @dataclass(frozen=True)
 class ClientTask:
-    """One unit of client work an engine executes."""
+    """One unit of client work an engine executes. ``private`` is the client's whole share when ``data``
+    is a subset of it (an audit's ``max_samples``); data-aware defenses (Aegis) build from it."""
 
     client_id: int
     data: ImageDataset
     training: LocalTraining
     seed: int
+    private: ImageDataset | None = None
 
 
 class Engine(Protocol):
@@ -70,7 +72,15 @@ class InProcessEngine:
         for task in tqdm(tasks, desc="clients", leave=False, disable=not self.progress):
             gen = torch.Generator().manual_seed(task.seed)
             results.append(
-                train_client(task.client_id, global_model, task.data, task.training, defenses(), gen)
+                train_client(
+                    task.client_id,
+                    global_model,
+                    task.data,
+                    task.training,
+                    defenses(),
+                    gen,
+                    private=task.private,
+                )  # fmt: skip
             )
         return results
 
@@ -195,7 +205,10 @@ class FederatedSimulation:
         tasks = self.tasks(r, client_ids, training)
         if max_samples is not None:
             keep = [np.arange(min(max_samples, len(t.data))) for t in tasks]
-            tasks = [dataclasses.replace(t, data=t.data.subset(k)) for t, k in zip(tasks, keep, strict=True)]
+            tasks = [
+                dataclasses.replace(t, data=t.data.subset(k), private=t.data)
+                for t, k in zip(tasks, keep, strict=True)
+            ]
         model = self.model if broadcast is None else broadcast
         return self.engine.train_clients(model, tasks, self.defenses)
 

@@ -1,0 +1,195 @@
+"""Aegis from a config: the client's data reaches data-aware defenses through ``setup`` (and only them),
+Aegis builds and memoises its cache from it, failures while doing so fail closed, and through the runner
+the update carries no cache and Robbing the Fed's reconstruction rate falls against no defense."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import gradleak.experiments.runner as runner
+from gradleak.data import load_dataset
+from gradleak.data.base import ImageDataset
+from gradleak.defenses.aegis_cache import SyntheticCache
+from gradleak.defenses.aegis_synthetic import (
+    AegisConfig,
+    AegisSynthetic,
+    cache_from_data,
+    clear_cache_memo,
+    memoised_caches,
+)
+from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure, accepts_data
+from gradleak.experiments import load_config, run_experiment
+from gradleak.fl.client import train_client
+from gradleak.models import build_model
+from gradleak.registry import DEFENSES
+from gradleak.types import LocalTraining
+
+from conftest import synthetic_dataset
+
+SHAPE = (1, 12, 12)
+
+
+class Legacy(Defense):
+    """A defense written before ``data`` existed: its setup takes the model and the generator only."""
+
+    name = "legacy"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def setup(self, model: nn.Module, *, generator: torch.Generator) -> None:
+        self.calls += 1
+
+
+class DataAware(Defense):
+    name = "data-aware"
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.seen: list[ImageDataset | None] = []
+
+    def setup(
+        self, model: nn.Module, *, generator: torch.Generator, data: ImageDataset | None = None
+    ) -> None:
+        self.seen.append(data)
+        if self.fail:
+            raise ValueError("cannot use this client's data")
+
+
+def organ_share(n: int = 300, offset: int = 0) -> ImageDataset:
+    pool = load_dataset("organamnist", "train", limit=3000)
+    return pool.subset(np.flatnonzero(pool.labels.numpy() < 4)[offset : offset + n])
+
+
+def test_chain_passes_data_only_to_defenses_that_take_it() -> None:
+    model = build_model("lenet", SHAPE, 3, seed=0)
+    data = synthetic_dataset(n=10, shape=SHAPE)
+    legacy, aware = Legacy(), DataAware()
+    assert not accepts_data(legacy) and accepts_data(aware) and accepts_data(AegisSynthetic())
+    chain = DefenseChain([legacy, aware])
+    chain.setup(model, generator=torch.Generator(), data=data)
+    chain.setup(model, generator=torch.Generator())  # the old call still works
+    assert legacy.calls == 2 and aware.seen == [data, None]
+    res = train_client(0, model, data, LocalTraining(epochs=1, batch_size=5), [Legacy(), aware],
+                       torch.Generator())  # fmt: skip
+    assert res.update is not None and aware.seen[-1] is data
+    whole = synthetic_dataset(n=30, shape=SHAPE, seed=3)
+    res = train_client(0, model, data, LocalTraining(epochs=1, batch_size=5), [aware], torch.Generator(),
+                       private=whole)  # fmt: skip
+    assert res.update is not None and aware.seen[-1] is whole and res.update.num_samples == len(data)
+
+
+def test_a_defense_failing_in_setup_with_data_fails_closed() -> None:
+    model = build_model("lenet", SHAPE, 3, seed=0)
+    data = synthetic_dataset(n=10, shape=SHAPE)
+    with pytest.raises(DefenseFailure, match="data-aware.*setup.*this client's data"):
+        DefenseChain([DataAware(fail=True)]).setup(model, generator=torch.Generator(), data=data)
+    chain = [Legacy(), DataAware(fail=True)]
+    res = train_client(3, model, data, LocalTraining(epochs=1, batch_size=5), chain, torch.Generator())
+    assert res.update is None and res.truth is None and "this client's data" in (res.error or "")
+    # Aegis whose cache cannot be built from the client's data (one image per class: no generator fit)
+    single = ImageDataset("one-each", torch.rand(3, *SHAPE), torch.arange(3), 3)
+    aegis = DEFENSES.create("aegis", cache_size=16, micro_batch=16, memo_size=0)
+    res = train_client(0, model, single, LocalTraining(epochs=1, batch_size=3), [aegis], torch.Generator())
+    assert res.update is None and "failed in setup" in (res.error or "") and "no class" in (res.error or "")
+    # a budget no candidate meets: the cache error withholds the update
+    share = organ_share(60)
+    strict = DEFENSES.create("aegis", cache_size=32, budget=1e-9, max_candidates_factor=2.0, memo_size=0)
+    cnn = build_model("aegis_cnn", share.input_shape, 11, seed=0)
+    res = train_client(0, cnn, share, LocalTraining(epochs=1, batch_size=32), [strict], torch.Generator())
+    assert res.update is None and "candidates accepted" in (res.error or "")
+
+
+def test_aegis_builds_its_cache_from_the_clients_data_and_memoises_it() -> None:
+    clear_cache_memo()
+    a, b = organ_share(200), organ_share(200, offset=200)
+    cfg = AegisConfig(cache_size=128, micro_batch=128, real_batch_size=32)
+    ca = cache_from_data(a, cfg)
+    assert cache_from_data(a, cfg) is ca  # memo hit: same client data, same options
+    assert cache_from_data(a, AegisConfig(cache_size=128, normalization="same_lr")) is ca  # step option only
+    cb = cache_from_data(b, cfg)
+    assert cb is not ca and not torch.equal(ca.images, cb.images)  # never shared between clients
+    again = cache_from_data(a, AegisConfig(cache_size=128, memo_size=0))
+    assert again is not ca and torch.equal(again.images, ca.images)  # deterministic without the memo
+    assert set(ca.labels.tolist()) <= set(a.labels.tolist()) and ca.images.shape == (128, *a.input_shape)
+    assert len(memoised_caches()) == 2
+    # one instance reused across clients uses each client's own cache
+    aegis = DEFENSES.create("aegis", cache_size=128, micro_batch=128, real_batch_size=32)
+    model = build_model("aegis_cnn", a.input_shape, 11, seed=0)
+    training = LocalTraining(epochs=1, batch_size=32)
+    for data, cache in ((a, ca), (b, cb), (a, ca)):
+        res = train_client(0, model, data, training, [aegis], torch.Generator().manual_seed(0))
+        assert res.update is not None and aegis.active_cache is cache and aegis.steps == 1
+    with pytest.raises(ValueError, match="memo_size"):
+        AegisConfig(memo_size=-1)
+    with pytest.raises(ValueError, match="generator"):
+        AegisConfig(generator="stable-diffusion")
+    clear_cache_memo()
+    assert memoised_caches() == []
+
+
+def _config(defenses: list[dict[str, Any]]) -> Any:
+    return load_config(
+        {
+            "experiment": {"name": "aegis-config-test", "seed": 0},
+            "data": {"dataset": "organamnist", "train_limit": 4000, "test_limit": 500, "num_clients": 8,
+                     "partition": "label_skew", "partition_options": {"max_classes_per_client": 5}},
+            "fl": {"rounds": 0, "fraction": 0.25},
+            "audit": {
+                "clients": 1, "max_samples": 32, "public_limit": 500,
+                "training": {"protocol": "fedavg", "epochs": 1, "batch_size": 32, "optimizer": "sgd"},
+                "attacks": [{"name": "robbing_the_fed", "num_bins": 128},
+                            {"name": "robbing_the_fed", "num_bins": 128, "max_images": 128}],
+            },
+            "defenses": defenses,
+        }
+    )  # fmt: skip
+
+
+def test_aegis_from_a_config_dict_through_the_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OrganAMNIST, one audited client training on 32 of its ~500 images (SGD, E = 1), 128 bins; Aegis
+    M = 512 built by the client from its share in setup. Top-B and all-bins read-outs."""
+    clear_cache_memo()
+    sent: list[Any] = []
+    real_view = runner.server_view
+
+    def spy(broadcast: nn.Module, results: Any, **kwargs: Any) -> Any:
+        sent.extend(results)
+        return real_view(broadcast, results, **kwargs)
+
+    monkeypatch.setattr(runner, "server_view", spy)
+    rates, updates = {}, {}
+    for label, defenses in {
+        "none": [],
+        "aegis": [{"name": "aegis", "cache_size": 512, "real_batch_size": 32}],
+    }.items():
+        sent.clear()
+        out = run_experiment(_config(defenses))
+        attacks = out.of_kind("attack")
+        assert len(attacks) == 2 and all(a["batch_size"] == 32 for a in attacks)
+        rates[label] = attacks[0]["reconstruction_rate"]
+        rates[label + "/all"] = attacks[1]["reconstruction_rate"]
+        assert all(r.update is not None for r in sent), [r.error for r in sent]
+        updates[label] = [r.update for r in sent]
+    caches: list[SyntheticCache] = memoised_caches()
+    assert len(caches) == 1 and len(caches[0]) == 512  # one audited client, one cache built in its setup
+    assert caches[0].stats["accepted"] >= 512
+    cache = caches[0]
+    flat = cache.images.flatten(1)
+    for upd, plain in zip(updates["aegis"], updates["none"], strict=True):  # the ordinary delta, no cache
+        assert upd.kind == plain.kind == "delta" and upd.num_samples == plain.num_samples == 32
+        assert upd.metadata == plain.metadata  # same keys and values (client id, local steps)
+        assert {n: t.shape for n, t in upd.tensors.items()} == {n: t.shape for n, t in plain.tensors.items()}
+        assert not torch.allclose(upd.flat(), plain.flat())  # the synthetic step did happen
+        for t in upd.tensors.values():
+            if t.dim() == 2 and t.shape[1] == flat.shape[1]:  # e.g. the imprint layer's rows
+                assert torch.cdist(t, flat).min() > 1e-3
+    assert rates["none"] >= 0.6, rates
+    assert rates["aegis"] <= 0.5 * rates["none"], rates
+    assert rates["aegis/all"] <= 0.5 * rates["none/all"], rates
+    clear_cache_memo()
