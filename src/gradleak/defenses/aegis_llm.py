@@ -202,8 +202,9 @@ def flood(
         mask = active.reshape(-1, *([1] * (grad.dim() - 1)))
     else:
         mask = active.reshape(1, -1)
-    noise = torch.randn(grad.shape, generator=generator, dtype=torch.float32) * (lam * m_bar)
-    out = rho * grad.float() * mask + noise
+    out = torch.randn(grad.shape, generator=generator, dtype=torch.float32).mul_(lam * m_bar)
+    if rho:
+        out.addcmul_(grad.float(), mask.to(torch.float32), value=rho)
     return out.to(grad.dtype), m_bar
 
 
