@@ -6,9 +6,12 @@
   paper's defaults; ``aegis_rho_fc_0.3``: the utility-preserving MLP retain ratio of the paper's Table V run.
 * ``dp_<sigma>``: the batch gradient clipped to norm 1 plus N(0, sigma^2) per entry (``dp_noise`` with
   ``batch_size = 1``, so its std is sigma * clip); ``prune_<pct>``: magnitude pruning of the upload
-  (``pruning``), as in paper 002's Figure 3/4 baselines.
+  (``pruning``); ``soteria``: Sun et al.'s representation pruning (80 % of the features, 8 JVP probes) on
+  the input of the output layer (LM head or classifier), with the token-embedding output as the perturbed
+  input: paper 002's Figure 3/4 baselines.
 
-Each factory returns fresh defense objects (defenses keep per-run state).
+Each factory takes the model (Soteria needs its layer names) and returns fresh defense objects (defenses keep
+per-run state).
 """
 
 from __future__ import annotations
@@ -17,27 +20,43 @@ from collections.abc import Callable
 
 from gradleak.defenses import Defense
 from gradleak.defenses.aegis_llm import AegisLLM, AegisLLMConfig
-from gradleak.defenses.baselines import DPNoise, DPNoiseConfig
+from gradleak.defenses.baselines import DPNoise, DPNoiseConfig, Soteria, SoteriaConfig
 from gradleak.defenses.pruning import Pruning, PruningConfig
+from gradleak.text.models import TextModel
 
 _OFF = {"flood_embedding": False, "flood_mlp": False, "flood_layernorm": False, "flood_lm_head": False,
         "flood_other_embeddings": False}  # fmt: skip
 
 
-def _aegis(**kw: object) -> Callable[[], list[Defense]]:
-    return lambda: [AegisLLM(AegisLLMConfig(**kw))]  # type: ignore[arg-type]
+Factory = Callable[[TextModel], list[Defense]]
+# (consumer, input module) per family and task: the output layer's input is Soteria's representation
+SOTERIA_LAYERS = {
+    ("gpt2", "causal_lm"): ("lm_head", "transformer.wte"),
+    ("gpt2", "classification"): ("score", "transformer.wte"),
+    ("llama", "causal_lm"): ("lm_head", "model.embed_tokens"),
+    ("bert", "classification"): ("classifier", "bert.embeddings.word_embeddings"),
+}
 
 
-def _dp(sigma: float) -> Callable[[], list[Defense]]:
-    return lambda: [DPNoise(DPNoiseConfig(clip=1.0, sigma=sigma, batch_size=1))]
+def _aegis(**kw: object) -> Factory:
+    return lambda tm: [AegisLLM(AegisLLMConfig(**kw))]  # type: ignore[arg-type]
 
 
-def _prune(ratio: float) -> Callable[[], list[Defense]]:
-    return lambda: [Pruning(PruningConfig(ratio))]
+def _dp(sigma: float) -> Factory:
+    return lambda tm: [DPNoise(DPNoiseConfig(clip=1.0, sigma=sigma, batch_size=1))]
 
 
-SETTINGS: dict[str, Callable[[], list[Defense]]] = {
-    "none": lambda: [],
+def _prune(ratio: float) -> Factory:
+    return lambda tm: [Pruning(PruningConfig(ratio))]
+
+
+def _soteria(tm: TextModel) -> list[Defense]:
+    consumer, source = SOTERIA_LAYERS[(tm.family, tm.task)]
+    return [Soteria(SoteriaConfig(consumer=consumer, input_module=source, percent=80.0, probes=8))]
+
+
+SETTINGS: dict[str, Factory] = {
+    "none": lambda tm: [],
     "freeze": _aegis(**_OFF),
     "embed": _aegis(**{**_OFF, "freeze_attention": False, "flood_embedding": True}),
     "aegis_2ch": _aegis(flood_mlp=False),
@@ -49,5 +68,6 @@ SETTINGS: dict[str, Callable[[], list[Defense]]] = {
     "prune_50": _prune(0.5),
     "prune_90": _prune(0.9),
     "prune_99": _prune(0.99),
+    "soteria": _soteria,
 }
 AEGIS_SETTINGS = ("freeze", "embed", "aegis_2ch", "aegis", "aegis_rho_fc_0.3")

@@ -74,7 +74,7 @@ class Trainer:
 
     def __init__(self, tm: TextModel, setting: str, seed: int, *, private_copy: bool = True) -> None:
         self.model = copy.deepcopy(tm.model) if private_copy else tm.model
-        self.chain = DefenseChain(SETTINGS[setting]())
+        self.chain = DefenseChain(SETTINGS[setting](tm))
         self.chain.setup(self.model, generator=torch.Generator().manual_seed(seed))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=5e-5, weight_decay=0.0)

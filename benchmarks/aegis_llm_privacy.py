@@ -9,7 +9,8 @@ tokens) under each defense setting, and the server runs every analytical probe o
 * Defense settings (benchmarks/aegis_llm_common.py): ``none``; ``aegis_2ch`` (freeze + embedding flood, the
   paper's AEGIS-dagger); ``aegis`` (all three channels, defaults); the baselines of Figures 3/4:
   ``dp_0.001/0.01/0.1`` (batch gradient clipped to norm 1, Gaussian noise of std sigma), ``prune_50/90/99``
-  (magnitude pruning of the upload). Baselines are attacked with DAGER only (the figures' privacy axis).
+  (magnitude pruning of the upload), ``soteria``. Baselines are attacked with DAGER only (the figures'
+  privacy axis).
 * The matched random-gradient null (norm-matched Gaussian noise in place of the undefended gradient) gives
   each probe's null R-1; a probe is *valid* when undefended R-1 > 0.10 and > null + 0.05 and *blocked* by a
   defense that brings it to <= max(0.05, null + 0.05) (paper 002, Sec. VI-C).
@@ -52,7 +53,7 @@ DATA_KW: dict[str, dict[str, Any]] = {
     "financial_phrasebank": {},
 }
 PRIVACY_SETTINGS = ("none", "aegis_2ch", "aegis", "dp_0.001", "dp_0.01", "dp_0.1", "prune_50", "prune_90",
-                    "prune_99")  # fmt: skip
+                    "prune_99", "soteria")  # fmt: skip
 TARGET_R1 = 0.05
 
 
@@ -155,7 +156,7 @@ def run_cell(
                 obs = plain
             else:
                 update = fedsgd_text_update(
-                    tm.model, batch, task, defenses=SETTINGS[setting](), generator=gen
+                    tm.model, batch, task, defenses=SETTINGS[setting](tm), generator=gen
                 )
                 obs = Observation(tm.model, update, shape, 2)
             for p in probes(tm):
@@ -200,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=None, help="override the scale's models")
     parser.add_argument("--datasets", nargs="+", default=None, help="override the scale's datasets")
     parser.add_argument("--defenses", nargs="+", default=list(PRIVACY_SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--tag", default="", help="suffix of the result file name (partial runs)")
     args = parse_args(parser, argv)
     scale = SCALES[args.scale]
     name = NAME
@@ -207,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         scale = Scale(tuple(args.models or scale.models), tuple(args.datasets or scale.datasets),
                       scale.batch_size, scale.max_tokens, scale.batches)  # fmt: skip
         name = f"{NAME}_{'_'.join(args.models or ['all'])}"  # a partial run never overwrites the full one
+    name += f"_{args.tag}" if args.tag else ""
     defenses = ["none"] + [d for d in args.defenses if d != "none"]
     threads = configure_torch(args.threads)
     print(f"{NAME} --scale {args.scale}: {scale}, defenses {defenses}, seeds {args.seeds}", flush=True)

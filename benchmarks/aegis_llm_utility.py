@@ -12,7 +12,7 @@ the masked gradient. Same seeded batch order for every setting.
   split of Rotten Tomatoes, report accuracy and macro-F1 on the held-out 20 %.
 
 Settings (benchmarks/aegis_llm_common.py): none, freeze, embed, aegis_2ch, aegis, aegis_rho_fc_0.3 (Table II)
-and the baselines dp_0.001/0.01/0.1, prune_50/90/99 (Figures 3/4). Target: AEGIS perplexity <= 1.02 x
+and the baselines dp_0.001/0.01/0.1, prune_50/90/99, soteria (Figures 3/4). Target: AEGIS perplexity <= 1.02 x
 undefended after the same steps. Paper (GPT-2 small, WikiText-2, thousands of steps): PPL 26.0 undefended ->
 25.6 AEGIS; AEGIS-2ch 25.7.
 
@@ -39,7 +39,7 @@ from aegis_llm_common import SETTINGS
 
 NAME = "aegis_llm_utility"
 UTILITY_SETTINGS = ("none", "freeze", "embed", "aegis_2ch", "aegis", "aegis_rho_fc_0.3", "dp_0.001",
-                    "dp_0.01", "dp_0.1", "prune_50", "prune_90", "prune_99")  # fmt: skip
+                    "dp_0.01", "dp_0.1", "prune_50", "prune_90", "prune_99", "soteria")  # fmt: skip
 TARGET_PPL_RATIO = 1.02
 LR = 5e-5
 
@@ -104,7 +104,7 @@ def finetune(tm: TextModel, task: Task, setting: str, train: list[TextBatch], se
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     for batch in tqdm(train, desc=f"{task.model} {setting}", leave=False):
-        update = fedsgd_text_update(tm.model, batch, task.task, defenses=SETTINGS[setting](), generator=gen)
+        update = fedsgd_text_update(tm.model, batch, task.task, defenses=SETTINGS[setting](tm), generator=gen)
         opt.zero_grad(set_to_none=True)
         for name, p in tm.model.named_parameters():
             p.grad = update.tensors[name].to(p.dtype)

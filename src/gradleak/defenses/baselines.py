@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -102,6 +103,9 @@ class DPNoise(Defense):
 @dataclass(frozen=True)
 class SoteriaConfig:
     consumer: str = "classifier.3"  # the layer whose input is the representation (aegis_cnn: after FC-512)
+    input_module: str | None = (
+        None  # None: X is the model's first positional input; else this module's output
+    )
     percent: float = 80.0  # % of representation features whose gradient columns are zeroed
     probes: int = 16  # random Jacobian-vector products estimating ||dr_i/dX||
 
@@ -117,58 +121,109 @@ class Soteria(Defense):
 
     def __init__(self, config: SoteriaConfig | None = None) -> None:
         self.config = config or SoteriaConfig()
-        self._batch: torch.Tensor | None = None
+        self._call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._rep: torch.Tensor | None = None
+        self._probing = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
-    def setup(self, model: nn.Module, *, generator: torch.Generator) -> None:
-        consumer = dict(model.named_modules()).get(self.config.consumer)
+    def setup(self, model: nn.Module, *, generator: torch.Generator, **_: Any) -> None:
+        modules = dict(model.named_modules())
+        consumer = modules.get(self.config.consumer)
         if not isinstance(consumer, nn.Linear):
             raise ValueError(f"soteria: {self.config.consumer!r} is not a Linear layer of this model")
         self.consumer = consumer
         self._generator = generator
         for h in self._handles:
             h.remove()
-        self._handles = [model.register_forward_pre_hook(self._keep_batch)]
+        self._handles = [model.register_forward_pre_hook(self._keep_call, with_kwargs=True)]
         self._handles.append(consumer.register_forward_pre_hook(self._keep_rep))
+        if self.config.input_module is not None:
+            source = modules.get(self.config.input_module)
+            if source is None:
+                raise ValueError(f"soteria: no module named {self.config.input_module!r}")
+            self._handles.append(source.register_forward_hook(self._inject_tangent))
 
-    def _keep_batch(self, module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-        self._batch = args[0]
+    def _keep_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self._probing:  # the training forward, not the probe replay
+            self._call = (args, kwargs)
 
     def _keep_rep(self, module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         self._rep = args[0]
 
-    def ratios(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``||r_i|| / ||dr_i/dX||`` per representation feature on the batch ``x``.
+    def _inject_tangent(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
+        if not self._probing:
+            return None
+        v = torch.randn(output.shape, generator=self._generator, dtype=torch.float32).to(output.dtype)
+        return fwAD.make_dual(output, v)
+
+    def ratios(self, model: nn.Module, x: torch.Tensor | None = None) -> torch.Tensor:
+        """``||r_i|| / ||dr_i/dX||`` per representation feature on the batch ``x`` (default: the last one).
 
         ``||dr_i/dX||_F^2 = E_v ||(dr_i/dX) v||^2`` for ``v ~ N(0, I)``: ``probes`` forward-mode
         Jacobian-vector products (one batched forward pass) estimate every feature's norm at once, where
         the exact value needs one backward pass per feature (Sun et al. loop over features).
         """
         k, gen = self.config.probes, self._generator
-        xs = x.detach().repeat(k, *([1] * (x.dim() - 1)))
-        v = torch.randn(xs.shape, generator=gen, dtype=xs.dtype)
-        with torch.no_grad(), fwAD.dual_level():
-            model(fwAD.make_dual(xs, v))
-            rep = self._rep
-            assert rep is not None
-            primal, tangent = fwAD.unpack_dual(rep)
-            r = primal[: len(x)].clone()
-            jac_sq = tangent.pow(2).sum(dim=0) / k  # (features,)
+        if self.config.input_module is None:
+            if x is None:
+                if self._call is None or not self._call[0]:
+                    raise RuntimeError("soteria saw no forward pass with a positional input")
+                x = self._call[0][0]
+            assert x is not None
+            xs = x.detach().repeat(k, *([1] * (x.dim() - 1)))
+            v = torch.randn(xs.shape, generator=gen, dtype=xs.dtype)
+            with torch.no_grad(), fwAD.dual_level():
+                self._probing = True
+                try:
+                    model(fwAD.make_dual(xs, v))
+                finally:
+                    self._probing = False
+                primal, tangent = fwAD.unpack_dual(self._probe_rep())
+            n = len(x)
+        else:
+            if self._call is None:
+                raise RuntimeError("soteria saw no forward pass")
+            kwargs = {key: _repeat(val, k) for key, val in self._call[1].items() if key != "labels"}
+            args = tuple(_repeat(a, k) for a in self._call[0])
+            with torch.no_grad(), fwAD.dual_level():
+                self._probing = True
+                try:
+                    model(*args, **kwargs)
+                finally:
+                    self._probing = False
+                primal, tangent = fwAD.unpack_dual(self._probe_rep())
+            n = primal.shape[0] // k
+        r = primal[:n].reshape(-1, primal.shape[-1])
+        jac_sq = tangent.reshape(-1, tangent.shape[-1]).pow(2).sum(dim=0) / k  # (features,)
         self._rep = None
         return r.norm(dim=0) / jac_sq.sqrt().clamp_min(1e-12)
 
+    def _probe_rep(self) -> torch.Tensor:
+        rep = self._rep
+        if rep is None:
+            raise RuntimeError(f"soteria: the forward pass never reached {self.config.consumer!r}")
+        return rep
+
     @torch.no_grad()
-    def on_gradients(self, model: nn.Module, step: int) -> None:
-        if self._batch is None:
+    def on_gradients(self, model: nn.Module, step: int, **_: Any) -> None:
+        if self._call is None:
             raise RuntimeError("soteria saw no forward pass")
         grad = self.consumer.weight.grad
         if grad is None:
             raise RuntimeError(f"soteria: {self.config.consumer!r} has no gradient")
-        ratio = self.ratios(model, self._batch)
+        ratio = self.ratios(model)
         k = int(self.config.percent / 100 * len(ratio))
         if k:
             grad[:, ratio.argsort()[:k]] = 0.0
+
+
+def _repeat(value: Any, k: int) -> Any:
+    """Batch tensors stacked ``k`` times along dim 0 (other call arguments unchanged)."""
+    return (
+        value.repeat(k, *([1] * (value.dim() - 1)))
+        if isinstance(value, torch.Tensor) and value.dim()
+        else value
+    )
 
 
 DEFENSES.register("compression", Compression, config_cls=CompressionConfig,
