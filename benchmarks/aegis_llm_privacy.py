@@ -7,7 +7,8 @@ tokens) under each defense setting, and the server runs every analytical probe o
   Ch3 ``mlp_svd`` (adaptive span check on the first MLP layer, Table V), ``lm_head`` (row norms of an untied
   head, Table VI; only on models whose head is untied, e.g. ``gpt2_small_untied``).
 * Defense settings (benchmarks/aegis_llm_common.py): ``none``; ``aegis_2ch`` (freeze + embedding flood, the
-  paper's AEGIS-dagger); ``aegis`` (all three channels, defaults); the baselines of Figures 3/4:
+  paper's AEGIS-dagger); ``aegis`` (all three channels, defaults); ``aegis_rho_fc_0.3`` (the MLP retain
+  ratio of the paper's Table V run); the baselines of Figures 3/4:
   ``dp_0.001/0.01/0.1`` (batch gradient clipped to norm 1, Gaussian noise of std sigma), ``prune_50/90/99``
   (magnitude pruning of the upload), ``soteria``. Baselines are attacked with DAGER only (the figures'
   privacy axis).
@@ -52,8 +53,8 @@ DATA_KW: dict[str, dict[str, Any]] = {
     "wikitext2": {"split_name": "test"},
     "financial_phrasebank": {},
 }
-PRIVACY_SETTINGS = ("none", "aegis_2ch", "aegis", "dp_0.001", "dp_0.01", "dp_0.1", "prune_50", "prune_90",
-                    "prune_99", "soteria")  # fmt: skip
+PRIVACY_SETTINGS = ("none", "aegis_2ch", "aegis", "aegis_rho_fc_0.3", "dp_0.001", "dp_0.01", "dp_0.1",
+                    "prune_50", "prune_90", "prune_99", "soteria")  # fmt: skip
 TARGET_R1 = 0.05
 
 

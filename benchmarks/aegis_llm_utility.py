@@ -65,7 +65,7 @@ SCALES = {
     "smoke": Scale((Task("gpt2_tiny", "causal_lm", "wikitext2", 3, 16, 32, 4),
                     Task("bert_tiny", "classification", "rotten_tomatoes", 3, 32, 32, 4))),
     "small": Scale((Task("smollm2", "causal_lm", "wikitext2", 20, 64, 32),
-                    Task("minilm", "classification", "rotten_tomatoes", 150, 600, 64))),
+                    Task("minilm", "classification", "rotten_tomatoes", 100, 600, 32))),
     "paper": Scale((Task("smollm2", "causal_lm", "wikitext2", 300, 512, 64),
                     Task("minilm", "classification", "rotten_tomatoes", 1500, 2132, 64))),
 }  # fmt: skip
