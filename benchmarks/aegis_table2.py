@@ -14,6 +14,8 @@ number labelled with its setting:
                             upper bound on what the attack can leak when synthetic bins outnumber real ones
     loki-adam/adam-e3       LOKI (Adam-tuned), secure-aggregation sum of the sampled clients
     scale_mia-adam/adam-e3  Scale-MIA (PCA-256 autoencoder, Adam-tuned)
+    loki-adam-all, smia-adam-all  the same with every non-empty bin returned (LOKI: every slot's bins,
+                            through the benchmark-only ``bench-loki-all-bins`` read-out below)
 
 Defenses: ``none``; ``aegis`` (lambda weighting, the default) and ``aegis-same_lr``; ``--sweep`` adds
 M in {512, 1024, 1536, 2048} (Table A.5; lambda weighting) and writes ``aegis_tableA5_<scale>.json``.
@@ -24,6 +26,7 @@ M in {512, 1024, 1536, 2048} (Table A.5; lambda weighting) and writes ``aegis_ta
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -34,6 +37,7 @@ import torch
 from torch import nn
 
 from gradleak.attacks import create_attack
+from gradleak.attacks.linear.loki import Loki, LokiConfig
 from gradleak.data import ImageDataset, load_dataset
 from gradleak.defenses.aegis_cache import CacheConfig, SyntheticCache, build_cache
 from gradleak.defenses.aegis_synthetic import aegis_for_client
@@ -41,6 +45,8 @@ from gradleak.fl import derive_seed
 from gradleak.fl.client import train_client
 from gradleak.generators import ClassGaussianGenerator
 from gradleak.models import build_model
+from gradleak.registry import ATTACKS
+from gradleak.types import Observation, Reconstruction, Update
 from linear_leakage import (
     BATCH,
     BINS,
@@ -76,6 +82,21 @@ SMIA = {"num_bins": BINS, "autoencoder": "pca", "latent_dim": 256, "tuned_for": 
 SCALES = {"smoke": 2, "small": 5, "paper": 10}
 
 
+class LokiAllBins(Loki):
+    """LOKI's attacker returning every non-empty bin of every slot (its read-out keeps the ``num_samples``
+    bins of largest mass): the all-bins read-out, as ``max_images = k`` for the other two attacks."""
+
+    def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
+        every = self.config.slots * self.config.bins_per_slot
+        upd = obs.update
+        wide = Update(upd.tensors, every, upd.kind, upd.metadata)
+        return super().reconstruct(dataclasses.replace(obs, update=wide), generator=generator)
+
+
+if "bench-loki-all-bins" not in ATTACKS:
+    ATTACKS.register("bench-loki-all-bins", LokiAllBins, config_cls=LokiConfig, summary="benchmark only")
+
+
 def attack_regimes(n_clients: int) -> dict[str, Regime]:
     return {
         "rtf": Regime("rtf/sgd-e3", "robbing_the_fed", {"num_bins": BINS}, fedavg("sgd", 3)),
@@ -105,6 +126,19 @@ def attack_regimes(n_clients: int) -> dict[str, Regime]:
             aggregated=True,
         ),
         "smia-adam": Regime("scale_mia-adam/adam-e3 (paper recipe)", "scale_mia", SMIA, fedavg("adam", 3)),
+        "loki-adam-all": Regime(
+            "loki-adam/adam-e3 secagg, all bins returned",
+            "bench-loki-all-bins",
+            {"slots": n_clients, "bins_per_slot": BINS, "tuned_for": "adam"},
+            fedavg("adam", 3),
+            aggregated=True,
+        ),
+        "smia-adam-all": Regime(
+            "scale_mia-adam/adam-e3, all bins returned",
+            "scale_mia",
+            {**SMIA, "max_images": BINS},
+            fedavg("adam", 3),
+        ),
     }
 
 
@@ -191,7 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser(__doc__.splitlines()[0])
     parser.add_argument("--datasets", nargs="+", default=["organamnist", "pathmnist", "pneumoniamnist"])
     parser.add_argument(
-        "--attacks", nargs="+", default=["rtf", "rtf-adam"], help="rtf rtf-adam loki-adam smia-adam"
+        "--attacks",
+        nargs="+",
+        default=["rtf", "rtf-adam"],
+        help="rtf rtf-adam loki-adam smia-adam, each also with -all (every bin returned)",
     )
     parser.add_argument("--sweep", action="store_true", help="Table A.5: M in 512..2048")
     parser.add_argument("--same-lr", action="store_true", help="also run the same-lr normalisation")
