@@ -4,8 +4,8 @@ Per model x dataset x batch: the client computes one FedSGD gradient (eval mode)
 tokens) under each defense setting, and the server runs every analytical probe on it:
 
 * Ch1 ``dager`` (attention-projection span, Table III/IV), Ch2 ``embedding_norm`` (embedding row norms),
-  Ch3 ``mlp_svd`` (adaptive span check on the first MLP layer, Table V), ``lm_head`` (row norms of an untied
-  head, Table VI; only on models whose head is untied, e.g. ``gpt2_small_untied``).
+  Ch3 ``mlp_svd`` (adaptive span check on the first MLP layer, Table V), ``lm_head_probe`` (row norms of an
+  untied head, Table VI; only on models whose head is untied, e.g. ``gpt2_small_untied``).
 * Defense settings (benchmarks/aegis_llm_common.py): ``none``; ``aegis_2ch`` (freeze + embedding flood, the
   paper's AEGIS-dagger); ``aegis`` (all three channels, defaults); ``aegis_rho_fc_0.3`` (the MLP retain
   ratio of the paper's Table V run); the baselines of Figures 3/4:
@@ -99,7 +99,7 @@ def untied(tm: TextModel) -> bool:
 
 
 def probes(tm: TextModel) -> list[str]:
-    return ["dager", "embedding_norm", "mlp_svd"] + (["lm_head"] if untied(tm) else [])
+    return ["dager", "embedding_norm", "mlp_svd"] + (["lm_head_probe"] if untied(tm) else [])
 
 
 def attack_options(name: str, tm: TextModel) -> dict[str, Any]:
@@ -197,6 +197,30 @@ def summarize_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def make_payload(
+    rows: list[dict[str, Any]], scale: Scale, defenses: list[str], threads: int, *, complete: bool
+) -> dict[str, Any]:
+    summary = summarize_rows(rows)
+    aegis_dager = [c for c in summary if c["defense"] == "aegis" and c["probe"] == "dager"]
+    strong = [c for c in aegis_dager if c["undefended_rouge1"] >= 0.95]
+    payload = {
+        "setting": {**asdict(scale), "defenses": defenses, "tasks": TASK, "protocol": "fedsgd, eval mode",
+                    "dp": "batch gradient clipped to norm 1, N(0, sigma^2) per entry",
+                    "null": "one norm-matched Gaussian null per model x dataset x batch x probe, undefended"},
+        "complete": complete,
+        "torch_threads": threads,
+        "target_aegis_rouge1": TARGET_R1,
+        "paper": {"aegis_rouge1_max": 0.005, "undefended_rouge1_decoders_min": 0.98,
+                  "undefended_bert_min": 0.87, "table5_gpt2_small_ch3_2ch_3ch": [0.265, 0.265],
+                  "table5_gpt2_xl_ch3_2ch_3ch": [0.292, 0.036], "fig3_prune_99_gpt2_rouge1_min": 0.39,
+                  "fig3_prune_50_gpt2_rouge1": [0.55, 0.81]},
+        "meets_target": bool(strong) and all(c["rouge1"] <= TARGET_R1 for c in strong),
+        "summary": summary,
+        "rows": rows,
+    }  # fmt: skip
+    return payload
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser(__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=None, help="override the scale's models")
@@ -220,24 +244,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for dataset in scale.datasets:
             for seed in args.seeds:
                 rows += run_cell(tm, model_name, dataset, scale, seed, defenses)
+            # a checkpoint after every cell: an interrupted run keeps what it measured, labelled partial
+            write_result(name, args.scale, make_payload(rows, scale, defenses, threads, complete=False),
+                         seeds=args.seeds, out=args.out)  # fmt: skip
         del tm
-    summary = summarize_rows(rows)
-    aegis_dager = [c for c in summary if c["defense"] == "aegis" and c["probe"] == "dager"]
-    strong = [c for c in aegis_dager if c["undefended_rouge1"] >= 0.95]
-    payload = {
-        "setting": {**asdict(scale), "defenses": defenses, "tasks": TASK, "protocol": "fedsgd, eval mode",
-                    "dp": "batch gradient clipped to norm 1, N(0, sigma^2) per entry",
-                    "null": "one norm-matched Gaussian null per model x dataset x batch x probe, undefended"},
-        "torch_threads": threads,
-        "target_aegis_rouge1": TARGET_R1,
-        "paper": {"aegis_rouge1_max": 0.005, "undefended_rouge1_decoders_min": 0.98,
-                  "undefended_bert_min": 0.87, "table5_gpt2_small_ch3_2ch_3ch": [0.265, 0.265],
-                  "table5_gpt2_xl_ch3_2ch_3ch": [0.292, 0.036], "fig3_prune_99_gpt2_rouge1_min": 0.39,
-                  "fig3_prune_50_gpt2_rouge1": [0.55, 0.81]},
-        "meets_target": bool(strong) and all(c["rouge1"] <= TARGET_R1 for c in strong),
-        "summary": summary,
-        "rows": rows,
-    }  # fmt: skip
+    payload = make_payload(rows, scale, defenses, threads, complete=True)
+    summary = payload["summary"]
     path = write_result(name, args.scale, payload, seeds=args.seeds, out=args.out)
     cols = "model | dataset | defense | probe | R-1 | R-2 | R-L | METEOR | undef R-1 | null | valid | blocked"
     print(f"| {cols} |")
