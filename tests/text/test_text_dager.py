@@ -127,3 +127,50 @@ def test_dager_rotary_rejects_repeated_token_runs():
     assert rec.stats["accepted"] == 2
     loose = Dager(DagerConfig(repeat_tol=0.0)).reconstruct(obs, generator=_gen())
     assert loose.stats["accepted"] > 2  # the runs [11, 11, ...] and [34, 34, ...] pass the L2 check
+
+
+@pytest.mark.parametrize("encoder", ["beam", "sample"])
+def test_dager_encoder_paths_recover_bert_batch(bert_cls, make_batch, encoder):
+    batch = make_batch(bert_cls)
+    end = int(bert_cls.tokenizer.sep_token_id)
+    attack = Dager(DagerConfig(encoder=encoder, end_token_id=end))
+    rec = attack.reconstruct(_observe(bert_cls, batch, "classification"), generator=_gen())
+    assert sorted(rec.token_ids) == sorted(batch.sequences())
+    assert rec.stats["filled"] == 0
+
+
+def test_encoder_repair_fixes_a_wrong_and_a_missing_token(bert_cls, make_batch):
+    from gradleak.attacks.text.family import estimate_span, family_of, find_module, input_side_gradient
+    from gradleak.attacks.text.search import L2Search
+
+    batch = make_batch(bert_cls)
+    obs = _observe(bert_cls, batch, "classification")
+    model, spec = bert_cls.model, family_of(bert_cls.model)
+    span2 = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 1), spec.rank_tol)
+    m2 = find_module(model, spec.attn_inputs[0].format(i=1))[1]
+    search = L2Search(model, m2, span2, spec.l2_threshold)
+    true = batch.sequences()[1]
+    vocab = sorted({t for s in batch.sequences() for t in s[1:-1]})
+    other = next(v for v in vocab if v != true[3])
+    broken = [*true[:3], other, *true[4:-2], *true[-1:]]  # position 3 substituted, the "." dropped
+    fixed, worst, _ = search.repair(broken, vocab, steps=4, max_len=len(true) + 2)
+    assert fixed == true and worst < spec.l2_threshold
+    stuck, worst, _ = search.repair(broken, vocab, steps=1, max_len=len(true) + 2)
+    assert stuck != true and worst > spec.l2_threshold  # one edit is not enough: the check is exact
+
+
+def test_encoder_fast_path_matches_full_forward(bert_cls, make_batch):
+    from gradleak.attacks.text.family import estimate_span, family_of, find_module, input_side_gradient
+    from gradleak.attacks.text.search import L2Search
+
+    batch = make_batch(bert_cls)
+    obs = _observe(bert_cls, batch, "classification")
+    model, spec = bert_cls.model, family_of(bert_cls.model)
+    span2 = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 1), spec.rank_tol)
+    m1 = find_module(model, spec.attn_inputs[0].format(i=0))[1]
+    m2 = find_module(model, spec.attn_inputs[0].format(i=1))[1]
+    search = L2Search(model, m2, span2, spec.l2_threshold, first=m1)
+    prefixes, cands = [s[:4] for s in batch.sequences()], [1996, 3185, 2001, 102]
+    fast = search._bert_last(search._block1(), prefixes, cands, 4)
+    full = search._full_last(prefixes, cands)
+    assert torch.allclose(fast, full, atol=1e-5, rtol=1e-4)

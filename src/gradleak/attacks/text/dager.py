@@ -55,7 +55,7 @@ from gradleak.attacks.text.family import (
 )
 from gradleak.attacks.text.lm_completion import complete_last_tokens, output_embedding
 from gradleak.attacks.text.rownorm import RowNormConfig, select_rows
-from gradleak.attacks.text.search import L2Search, Scored
+from gradleak.attacks.text.search import L2Search, Scored, similar
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
 
@@ -72,7 +72,10 @@ class DagerConfig:
     max_positions: int = 64  # sequences are at most 64 tokens (paper 002)
     search: str = "beam"  # decoders: "greedy" or "beam"
     beam_width: int = 64
-    max_samples: int = 4096  # encoders: sequences evaluated per length
+    encoder: str = "beam"  # encoders: "beam" (prefix-only L2 score) or "sample" (per-length sampling)
+    per_prefix: int = 4  # encoder beam: extensions kept per prefix once the beam is full
+    repair_steps: int = 8  # encoder beam: local edits per rejected closure (0: none)
+    max_samples: int = 4096  # encoders, "sample": sequences evaluated per length
     max_candidates: int = 512  # per position; more means the span check is not discriminating
     chunk: int = 4096
     midpoint_weights: bool = False  # evaluate candidates at w_0 + delta/2 (FedAvg)
@@ -89,11 +92,13 @@ class DagerConfig:
                 raise ValueError(f"{name} must be in (0, 1), got {v}")
         if self.vocab not in ("full", "embedding"):
             raise ValueError(f"vocab must be 'full' or 'embedding', got {self.vocab!r}")
+        if self.encoder not in ("beam", "sample"):
+            raise ValueError(f"encoder must be 'beam' or 'sample', got {self.encoder!r}")
         if self.search not in ("greedy", "beam"):
             raise ValueError(f"search must be 'greedy' or 'beam', got {self.search!r}")
         if not 0 <= self.repeat_tol < 1:
             raise ValueError(f"repeat_tol must be in [0, 1), got {self.repeat_tol}")
-        for name in ("max_positions", "beam_width", "max_samples", "max_candidates", "chunk"):
+        for name in ("max_positions", "beam_width", "per_prefix", "max_samples", "max_candidates", "chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -142,9 +147,26 @@ class Dager:
         cands = self.position_candidates(model, spec, m1, span1, self.scan_vocab(obs, model))
         fallback: list[Scored] = []
         b = max(1, obs.update.num_samples)
-        search = L2Search(model, m2, span2, spec.l2_threshold, self.config.chunk, self.config.repeat_tol)
+        search = L2Search(model, m2, span2, spec.l2_threshold, self.config.chunk, self.config.repeat_tol, m1)
         if spec.causal:
             found = search.extend(cands, self.config.search, self.config.beam_width)
+        elif self.config.encoder == "beam":
+            found, fallback = search.encoder_beam(
+                cands,
+                end=self.config.end_token_id,
+                beam_width=self.config.beam_width,
+                per_prefix=self.config.per_prefix,
+                batch=b,
+            )
+            found, fallback = search.repair_closures(
+                found,
+                fallback,
+                cands,
+                end=self.config.end_token_id,
+                batch=b,
+                steps=self.config.repair_steps,
+                tries=2 * b,
+            )
         else:
             found, fallback = search.encoder_search(
                 cands,
@@ -158,7 +180,7 @@ class Dager:
         filled = 0
         if not spec.causal and self.config.fill_to_batch and len(seqs) < b:
             for s, _ in sorted(fallback, key=lambda sr: sr[1]):
-                if len(seqs) < b and s not in seqs:
+                if len(seqs) < b and not any(similar(s, q) for q in seqs):
                     seqs.append(s)
                     filled += 1
         if self.config.complete_last_token and spec.causal:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
+from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,6 +34,8 @@ class L2Search:
     threshold: float
     chunk: int = 4096
     repeat_tol: float = 1e-4  # decoders: an extension whose block-2 input repeats the previous one
+    first: nn.Module | None = None  # block 1's first attention projection (encoder beam: layer-1 inputs)
+    _fast: bool | None = None  # encoder beam: the one-token block-1 fast path agrees with the model
 
     def residual(self, seqs: torch.Tensor, last_only: bool, reduce: str = "max") -> torch.Tensor:
         """L2 residual of each sequence's last token, or its max / mean over the positions."""
@@ -115,6 +119,217 @@ class L2Search:
         repeat = (z64 - prev.to(torch.float64)).norm(dim=-1) < self.repeat_tol * z64.norm(dim=-1)
         return torch.where(repeat, torch.full_like(res, float("inf")), res)
 
+    def encoder_beam(
+        self, cands: list[list[int]], *, end: int | None, beam_width: int, per_prefix: int, batch: int = 1
+    ) -> tuple[list[Scored], list[Scored]]:
+        """Encoder search: grow prefixes left to right under a prefix-only L2 score (default encoder path).
+
+        Under bidirectional attention a position's block-2 input depends on the whole sequence, so a prefix
+        has no exact check. It still has a good approximate one: block 1 of a trained encoder attends
+        mostly near each position, so the block-2 input of the last token of ``s + [v]``, computed from
+        the prefix alone (no right context), is closest to the span for the true v (typically rank 0-3
+        of ~100 batch tokens on all-MiniLM-L6-v2). Each prefix keeps its ``per_prefix`` best extensions
+        (more while the beam is not full), the beam keeps the ``beam_width`` prefixes with the smallest
+        summed score, and every prefix is also closed (with ``end_token_id``, e.g. [SEP], when given) and
+        checked exactly: a closed sequence is accepted iff all its block-2 inputs lie in the L2 span.
+        Returns the accepted sequences and the best rejected closures (lowest mean residual first).
+        """
+        found: list[Scored] = []
+        closures: list[Scored] = []
+        live: list[Scored] = [([v], 0.0) for v in cands[0]]
+        for p in range(1, len(cands) + 1):
+            if not live:
+                break
+            closed = [s + [end] for s, _ in live] if end is not None else [s for s, _ in live]
+            if end is None or (p < len(cands) and end in cands[p]):
+                seqs = torch.tensor(closed)
+                z = layer_inputs(self.model, self.module, seqs, chunk=max(1, self.chunk // seqs.shape[1]))
+                res = self.span.residual(z)
+                worst, mean = res.max(dim=1).values, res.mean(dim=1)
+                for i, seq in enumerate(closed):
+                    if worst[i] < self.threshold:
+                        found.append((seq, float(worst[i])))
+                    else:
+                        closures.append((seq, float(mean[i])))
+            if p == len(cands):
+                break
+            choices = [v for v in cands[p] if v != end]
+            if not choices:
+                break
+            scores = self.encoder_last_residuals([s for s, _ in live], choices, p)
+            k = min(len(choices), max(per_prefix, -(-beam_width // len(live))))
+            top = scores.topk(k, dim=1, largest=False).indices.tolist()
+            grown = [s + [choices[j]] for (s, _), row in zip(live, top, strict=True) for j in row]
+            live = self.diverse_beam(grown, beam_width, max(1, beam_width // max(1, batch)))
+        closures.sort(key=lambda sr: sr[1])
+        return found, closures[: 64 * max(1, batch)]
+
+    def repair_closures(
+        self,
+        found: list[Scored],
+        closures: list[Scored],
+        cands: list[list[int]],
+        *,
+        end: int | None,
+        batch: int,
+        steps: int,
+        tries: int,
+    ) -> tuple[list[Scored], list[Scored]]:
+        """Repair the best distinct rejected closures by local edits until B sequences are held.
+
+        Returns the accepted sequences (``found`` plus the repaired ones that pass the exact check) and the
+        rest of the repaired closures (partial recoveries, lowest mean residual first).
+        """
+        vocab = sorted(set().union(*cands[1:]) - {end}) if len(cands) > 1 else []
+        found = list(found)
+        have = [s for s, _ in found]
+        fills: list[Scored] = []
+        done = 0
+        for s, _ in closures:
+            if len(have) + len(fills) >= batch or done >= tries or not vocab:
+                break
+            if any(similar(s, q) for q in have + [f for f, _ in fills]):
+                continue
+            done += 1
+            seq, worst, mean = self.repair(s, vocab, steps, max_len=len(cands))
+            if worst < self.threshold and seq not in have:
+                found.append((seq, worst))
+                have.append(seq)
+            elif not any(similar(seq, q) for q in have + [f for f, _ in fills]):
+                fills.append((seq, mean))
+        log.debug("encoder repair: %d closures tried, %d accepted", done, len(found))
+        return found, sorted(fills, key=lambda sr: sr[1])
+
+    def repair(
+        self, seq: list[int], vocab: list[int], steps: int, *, max_len: int
+    ) -> tuple[list[int], float, float]:
+        """Greedy local search on a whole sequence: around the two positions with the largest L2 residual
+        (and before the last token: truncated variants) substitute, delete, insert a batch token or move
+        the token elsewhere, keeping the edit that most lowers the mean residual, for up to ``steps``
+        edits; the first and last tokens ([CLS], [SEP]) stay. Returns the sequence, its max and mean
+        residual."""
+
+        def scores(seqs: list[list[int]]) -> torch.Tensor:
+            out = torch.empty(len(seqs), dtype=torch.float64)
+            by_len: dict[int, list[int]] = {}
+            for i, q in enumerate(seqs):
+                by_len.setdefault(len(q), []).append(i)
+            for idx in by_len.values():
+                t = torch.tensor([seqs[i] for i in idx])
+                z = layer_inputs(self.model, self.module, t, chunk=max(1, self.chunk // t.shape[1]))
+                out[idx] = self.span.residual(z).mean(dim=1)
+            return out
+
+        cur = list(seq)
+        res = self.span.residual(layer_inputs(self.model, self.module, torch.tensor([cur])))[0]
+        best = float(res.mean())
+        for _ in range(steps):
+            if float(res.max()) < self.threshold or len(cur) < 3:
+                break
+            inner = sorted(range(1, len(cur) - 1), key=lambda i: -float(res[i]))[:2]
+            pos = sorted(
+                {q for i in inner for q in (i - 1, i, i + 1) if 1 <= q < len(cur) - 1} | {len(cur) - 2}
+            )
+            trials: list[list[int]] = []
+            for q in pos:
+                trials += [[*cur[:q], v, *cur[q + 1 :]] for v in vocab if v != cur[q]]
+                trials.append([*cur[:q], *cur[q + 1 :]])
+                rest = [*cur[:q], *cur[q + 1 :]]
+                trials += [[*rest[:j], cur[q], *rest[j:]] for j in range(1, len(cur) - 1) if j != q]
+                if len(cur) < max_len:
+                    trials += [[*cur[:q], v, *cur[q:]] for v in vocab]
+                    trials += [[*cur[: q + 1], v, *cur[q + 1 :]] for v in vocab]
+            sc = scores(trials)
+            i = int(sc.argmin())
+            if float(sc[i]) >= best:
+                break
+            cur, best = trials[i], float(sc[i])
+            res = self.span.residual(layer_inputs(self.model, self.module, torch.tensor([cur])))[0]
+        return cur, float(res.max()), float(res.mean())
+
+    def diverse_beam(self, prefixes: list[list[int]], beam_width: int, per_root: int) -> list[Scored]:
+        """The ``beam_width`` prefixes with the smallest mean L2 residual (each prefix on its own), at most
+        ``per_root`` sharing a token at position 1, so that no one sequence's variants fill the beam."""
+        seqs = torch.tensor(prefixes)
+        z = layer_inputs(self.model, self.module, seqs, chunk=max(1, self.chunk // seqs.shape[1]))
+        mean = self.span.residual(z)[:, 1:].mean(dim=1)
+        out: list[Scored] = []
+        count: dict[int, int] = {}
+        for i in mean.argsort().tolist():
+            root = prefixes[i][1]
+            if count.get(root, 0) < per_root:
+                count[root] = count.get(root, 0) + 1
+                out.append((prefixes[i], float(mean[i])))
+                if len(out) == beam_width:
+                    break
+        return out
+
+    def encoder_last_residuals(self, prefixes: list[list[int]], cands: list[int], t: int) -> torch.Tensor:
+        """(n, c): L2 residual of the last token of ``s + [v]`` computed on that sequence alone."""
+        out = []
+        group = max(1, 4 * self.chunk // max(1, len(cands) * t))
+        for i in range(0, len(prefixes), group):
+            part = prefixes[i : i + group]
+            z = self._encoder_last_inputs(part, cands, t)
+            out.append(self.span.residual(z).view(len(part), len(cands)))
+        return torch.cat(out)
+
+    def _encoder_last_inputs(self, prefixes: list[list[int]], cands: list[int], t: int) -> torch.Tensor:
+        """Block-2 inputs (n * c, d) of the last token of each ``s + [v]``.
+
+        Fast path (BERT-style post-LN layers): block 1's keys and values of the prefix positions depend on
+        their own layer-1 inputs only, so one query token per candidate attends over them; checked once
+        against the full forward, else whole sequences are recomputed.
+        """
+        layer = self._block1()
+        if layer is not None and self._fast is not False:
+            z = self._bert_last(layer, prefixes, cands, t)
+            if self._fast is None:
+                ref = self._full_last(prefixes[:2], cands[:4])
+                got = z.view(len(prefixes), len(cands), -1)[:2, :4].reshape(ref.shape)
+                err = float((got - ref).norm() / ref.norm())
+                self._fast = err < 1e-4
+                log.debug("encoder fast path relative error %.1e (used: %s)", err, self._fast)
+            if self._fast:
+                return z
+        return self._full_last(prefixes, cands)
+
+    def _full_last(self, prefixes: list[list[int]], cands: list[int]) -> torch.Tensor:
+        n, c = len(prefixes), len(cands)
+        ids = torch.tensor(cands).repeat(n).unsqueeze(1)
+        seqs = torch.cat([torch.tensor(prefixes).repeat_interleave(c, dim=0), ids], dim=1)
+        return layer_inputs(self.model, self.module, seqs, chunk=max(1, self.chunk // seqs.shape[1]))[:, -1]
+
+    def _block1(self) -> nn.Module | None:
+        """Block 1 (the layer holding ``first``) when it has the BERT layout, else None."""
+        if self.first is None:
+            return None
+        for name, mod in self.model.named_modules():
+            if mod is self.first and name.endswith(".attention.self.query"):
+                layer = self.model.get_submodule(name[: -len(".attention.self.query")])
+                if all(hasattr(layer, a) for a in ("attention", "intermediate", "output")):
+                    return layer
+        return None
+
+    @torch.no_grad()
+    def _bert_last(self, layer: Any, prefixes: list[list[int]], cands: list[int], t: int) -> torch.Tensor:
+        assert self.first is not None
+        n, c = len(prefixes), len(cands)
+        zp = layer_inputs(self.model, self.first, torch.tensor(prefixes))  # (n, t, d), context-free
+        zc = layer_inputs(self.model, self.first, torch.tensor(cands).unsqueeze(1), start_position=t)[:, 0]
+        sa = layer.attention.self
+        h, dh = int(sa.num_attention_heads), int(sa.attention_head_size)
+        scale = dh**-0.5
+        kp, vp = sa.key(zp).view(n, t, h, dh), sa.value(zp).view(n, t, h, dh)
+        qc, kc, vc = (f(zc).view(c, h, dh) for f in (sa.query, sa.key, sa.value))
+        s_prefix = torch.einsum("chd,nthd->ncht", qc, kp) * scale  # (n, c, h, t)
+        s_self = (qc * kc).sum(-1).mul(scale).expand(n, c, h).unsqueeze(-1)  # (n, c, h, 1)
+        w = torch.softmax(torch.cat([s_prefix, s_self], dim=-1), dim=-1)
+        ctx = torch.einsum("ncht,nthd->nchd", w[..., :t], vp) + w[..., t:] * vc.unsqueeze(0)
+        x = zc.unsqueeze(0).expand(n, c, -1).reshape(n * c, -1)
+        a = layer.attention.output(ctx.reshape(n * c, h * dh), x)
+        return layer.output(layer.intermediate(a), a)
+
     def encoder_search(
         self,
         cands: list[list[int]],
@@ -165,3 +380,10 @@ class L2Search:
                 res = res.view(-1, len(c))
                 draws[:, p] = torch.tensor(c)[res.argmin(dim=1)]
         return torch.unique(draws, dim=0)
+
+
+def similar(a: list[int], b: list[int], fraction: float = 0.7) -> bool:
+    """True when ``a`` and ``b`` share at least ``fraction`` of the tokens (with multiplicity) of the shorter
+    one: variants of one sentence (shifted, with a word moved or dropped) count as the same sentence."""
+    common = sum((Counter(a) & Counter(b)).values())
+    return common >= fraction * min(len(a), len(b))
