@@ -174,3 +174,24 @@ def test_encoder_fast_path_matches_full_forward(bert_cls, make_batch):
     fast = search._bert_last(search._block1(), prefixes, cands, 4)
     full = search._full_last(prefixes, cands)
     assert torch.allclose(fast, full, atol=1e-5, rtol=1e-4)
+
+
+def test_last_token_refinement_fixes_tied_head_cosine_errors(gpt2_lm):
+    # last tokens drawn from a small pool also occur as inputs: under a tied head their rows carry the
+    # input-embedding gradient too and the cosine read-off picks wrong tokens; the joint check does not
+    from gradleak.attacks.text.lm_completion import complete_last_tokens
+    from gradleak.text.data import TextBatch
+
+    g = torch.Generator().manual_seed(1)
+    wrong_cos = wrong_joint = 0
+    for _ in range(10):
+        pool = torch.randint(100, 2000, (12,), generator=g)
+        ids = pool[torch.randint(12, (4, 6), generator=g)]
+        obs = _observe(gpt2_lm, TextBatch(ids, torch.ones_like(ids)), "causal_lm")
+        seqs = ids.tolist()
+        prefixes = [s[:-1] for s in seqs]
+        cos = complete_last_tokens(obs, gpt2_lm.model, prefixes, refine=0)
+        joint = complete_last_tokens(obs, gpt2_lm.model, prefixes)
+        wrong_cos += sum(a != b for a, b in zip(cos, seqs, strict=True))
+        wrong_joint += sum(a != b for a, b in zip(joint, seqs, strict=True))
+    assert wrong_cos > 0 and wrong_joint == 0

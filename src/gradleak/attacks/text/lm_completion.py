@@ -43,11 +43,25 @@ def lm_head_param(model: nn.Module) -> str:
     raise AttackInputError("the LM-head weight is not a named parameter of the model")
 
 
-@torch.no_grad()
-def complete_last_tokens(obs: Observation, model: nn.Module, prefixes: list[list[int]]) -> list[list[int]]:
-    """Each prefix plus its most likely last token (see the module docstring)."""
+def complete_last_tokens(
+    obs: Observation, model: nn.Module, prefixes: list[list[int]], *, refine: int = 6
+) -> list[list[int]]:
+    """Each prefix plus its most likely last token (see the module docstring).
+
+    With ``refine`` > 0 the ``refine`` best tokens per sequence are then checked jointly against the whole
+    head gradient (:func:`refine_last_tokens`).
+    """
     if not prefixes or not family_of(model).causal:
         return prefixes
+    cos = _cosine_scores(obs, model, prefixes)
+    if refine <= 0:
+        return [[*s, int(c.argmax())] for s, c in zip(prefixes, cos, strict=True)]
+    cands = [c.topk(min(refine, c.numel())).indices.tolist() for c in cos]
+    return [[*s, y] for s, y in zip(prefixes, refine_last_tokens(obs, model, prefixes, cands), strict=True)]
+
+
+@torch.no_grad()
+def _cosine_scores(obs: Observation, model: nn.Module, prefixes: list[list[int]]) -> list[torch.Tensor]:
     grad = update_tensor(obs, lm_head_param(model))
     head = output_embedding(model)
     assert head is not None
@@ -68,8 +82,82 @@ def complete_last_tokens(obs: Observation, model: nn.Module, prefixes: list[list
     norms = rest.norm(dim=1)
     live = norms > 1e-6 * norms.max().clamp_min(1e-300)
     out = []
-    for s, h in zip(prefixes, lasts, strict=True):
+    for h in lasts:
         cos = (-rest @ h) / (norms * h.norm()).clamp_min(1e-300)
         cos[~live] = -2.0
-        out.append([*s, int(cos.argmax())])
+        out.append(cos)
     return out
+
+
+def refine_last_tokens(
+    obs: Observation, model: nn.Module, prefixes: list[list[int]], cands: list[list[int]], sweeps: int = 5
+) -> list[int]:
+    """The joint choice of last tokens (one of ``cands[b]`` per sequence) that best explains the head grad.
+
+    The mean next-token loss is L = (1/N) [known terms + sum_b (logsumexp(l_b) - l_b[y_b])] with l_b the
+    logits at the last prefix position, so its gradient with respect to the head weight is
+    G_0 - (1/N) sum_b D_b(y_b), with G_0 computable from the prefixes and D_b(y) = d l_b[y] / dW (the row
+    y for the head and, for tied heads, the input-embedding rows of the prefix through the backward pass).
+    The rows that depend on the choice (candidates and prefix tokens) are compared with the observed
+    gradient and the choice is made by coordinate descent from the cosine ranking (``cands[b][0]``), with
+    pairwise exchanges of two sequences' tokens, until nothing changes (at most ``sweeps`` rounds).
+    This removes the cosine method's errors when a last token is also an input token of the batch (tied
+    heads: its row carries that token's input-embedding gradient too).
+    """
+    name = lm_head_param(model)
+    param = dict(model.named_parameters())[name]
+    observed = update_tensor(obs, name)
+    rows = torch.tensor(sorted({t for s in prefixes for t in s} | {y for c in cands for y in c}))
+    n_labels = sum(len(s) for s in prefixes)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.enable_grad():
+            total: torch.Tensor | None = None
+            logits_last = []
+            for s in prefixes:
+                logits = model(input_ids=torch.tensor([s]), use_cache=False).logits[0]
+                loss = torch.logsumexp(logits[-1], dim=0)
+                if len(s) > 1:
+                    loss = loss + nn.functional.cross_entropy(
+                        logits[:-1], torch.tensor(s[1:]), reduction="sum"
+                    )
+                total = loss if total is None else total + loss
+                logits_last.append(logits[-1])
+            assert total is not None
+            g0 = torch.autograd.grad(total / n_labels, param, retain_graph=True)[0]
+            base = (observed - g0.to(torch.float64))[rows]
+            contrib = [
+                [
+                    torch.autograd.grad(last[y], param, retain_graph=True)[0].to(torch.float64)[rows]
+                    / n_labels
+                    for y in c
+                ]
+                for last, c in zip(logits_last, cands, strict=True)
+            ]
+    finally:
+        model.train(was_training)
+    pick = [0] * len(prefixes)
+    # observed = G_0 - (1/N) sum_b D_b(y_b)  <=>  base + sum_b contrib[b][pick_b] = 0
+    current = base + sum(contrib[b][0] for b in range(len(prefixes)))
+    for _ in range(sweeps):
+        changed = False
+        for b, options in enumerate(contrib):
+            without = current - options[pick[b]]
+            errs = [float((without + o).norm()) for o in options]
+            best = min(range(len(options)), key=errs.__getitem__)
+            changed |= best != pick[b]
+            pick[b], current = best, without + options[best]
+        # coordinate moves cannot exchange two sequences' tokens (a permutation is a local minimum)
+        for b in range(len(cands)):
+            for c in range(b + 1, len(cands)):
+                yb, yc = cands[b][pick[b]], cands[c][pick[c]]
+                if yb == yc or yc not in cands[b] or yb not in cands[c]:
+                    continue
+                i, j = cands[b].index(yc), cands[c].index(yb)
+                trial = current - contrib[b][pick[b]] - contrib[c][pick[c]] + contrib[b][i] + contrib[c][j]
+                if float(trial.norm()) < float(current.norm()):
+                    pick[b], pick[c], current, changed = i, j, trial, True
+        if not changed:
+            break
+    return [c[i] for c, i in zip(cands, pick, strict=True)]
