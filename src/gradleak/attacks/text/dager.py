@@ -75,6 +75,7 @@ class DagerConfig:
     encoder: str = "beam"  # encoders: "beam" (prefix-only L2 score) or "sample" (per-length sampling)
     per_prefix: int = 4  # encoder beam: extensions kept per prefix once the beam is full
     repair_steps: int = 8  # encoder beam: local edits per rejected closure (0: none)
+    encoder_rounds: int = 3  # encoder beam: rounds, each without the found sentences' first words
     max_samples: int = 4096  # encoders, "sample": sequences evaluated per length
     max_candidates: int = 512  # per position; more means the span check is not discriminating
     chunk: int = 4096
@@ -98,7 +99,15 @@ class DagerConfig:
             raise ValueError(f"search must be 'greedy' or 'beam', got {self.search!r}")
         if not 0 <= self.repeat_tol < 1:
             raise ValueError(f"repeat_tol must be in [0, 1), got {self.repeat_tol}")
-        for name in ("max_positions", "beam_width", "per_prefix", "max_samples", "max_candidates", "chunk"):
+        for name in (
+            "max_positions",
+            "beam_width",
+            "per_prefix",
+            "encoder_rounds",
+            "max_samples",
+            "max_candidates",
+            "chunk",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -151,22 +160,7 @@ class Dager:
         if spec.causal:
             found = search.extend(cands, self.config.search, self.config.beam_width)
         elif self.config.encoder == "beam":
-            found, fallback = search.encoder_beam(
-                cands,
-                end=self.config.end_token_id,
-                beam_width=self.config.beam_width,
-                per_prefix=self.config.per_prefix,
-                batch=b,
-            )
-            found, fallback = search.repair_closures(
-                found,
-                fallback,
-                cands,
-                end=self.config.end_token_id,
-                batch=b,
-                steps=self.config.repair_steps,
-                tries=2 * b,
-            )
+            found, fallback = self.encoder_rounds(search, cands, b)
         else:
             found, fallback = search.encoder_search(
                 cands,
@@ -179,10 +173,15 @@ class Dager:
         seqs = [s for s, _ in found[:b]]
         filled = 0
         if not spec.causal and self.config.fill_to_batch and len(seqs) < b:
-            for s, _ in sorted(fallback, key=lambda sr: sr[1]):
-                if len(seqs) < b and not any(similar(s, q) for q in seqs):
-                    seqs.append(s)
-                    filled += 1
+            for distinct in (True, False):  # distinct sentences first, then whatever is left
+                for s, _ in sorted(fallback, key=lambda sr: sr[1]):
+                    if (
+                        len(seqs) < b
+                        and s not in seqs
+                        and not (distinct and any(similar(s, q) for q in seqs))
+                    ):
+                        seqs.append(s)
+                        filled += 1
         if self.config.complete_last_token and spec.causal:
             if _has_lm_head(model):
                 seqs = complete_last_tokens(obs, model, seqs)
@@ -197,6 +196,38 @@ class Dager:
         }
         log.info("DAGER: L1 rank %d, %d positions, %d accepted sequences", span1.rank, len(cands), len(found))
         return Reconstruction(token_ids=seqs, stats=stats)
+
+    def encoder_rounds(
+        self, search: L2Search, cands: list[list[int]], b: int
+    ) -> tuple[list[Scored], list[Scored]]:
+        """Encoder beam in up to ``encoder_rounds`` rounds, then the repair of the rejected closures.
+
+        After a round, the position-1 tokens of the sequences found so far are left out of the next
+        round's position-1 candidates, so the beam spends its width on the sentences still missing (a
+        second sentence sharing a found one's first word is then only reachable through the repair).
+        """
+        c = self.config
+        found: list[Scored] = []
+        closures: list[Scored] = []
+        for _ in range(c.encoder_rounds):
+            sets = list(cands)
+            if len(sets) > 1:
+                done = {s[1] for s, _ in found if len(s) > 1}
+                sets[1] = [v for v in sets[1] if v not in done]
+            new, rejected = search.encoder_beam(
+                sets, end=c.end_token_id, beam_width=c.beam_width, per_prefix=c.per_prefix, batch=b
+            )
+            new = [sr for sr in new if sr[0] not in [s for s, _ in found]]
+            found += new
+            closures += rejected
+            if not new or len(found) >= b:
+                break
+        closures.sort(key=lambda sr: sr[1])
+        found, fills = search.repair_closures(
+            found, closures, cands, end=c.end_token_id, batch=b, steps=c.repair_steps, tries=2 * b
+        )
+        tried = {tuple(s) for s, _ in fills}
+        return found, fills + [sr for sr in closures if tuple(sr[0]) not in tried]
 
     def scan_vocab(self, obs: Observation, model: nn.Module) -> torch.Tensor:
         """The token ids the L1 filter scans: the whole vocabulary, or the embedding channel's set.
