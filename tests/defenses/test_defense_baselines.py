@@ -93,3 +93,19 @@ def test_baselines_run_in_the_client_and_fail_closed() -> None:
     bad = DEFENSES.create("soteria", consumer="features.0")
     res = train_client(0, model, data, training, [bad], torch.Generator())
     assert res.update is None and "not a Linear layer" in (res.error or "")
+
+
+def test_pruning_zeroes_exactly_the_smallest_entries_against_a_sort() -> None:
+    from gradleak.defenses.pruning import Pruning, PruningConfig
+    from gradleak.types import Update
+
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(1000, generator=gen)
+    t[:50] = 0.0  # ties at the threshold
+    for ratio in (0.02, 0.5, 0.9, 0.99):
+        out = Pruning(PruningConfig(ratio)).on_update(Update({"w": t.reshape(10, 100)}, 1)).tensors["w"]
+        k = int(ratio * 1000)
+        ref = t.clone()
+        ref[t.abs().sort(stable=True).indices[:k]] = 0.0  # the slow obvious reference
+        assert int((out.reshape(-1) == 0).sum()) == max(k, 50)
+        assert torch.equal(out.reshape(-1), ref)
