@@ -75,7 +75,7 @@ class DagerConfig:
     encoder: str = "beam"  # encoders: "beam" (prefix-only L2 score) or "sample" (per-length sampling)
     per_prefix: int = 4  # encoder beam: extensions kept per prefix once the beam is full
     repair_steps: int = 8  # encoder beam: local edits per rejected closure (0: none)
-    encoder_rounds: int = 3  # encoder beam: rounds, each without the found sentences' first words
+    encoder_rounds: int = 8  # encoder beam: rounds, each without the held sentences' first words
     max_samples: int = 4096  # encoders, "sample": sequences evaluated per length
     max_candidates: int = 512  # per position; more means the span check is not discriminating
     chunk: int = 4096
@@ -202,32 +202,46 @@ class Dager:
     ) -> tuple[list[Scored], list[Scored]]:
         """Encoder beam in up to ``encoder_rounds`` rounds, then the repair of the rejected closures.
 
-        After a round, the position-1 tokens of the sequences found so far are left out of the next
+        After each round the position-1 tokens of the sentences held so far are left out of the next
         round's position-1 candidates, so the beam spends its width on the sentences still missing (a
-        second sentence sharing a found one's first word is then only reachable through the repair).
+        second sentence sharing a held one's first word is then only reachable through the repair). A
+        round that finds no sentence still holds its best distinct closure (a partial recovery, repaired
+        first). Stops once B sentences are held.
         """
         c = self.config
         found: list[Scored] = []
+        partial: list[Scored] = []
         closures: list[Scored] = []
         for _ in range(c.encoder_rounds):
+            held = [s for s, _ in found + partial]
+            if len(held) >= b:
+                break
             sets = list(cands)
             if len(sets) > 1:
-                done = {s[1] for s, _ in found if len(s) > 1}
+                done = {s[1] for s in held if len(s) > 1}
                 sets[1] = [v for v in sets[1] if v not in done]
+                if not sets[1]:
+                    break
             new, rejected = search.encoder_beam(
                 sets, end=c.end_token_id, beam_width=c.beam_width, per_prefix=c.per_prefix, batch=b
             )
-            new = [sr for sr in new if sr[0] not in [s for s, _ in found]]
+            new = [sr for sr in new if sr[0] not in held]
             found += new
             closures += rejected
-            if not new or len(found) >= b:
-                break
-        closures.sort(key=lambda sr: sr[1])
+            if not new:
+                best = next(
+                    (sr for sr in rejected if len(sr[0]) > 2 and not any(similar(sr[0], q) for q in held)),
+                    None,
+                )
+                if best is None:
+                    break
+                partial.append(best)
+        rest = sorted((sr for sr in closures if sr not in partial), key=lambda sr: sr[1])
         found, fills = search.repair_closures(
-            found, closures, cands, end=c.end_token_id, batch=b, steps=c.repair_steps, tries=2 * b
+            found, partial + rest, cands, end=c.end_token_id, batch=b, steps=c.repair_steps, tries=2 * b
         )
         tried = {tuple(s) for s, _ in fills}
-        return found, fills + [sr for sr in closures if tuple(sr[0]) not in tried]
+        return found, fills + [sr for sr in partial + rest if tuple(sr[0]) not in tried]
 
     def scan_vocab(self, obs: Observation, model: nn.Module) -> torch.Tensor:
         """The token ids the L1 filter scans: the whole vocabulary, or the embedding channel's set.
