@@ -3,7 +3,8 @@
 * ``none``: undefended.
 * ``freeze``: attention frozen only; ``embed``: embedding flood only (Channel 2); ``aegis_2ch``: freeze +
   embedding flood (the paper's AEGIS-dagger, Table II/V); ``aegis``: the full triple-channel defense with the
-  paper's defaults; ``aegis_rho_fc_0.3``: the utility-preserving MLP retain ratio of the paper's Table V run.
+  paper's defaults; ``aegis_rho_fc_0.3``: the utility-preserving MLP retain ratio of the paper's Table V run;
+  ``aegis_fc_<lambda>``: ``rho_fc = 0.3`` with a smaller MLP flood scale (our sweep, not the paper's).
 * ``dp_<sigma>``: the batch gradient clipped to norm 1 plus N(0, sigma^2) per entry (``dp_noise`` with
   ``batch_size = 1``, so its std is sigma * clip); ``prune_<pct>``: magnitude pruning of the upload
   (``pruning``); ``soteria``: Sun et al.'s representation pruning (80 % of the features, 8 JVP probes) on
@@ -69,5 +70,10 @@ SETTINGS: dict[str, Factory] = {
     "prune_90": _prune(0.9),
     "prune_99": _prune(0.99),
     "soteria": _soteria,
+    # MLP flood-scale sweep at the utility-preserving retain ratio (not in the paper; a trade-off probe)
+    "aegis_fc_0.25": _aegis(lam_fc=0.25, rho_fc=0.3),
+    "aegis_fc_1": _aegis(lam_fc=1.0, rho_fc=0.3),
+    "aegis_fc_2": _aegis(lam_fc=2.0, rho_fc=0.3),
 }
-AEGIS_SETTINGS = ("freeze", "embed", "aegis_2ch", "aegis", "aegis_rho_fc_0.3")
+AEGIS_SETTINGS = ("freeze", "embed", "aegis_2ch", "aegis", "aegis_rho_fc_0.3", "aegis_fc_0.25", "aegis_fc_1",
+                  "aegis_fc_2")  # fmt: skip
