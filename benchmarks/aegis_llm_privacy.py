@@ -86,11 +86,13 @@ SCALES = {
 }
 
 
-def load_model(name: str) -> TextModel:
+def load_model(name: str, num_labels: int = 2) -> TextModel:
+    """Classification heads get ``num_labels`` outputs (3 for Financial PhraseBank)."""
     task = TASK.get(name, "classification")
+    kw = {"num_labels": num_labels} if task == "classification" else {}
     if name == "gpt2_small_untied":
         return build_text_model("gpt2_small", task, seed=0, tie_word_embeddings=False)
-    return build_text_model(name, task, seed=0)
+    return build_text_model(name, task, seed=0, **kw)
 
 
 def untied(tm: TextModel) -> bool:
@@ -240,14 +242,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{NAME} --scale {args.scale}: {scale}, defenses {defenses}, seeds {args.seeds}", flush=True)
     rows: list[dict[str, Any]] = []
     for model_name in scale.models:
-        tm = load_model(model_name)
         for dataset in scale.datasets:
+            tm = load_model(model_name, num_labels=3 if dataset == "financial_phrasebank" else 2)
             for seed in args.seeds:
                 rows += run_cell(tm, model_name, dataset, scale, seed, defenses)
             # a checkpoint after every cell: an interrupted run keeps what it measured, labelled partial
             write_result(name, args.scale, make_payload(rows, scale, defenses, threads, complete=False),
                          seeds=args.seeds, out=args.out)  # fmt: skip
-        del tm
+            del tm
     payload = make_payload(rows, scale, defenses, threads, complete=True)
     summary = payload["summary"]
     path = write_result(name, args.scale, payload, seeds=args.seeds, out=args.out)
