@@ -38,12 +38,12 @@ from gradleak.attacks import create_attack
 from gradleak.attacks.text.baseline import is_blocked, is_valid, null_observation
 from gradleak.text.client import fedsgd_text_update
 from gradleak.text.data import encode, load_text_dataset, sample
-from gradleak.text.metrics import decode, score_texts, score_token_set
 from gradleak.text.models import TextModel, build_text_model
 from gradleak.types import AttackInputError, Observation
 
 from _common import configure_torch, make_parser, parse_args, write_result
 from aegis_llm_common import AEGIS_SETTINGS, SETTINGS
+from text_attacks import attack_options, score
 
 NAME = "aegis_llm_privacy"
 TASK = {"gpt2_tiny": "causal_lm", "gpt2_small": "causal_lm", "gpt2_small_untied": "causal_lm",
@@ -102,25 +102,6 @@ def untied(tm: TextModel) -> bool:
 
 def probes(tm: TextModel) -> list[str]:
     return ["dager", "embedding_norm", "mlp_svd"] + (["lm_head_probe"] if untied(tm) else [])
-
-
-def attack_options(name: str, tm: TextModel) -> dict[str, Any]:
-    """As in benchmarks/text_attacks.py: GPT-2's DAGER scans the embedding channel's token set; BERT's
-    knows that [SEP] ends a sequence."""
-    if name != "dager":
-        return {}
-    opts: dict[str, Any] = {}
-    if tm.family == "gpt2":
-        opts["vocab"] = "embedding"
-    if tm.family == "bert":
-        opts["end_token_id"] = int(tm.tokenizer.sep_token_id)
-    return opts
-
-
-def score(name: str, token_ids: list[list[int]], refs: list[list[int]], tm: TextModel) -> dict[str, Any]:
-    if name == "dager":
-        return score_texts(decode(tm.tokenizer, token_ids), decode(tm.tokenizer, refs)).as_dict()
-    return score_token_set([t for seq in token_ids for t in seq], refs, tm.tokenizer).as_dict()
 
 
 def run_probe(name: str, tm: TextModel, obs: Observation, refs: list[list[int]], seed: int) -> dict[str, Any]:
