@@ -1,10 +1,12 @@
 """Privacy/utility plane of paper 002's Figures 3/4 from the committed AEGIS benchmark results.
 
-Reads ``aegis_llm_privacy_<model>_<scale>.json`` (DAGER ROUGE-1 per defense, mean over data sets) and
+Reads ``aegis_llm_privacy_<model>_<scale>.json`` (ROUGE-1 per defense and probe) and
 ``aegis_llm_utility_<model>_<scale>.json`` (perplexity or accuracy per defense) for each pretrained model that
-has both, and draws one panel per model: x = DAGER R-1 (the attack), y = the utility metric, one point per
-defense. The paper's ideal region is R-1 < 0.05 at utility no worse than undefended. Writes
-``benchmarks/results/aegis_llm_pareto_<scale>.png`` and a JSON table of the points. No training happens here.
+has both, and draws one panel per model: x = the best attack's R-1 (the maximum over the probes run on that
+defense of the mean over data sets: DAGER, embedding norm and MLP-SVD for AEGIS variants, DAGER alone for the
+baselines), y = the utility metric, one point per defense. The paper's ideal region is R-1 < 0.05 at utility
+no worse than undefended. Writes ``benchmarks/results/aegis_llm_pareto_<scale>.png`` and a JSON table of the
+points. No training happens here.
 
     python benchmarks/aegis_llm_pareto.py --scale small
 """
@@ -37,14 +39,19 @@ def points(model: str, scale: str) -> list[dict[str, Any]]:
     utility = _load(f"aegis_llm_utility_{model}_{scale}.json")
     if privacy is None or utility is None:
         return []
-    r1: dict[str, list[float]] = {}
+    by_probe: dict[str, dict[str, list[float]]] = {}
     for c in privacy["summary"]:
-        if c["probe"] == "dager":
-            r1.setdefault(c["defense"], []).append(c["rouge1"])
+        by_probe.setdefault(c["defense"], {}).setdefault(c["probe"], []).append(c["rouge1"])
     metric = MODELS[model]
     util = {r["setting"]: r[metric] for r in utility["rows"] if metric in r}
-    return [{"model": model, "defense": d, "dager_rouge1": statistics.fmean(v), metric: util[d]}
-            for d, v in r1.items() if d in util]  # fmt: skip
+    out = []
+    for d, probes in by_probe.items():
+        if d in util:
+            means = {p: statistics.fmean(v) for p, v in probes.items()}
+            best = max(means, key=lambda p: means[p])
+            out.append({"model": model, "defense": d, "best_rouge1": means[best], "best_probe": best,
+                        "dager_rouge1": means.get("dager"), metric: util[d]})  # fmt: skip
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,14 +65,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         metric = MODELS[model]
         for p in pts:
             color = "tab:green" if p["defense"].startswith("aegis") else "tab:gray"
-            ax.scatter(p["dager_rouge1"], p[metric], color=color)
-            ax.annotate(p["defense"], (p["dager_rouge1"], p[metric]), fontsize=7, xytext=(3, 3),
+            ax.scatter(p["best_rouge1"], p[metric], color=color)
+            ax.annotate(p["defense"], (p["best_rouge1"], p[metric]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")  # fmt: skip
         base = next((p[metric] for p in pts if p["defense"] == "none"), None)
         if base is not None:
             ax.axhline(base, color="tab:red", lw=0.8, ls="--", label="undefended utility")
         ax.axvline(0.05, color="tab:blue", lw=0.8, ls=":", label="broken attack (R-1 0.05)")
-        ax.set_xlabel("DAGER ROUGE-1 (lower = more private)")
+        ax.set_xlabel("best attack ROUGE-1 (lower = more private)")
         ax.set_ylabel(f"{metric} ({'lower' if metric == 'perplexity' else 'higher'} = better)")
         ax.set_title(f"{model} ({args.scale} scale)")
         ax.legend(fontsize=7)
