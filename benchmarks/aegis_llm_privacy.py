@@ -29,7 +29,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ from gradleak.types import AttackInputError, Observation
 
 from _common import configure_torch, make_parser, parse_args, write_result
 from aegis_llm_common import AEGIS_SETTINGS, SETTINGS
-from text_attacks import attack_options, score
+from text_attacks import Scale, attack_options, score
 
 NAME = "aegis_llm_privacy"
 TASK = {"gpt2_tiny": "causal_lm", "gpt2_small": "causal_lm", "gpt2_small_untied": "causal_lm",
@@ -56,15 +56,6 @@ DATA_KW: dict[str, dict[str, Any]] = {
 PRIVACY_SETTINGS = ("none", "aegis_2ch", "aegis", "aegis_rho_fc_0.3", "dp_0.001", "dp_0.01", "dp_0.1",
                     "prune_50", "prune_90", "prune_99", "soteria")  # fmt: skip
 TARGET_R1 = 0.05
-
-
-@dataclass(frozen=True)
-class Scale:
-    models: tuple[str, ...]
-    datasets: tuple[str, ...]
-    batch_size: int
-    max_tokens: int
-    batches: int  # per cell and seed
 
 
 SCALES = {
