@@ -21,6 +21,7 @@ undefended after the same steps. Paper (GPT-2 small, WikiText-2, thousands of st
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -151,10 +152,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser(__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=None, help="run only these models' tasks")
     parser.add_argument("--settings", nargs="+", default=list(UTILITY_SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--steps", type=int, default=None, help="override the fine-tuning steps (own file)")
     args = parse_args(parser, argv)
     scale = SCALES[args.scale]
     tasks = [t for t in scale.tasks if not args.models or t.model in args.models]
     name = NAME if not args.models else f"{NAME}_{'_'.join(args.models)}"
+    if args.steps is not None:
+        if args.steps < 1:
+            parser.error(f"--steps must be >= 1, got {args.steps}")
+        tasks = [dataclasses.replace(t, steps=args.steps) for t in tasks]
+        name += f"_steps{args.steps}"
     settings = ["none"] + [s for s in args.settings if s != "none"]
     threads = configure_torch(args.threads)
     print(f"{NAME} --scale {args.scale}: {tasks}, settings {settings}, seeds {args.seeds}", flush=True)
