@@ -220,7 +220,6 @@ class AegisLLM(Defense):
         self.frozen: list[str] = []
         self.generator: torch.Generator | None = None
         self.skipped_steps = 0
-        self.last_m_bar: dict[str, float] = {}
 
     def setup(self, model: nn.Module, *, generator: torch.Generator, **_: Any) -> None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -302,16 +301,15 @@ class AegisLLM(Defense):
             if p.grad is None:
                 continue
             bf16 = p.grad.dtype == torch.bfloat16 and rule.group in ("mlp", "norm")
-            flooded, m_bar = flood(
+            flooded = flood(
                 p.grad,
                 lam=rule.lam * (self.config.bf16_scale if bf16 else 1.0),
                 rho=rule.rho,
                 rows=rule.rows,
                 generator=self.generator,
                 active_rel_tol=self.config.active_rel_tol,
-            )
+            )[0]
             p.grad.copy_(flooded)
-            self.last_m_bar[name] = m_bar
 
 
 DEFENSES.register(
