@@ -96,12 +96,20 @@ def dataset(name: str) -> ImageDataset:
     return _CACHE[name]
 
 
+def femnist_pool() -> torch.Tensor:
+    """FEMNIST test indices of every writer but the unit tests' one."""
+    data = dataset("femnist")
+    assert data.groups is not None
+    return torch.nonzero(data.groups != data.groups[0]).flatten()
+
+
 def client_data(name: str, k: int, seed: int, num_classes: int | None = None) -> ImageDataset:
-    """k images of one client: random CIFAR pool images (optionally from ``num_classes`` random classes), or
-    the first k images of a random FEMNIST test writer with at least k images."""
+    """k images of one client: random CIFAR pool images, or the first k images of a random FEMNIST test
+    writer with at least k images. With ``num_classes`` the k images come from that many random classes
+    (at least one image each; for FEMNIST pooled over the test writers, classes with >= k images)."""
     data = dataset(name)
     g = torch.Generator().manual_seed(10_000 + seed)
-    if name == "femnist":
+    if name == "femnist" and num_classes is None:
         assert data.groups is not None
         counts = torch.bincount(data.groups)
         writers = torch.nonzero(counts >= k).flatten()
@@ -109,9 +117,13 @@ def client_data(name: str, k: int, seed: int, num_classes: int | None = None) ->
         w = writers[torch.randint(len(writers), (1,), generator=g)]
         idx = torch.nonzero(data.groups == w).flatten()[:k]
         return data.subset(idx)
-    pool = cifar_pool()
+    pool = cifar_pool() if name == "cifar10" else femnist_pool()
     if num_classes is not None:
-        classes = torch.randperm(data.num_classes, generator=g)[:num_classes]
+        counts = torch.bincount(data.labels[pool], minlength=data.num_classes)
+        eligible = torch.nonzero(counts >= k).flatten()
+        if len(eligible) < num_classes:
+            raise ValueError(f"{name}: only {len(eligible)} classes have >= {k} images, need {num_classes}")
+        classes = eligible[torch.randperm(len(eligible), generator=g)[:num_classes]]
         pool = pool[torch.isin(data.labels[pool], classes)]
         # at least one image of every chosen class, the rest at random
         first = torch.stack([pool[data.labels[pool] == c][0] for c in classes])
