@@ -217,7 +217,7 @@ def run_defended(
         results.append(res)
     images = [d.images for d in data]
     return score_regime(
-        out, attack, broadcast, secrets, results, images, shape, classes, regime.aggregated, seed
+        out, attack, broadcast, secrets, results, images, shape, classes, regime.aggregated, seed, public
     )
 
 
@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rows.append(s)
                     print(
                         f"  seed {seed} {name:14s} {regime.name:40s} {label:14s} "
-                        f"RR {s['reconstruction_rate']:.3f} "
+                        f"RR {s['reconstruction_rate']:.3f} (beyond prior {s['rr_beyond_prior']:.3f}) "
                         f"PSNR {fmt(s['psnr_mean_all'], '.1f')} SSIM {fmt(s['ssim_mean_all'], '.3f')} | succ "
                         f"{fmt(s['psnr_mean_successful'], '.1f')} {fmt(s['ssim_mean_successful'], '.3f')} | "
                         f"client {s['client_seconds']['median']:.1f}s",
