@@ -75,3 +75,16 @@ def test_bare_round_matches_engine() -> None:
     finally:
         torch.set_num_threads(threads)
     assert fl_overhead.max_abs_diff(sim.model, bare) <= 1e-6
+
+
+def test_rr_beyond_prior_counts_only_images_clearly_above_the_public_mean() -> None:
+    import linear_leakage as ll
+
+    r = ll.RegimeResult("r", "a", {}, {}, False, images=4, matched=3)
+    r.psnr, r.ssim = [30.0, 20.0, 10.0], [0.9, 0.5, 0.1]
+    r.prior_psnr = [10.0, 19.0, 5.0]  # image 1 is above 18 dB but within 3 dB of the mean image
+    r.recovery_seconds, r.step_seconds = [1.0], [1.0]
+    s = r.summary()
+    assert s["reconstruction_rate"] == pytest.approx(2 / 4)  # the unmatched image counts as a failure
+    assert s["rr_beyond_prior"] == pytest.approx(1 / 4)
+    assert s["prior_margin_db"] == ll.PRIOR_MARGIN_DB == 3.0
