@@ -129,7 +129,7 @@ def test_dager_rotary_rejects_repeated_token_runs():
     assert loose.stats["accepted"] > 2  # the runs [11, 11, ...] and [34, 34, ...] pass the L2 check
 
 
-@pytest.mark.parametrize("encoder", ["beam", "sample"])
+@pytest.mark.parametrize("encoder", ["polish", "beam", "sample"])
 def test_dager_encoder_paths_recover_bert_batch(bert_cls, make_batch, encoder):
     batch = make_batch(bert_cls)
     end = int(bert_cls.tokenizer.sep_token_id)
@@ -195,3 +195,67 @@ def test_last_token_refinement_fixes_tied_head_cosine_errors(gpt2_lm):
         wrong_cos += sum(a != b for a, b in zip(cos, seqs, strict=True))
         wrong_joint += sum(a != b for a, b in zip(joint, seqs, strict=True))
     assert wrong_cos > 0 and wrong_joint == 0
+
+
+def _l2_search(tm, obs):
+    from gradleak.attacks.text.family import estimate_span, family_of, find_module, input_side_gradient
+    from gradleak.attacks.text.search import L2Search
+
+    model, spec = tm.model, family_of(tm.model)
+    span2 = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 1), spec.rank_tol)
+    m1 = find_module(model, spec.attn_inputs[0].format(i=0))[1]
+    m2 = find_module(model, spec.attn_inputs[0].format(i=1))[1]
+    return L2Search(model, m2, span2, spec.l2_threshold, first=m1)
+
+
+@pytest.mark.parametrize("insert", [False, True])
+def test_encoder_site_residuals_match_brute_force(bert_cls, make_batch, insert):
+    # the one-query fast path against whole edited sequences recomputed (a tiny vocabulary)
+    batch = make_batch(bert_cls)
+    search = _l2_search(bert_cls, _observe(bert_cls, batch, "classification"))
+    seq = batch.sequences()[1]
+    vocab = sorted({t for s in batch.sequences() for t in s[1:-1]})[:6]
+    sites = [1, 3, len(seq) - 2]
+    fast = search.site_residuals(seq, vocab, sites, insert=insert)
+    assert search._fast is True
+    for row, i in zip(fast, sites, strict=True):
+        edited = [[*seq[:i], v, *(seq[i:] if insert else seq[i + 1 :])] for v in vocab]
+        brute = torch.stack([r[i] for r in search.whole_residuals(edited)])
+        assert torch.allclose(row, brute, rtol=1e-3, atol=1e-6)
+    # in the true context the true token is the best at every position
+    inner = list(range(1, len(seq) - 1))
+    full = sorted({t for s in batch.sequences() for t in s[1:-1]})
+    best = search.site_residuals(seq, full, inner, insert=False).argmin(dim=1)
+    assert [full[j] for j in best.tolist()] == seq[1:-1]
+
+
+def test_encoder_polish_restores_three_dropped_words_the_greedy_repair_does_not(bert_cls, make_batch):
+    from gradleak.attacks.text.search import PolishConfig
+
+    batch = make_batch(bert_cls)
+    search = _l2_search(bert_cls, _observe(bert_cls, batch, "classification"))
+    true = batch.sequences()[0]  # [CLS] the movie was surprisingly good [SEP]
+    vocab = sorted({t for s in batch.sequences() for t in s[1:-1]})
+    broken = [true[0], *true[4:]]  # "the movie was" dropped
+    polished = search.polish(broken, vocab, max_len=len(true) + 2, config=PolishConfig())
+    assert polished.seq == true and polished.worst < search.threshold and polished.objective < -4
+    repaired, worst, _ = search.repair(broken, vocab, steps=8, max_len=len(true) + 2)
+    assert repaired != true and worst > search.threshold
+    one = search.polish(broken, vocab, max_len=len(true) + 2, config=PolishConfig(steps=2))
+    assert one.seq != true and one.worst > search.threshold  # three insertions need three steps
+
+
+def test_encoder_polish_recovers_batch_the_prefix_beam_misses(bert_cls):
+    # both sentences start with "long": each beam round leaves out the first words of the sentences it
+    # already holds, so the second one is only reachable from a rejected closure; the greedy repair does
+    # not get there, the exact local search does
+    from gradleak.text.data import encode
+
+    sents = ["long good film surprisingly was .", "long surprisingly it not . dull long"]
+    batch = encode(sents, bert_cls.tokenizer, labels=[1, 0])
+    obs = _observe(bert_cls, batch, "classification")
+    end = int(bert_cls.tokenizer.sep_token_id)
+    beam = Dager(DagerConfig(encoder="beam", end_token_id=end)).reconstruct(obs, generator=_gen())
+    assert sum(s in batch.sequences() for s in beam.token_ids) == 1
+    rec = Dager(DagerConfig(end_token_id=end)).reconstruct(obs, generator=_gen())  # "polish" by default
+    assert sorted(rec.token_ids) == sorted(batch.sequences())

@@ -13,12 +13,15 @@
    causal attention depends on the prefix only) lies in the L2 span.
    ``search="greedy"`` keeps each prefix's best extension, ``"beam"`` keeps every accepted one up to
    ``beam_width`` prefixes. A prefix with no accepted extension is a finished sequence.
-4. **Encoders (BERT): search.** Whole sequences of each length are drawn from the per-position candidate
-   sets, exhaustively when there are at most ``max_samples`` of them, else ``max_samples`` random draws
-   each refined by coordinate descent on the mean L2 residual; a sequence is accepted iff all its block-2
-   inputs lie in the L2 span. With ``end_token_id`` (BERT's [SEP]) only lengths whose last position can
-   hold it are searched. ``fill_to_batch`` completes B with the best rejected sequences (up to B per
-   length, lowest L2 residual first).
+4. **Encoders (BERT): search.** Bidirectional attention gives no exact prefix check, and with learned
+   positions the L1 filter passes the batch's tokens at (nearly) every position. ``encoder="polish"``
+   (default): rounds of a left-to-right beam under a prefix-only L2 score, each round's best closures
+   (one per first word) polished by exact local search on whole sequences (mean log10 L2 residual;
+   substitutions and insertions screened with the full bidirectional context, deletions, moves, swaps);
+   a sequence is accepted iff all its block-2 inputs lie in the L2 span. ``"beam"`` is the same beam
+   with a greedy repair instead; ``"sample"`` draws whole sequences per length (exhaustive up to
+   ``max_samples``, else sampled and refined by coordinate descent). With ``end_token_id`` (BERT's [SEP])
+   sequences end with it. ``fill_to_batch`` completes B with the best rejected sequences.
 5. **Batch assembly.** Of the accepted sequences, the ``B`` (= ``update.num_samples``) with the smallest
    L2 residual are returned, longest first among ties.
 
@@ -55,7 +58,7 @@ from gradleak.attacks.text.family import (
 )
 from gradleak.attacks.text.lm_completion import complete_last_tokens, output_embedding
 from gradleak.attacks.text.rownorm import RowNormConfig, select_rows
-from gradleak.attacks.text.search import L2Search, Scored, similar
+from gradleak.attacks.text.search import L2Search, PolishConfig, Scored, similar
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
 
@@ -72,10 +75,17 @@ class DagerConfig:
     max_positions: int = 64  # sequences are at most 64 tokens (paper 002)
     search: str = "beam"  # decoders: "greedy" or "beam"
     beam_width: int = 64
-    encoder: str = "beam"  # encoders: "beam" (prefix-only L2 score) or "sample" (per-length sampling)
+    encoder: str = (
+        "polish"  # encoders: "polish" (beam + exact local search), "beam" (+ greedy repair), "sample"
+    )
     per_prefix: int = 4  # encoder beam: extensions kept per prefix once the beam is full
     repair_steps: int = 8  # encoder beam: local edits per rejected closure (0: none)
     encoder_rounds: int = 8  # encoder beam: rounds, each without the held sentences' first words
+    polish_tries: int = 8  # encoder polish: closures (distinct first words) polished per round
+    polish_steps: int = 60  # encoder polish: exact-evaluation steps per closure
+    polish_sites: int = 10  # encoder polish: worst positions (and neighbours) screened per step
+    polish_per_site: int = 3  # encoder polish: screened edits per site evaluated exactly
+    polish_moves: int = 3  # encoder polish: worst tokens tried at every other position
     max_samples: int = 4096  # encoders, "sample": sequences evaluated per length
     max_candidates: int = 512  # per position; more means the span check is not discriminating
     chunk: int = 4096
@@ -93,8 +103,10 @@ class DagerConfig:
                 raise ValueError(f"{name} must be in (0, 1), got {v}")
         if self.vocab not in ("full", "embedding"):
             raise ValueError(f"vocab must be 'full' or 'embedding', got {self.vocab!r}")
-        if self.encoder not in ("beam", "sample"):
-            raise ValueError(f"encoder must be 'beam' or 'sample', got {self.encoder!r}")
+        if self.encoder not in ("polish", "beam", "sample"):
+            raise ValueError(f"encoder must be 'polish', 'beam' or 'sample', got {self.encoder!r}")
+        if self.polish_moves < 0:
+            raise ValueError(f"polish_moves must be >= 0, got {self.polish_moves}")
         if self.search not in ("greedy", "beam"):
             raise ValueError(f"search must be 'greedy' or 'beam', got {self.search!r}")
         if not 0 <= self.repeat_tol < 1:
@@ -104,6 +116,10 @@ class DagerConfig:
             "beam_width",
             "per_prefix",
             "encoder_rounds",
+            "polish_tries",
+            "polish_steps",
+            "polish_sites",
+            "polish_per_site",
             "max_samples",
             "max_candidates",
             "chunk",
@@ -159,6 +175,8 @@ class Dager:
         search = L2Search(model, m2, span2, spec.l2_threshold, self.config.chunk, self.config.repeat_tol, m1)
         if spec.causal:
             found = search.extend(cands, self.config.search, self.config.beam_width)
+        elif self.config.encoder == "polish":
+            found, fallback = self.encoder_polish(search, cands, b)
         elif self.config.encoder == "beam":
             found, fallback = self.encoder_rounds(search, cands, b)
         else:
@@ -242,6 +260,77 @@ class Dager:
         )
         tried = {tuple(s) for s, _ in fills}
         return found, fills + [sr for sr in partial + rest if tuple(sr[0]) not in tried]
+
+    def encoder_polish(
+        self, search: L2Search, cands: list[list[int]], b: int
+    ) -> tuple[list[Scored], list[Scored]]:
+        """Encoder beam rounds whose rejected closures are polished by exact local search.
+
+        Each round runs the prefix beam (position-1 candidates without the first words of the sentences
+        held so far, nor those of rounds that found nothing), then polishes up to ``polish_tries`` of its
+        best closures that are distinct from the held sentences and from every closure polished before
+        (:meth:`L2Search.polish`: whole-sequence L2 residual, bidirectional context). A polished sequence
+        that passes the exact check is accepted. Returns the accepted sequences and the fills: polished
+        sequences by objective (mean log10 residual, negative) first, then the unpolished closures (mean
+        residual, positive).
+        """
+        c = self.config
+        end = c.end_token_id
+        cfg = PolishConfig(c.polish_steps, c.polish_sites, c.polish_per_site, c.polish_moves)
+        vocab = sorted(set().union(*cands[1:]) - {end}) if len(cands) > 1 else []
+        found: list[Scored] = []
+        polished: list[Scored] = []
+        closures: list[Scored] = []
+        tried: list[list[int]] = []
+        skip: set[int] = set()
+        for _ in range(c.encoder_rounds):
+            if len(found) >= b or len(cands) < 2:
+                break
+            sets = [cands[0], [v for v in cands[1] if v not in skip], *cands[2:]]
+            if not sets[1]:
+                break
+            new, rejected = search.encoder_beam(
+                sets, end=end, beam_width=c.beam_width, per_prefix=c.per_prefix, batch=b
+            )
+            found += [sr for sr in new if sr[0] not in [s for s, _ in found]]
+            closures += rejected
+            gained = len(new) > 0
+            for s in self._distinct_closures(rejected, found, tried):
+                if len(found) >= b:
+                    break
+                if any(similar(s, q, 0.9) for q, _ in found):
+                    continue
+                tried.append(s)
+                p = search.polish(s, vocab, max_len=len(cands), config=cfg)
+                if p.worst < search.threshold and p.seq not in [q for q, _ in found]:
+                    found.append((p.seq, p.worst))
+                    gained = True
+                elif p.worst >= search.threshold:
+                    polished.append((p.seq, p.objective))
+            # the next round spends its width on other first words
+            skip |= {s[1] for s, _ in found if len(s) > 1} | {s[1] for s in tried}
+            if not gained and rejected and len(rejected[0][0]) > 1:
+                skip.add(rejected[0][0][1])
+        log.debug("encoder polish: %d accepted, %d closures polished", len(found), len(tried))
+        polished.sort(key=lambda sr: sr[1])
+        return found, polished + sorted(closures, key=lambda sr: sr[1])
+
+    def _distinct_closures(
+        self, rejected: list[Scored], found: list[Scored], tried: list[list[int]]
+    ) -> list[list[int]]:
+        """Up to ``polish_tries`` closures (best first) that are not variants of a held sentence and either
+        start with a first word no polished closure had or differ from every polished one (``similar``)."""
+        roots = {s[1] for s in tried}
+        out: list[list[int]] = []
+        for s, _ in rejected:
+            if len(out) >= self.config.polish_tries:
+                break
+            if len(s) < 3 or any(similar(s, q, 0.9) for q, _ in found):
+                continue
+            if s[1] not in roots or not any(similar(s, q) for q in tried + out):
+                roots.add(s[1])
+                out.append(s)
+        return out
 
     def scan_vocab(self, obs: Observation, model: nn.Module) -> torch.Tensor:
         """The token ids the L1 filter scans: the whole vocabulary, or the embedding channel's set.

@@ -3,8 +3,9 @@
 :class:`L2Search` holds the attacker's model, the block-2 projection whose input is checked, the L2 span
 and its threshold. Decoders grow prefixes left to right (:meth:`L2Search.extend`; each extension's
 residual comes from one cached forward of the prefixes plus one token per candidate); encoders search
-whole sequences per length (:meth:`L2Search.encoder_search`), exhaustively or by sampled coordinate
-descent.
+whole sequences: a prefix beam (:meth:`L2Search.encoder_beam`) whose closures are polished by exact local
+search (:meth:`L2Search.polish`), or per length (:meth:`L2Search.encoder_search`), exhaustively or by
+sampled coordinate descent.
 """
 
 from __future__ import annotations
@@ -314,21 +315,134 @@ class L2Search:
     @torch.no_grad()
     def _bert_last(self, layer: Any, prefixes: list[list[int]], cands: list[int], t: int) -> torch.Tensor:
         assert self.first is not None
-        n, c = len(prefixes), len(cands)
         zp = layer_inputs(self.model, self.first, torch.tensor(prefixes))  # (n, t, d), context-free
         zc = layer_inputs(self.model, self.first, torch.tensor(cands).unsqueeze(1), start_position=t)[:, 0]
-        sa = layer.attention.self
-        h, dh = int(sa.num_attention_heads), int(sa.attention_head_size)
-        scale = dh**-0.5
-        kp, vp = sa.key(zp).view(n, t, h, dh), sa.value(zp).view(n, t, h, dh)
-        qc, kc, vc = (f(zc).view(c, h, dh) for f in (sa.query, sa.key, sa.value))
-        s_prefix = torch.einsum("chd,nthd->ncht", qc, kp) * scale  # (n, c, h, t)
-        s_self = (qc * kc).sum(-1).mul(scale).expand(n, c, h).unsqueeze(-1)  # (n, c, h, 1)
-        w = torch.softmax(torch.cat([s_prefix, s_self], dim=-1), dim=-1)
-        ctx = torch.einsum("ncht,nthd->nchd", w[..., :t], vp) + w[..., t:] * vc.unsqueeze(0)
-        x = zc.unsqueeze(0).expand(n, c, -1).reshape(n * c, -1)
-        a = layer.attention.output(ctx.reshape(n * c, h * dh), x)
-        return layer.output(layer.intermediate(a), a)
+        return _bert_site(layer, zp, zc).reshape(len(prefixes) * len(cands), -1)
+
+    @torch.no_grad()
+    def site_residuals(
+        self, seq: list[int], vocab: list[int], sites: list[int], insert: bool
+    ) -> torch.Tensor:
+        """(len(sites), len(vocab)): L2 residual at position i of ``seq`` with token v put at i, with the
+        whole sequence around it as context (``insert``: v inserted before ``seq[i]``, the rest shifted).
+
+        This is the exact block-2 input of position i of the edited sequence (bidirectional attention over
+        every other position), so on a mostly right sequence the true token ranks first at each position,
+        unlike the prefix-only score. BERT layouts use the one-query fast path of :meth:`_bert_last`;
+        other models recompute the edited sequences.
+        """
+        if not sites:
+            return torch.empty(0, len(vocab), dtype=torch.float64)
+        layer = self._block1()
+        if layer is not None and self._fast is None:
+            self._encoder_last_inputs([seq[:2]], vocab[:4], 2)  # checks the fast path once
+        if layer is None or self._fast is False:
+            return torch.stack([self._site_full(seq, vocab, i, insert) for i in sites])
+        assert self.first is not None
+        z1 = layer_inputs(self.model, self.first, torch.tensor([seq]))[0]  # context-free layer-1 inputs
+        # insert: seq[j] for j >= i moves to position j + 1 (layer-1 input of seq[j] at j + 1)
+        z1s = layer_inputs(self.model, self.first, torch.tensor([seq[:1] + seq]))[0][1:] if insert else z1
+        vocab_ids = torch.tensor(vocab).unsqueeze(1)
+        out = []
+        for i in sites:
+            ctx = torch.cat([z1[:i], z1s[i:] if insert else z1[i + 1 :]]).unsqueeze(0)
+            zc = layer_inputs(self.model, self.first, vocab_ids, start_position=i)[:, 0]
+            out.append(self.span.residual(_bert_site(layer, ctx, zc)[0]))
+        return torch.stack(out)
+
+    def _site_full(self, seq: list[int], vocab: list[int], i: int, insert: bool) -> torch.Tensor:
+        rest = seq[i:] if insert else seq[i + 1 :]
+        seqs = torch.tensor([[*seq[:i], v, *rest] for v in vocab])
+        z = layer_inputs(self.model, self.module, seqs, chunk=max(1, self.chunk // seqs.shape[1]))
+        return self.span.residual(z[:, i])
+
+    def whole_residuals(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        """Per-position L2 residuals of each whole sequence (grouped by length, one forward per group)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+        by_len: dict[int, list[int]] = {}
+        for i, q in enumerate(seqs):
+            by_len.setdefault(len(q), []).append(i)
+        for length, idx in by_len.items():
+            t = torch.tensor([seqs[i] for i in idx])
+            res = self.span.residual(
+                layer_inputs(self.model, self.module, t, chunk=max(1, self.chunk // length))
+            )
+            for j, i in enumerate(idx):
+                out[i] = res[j]
+        return out
+
+    def polish(self, seq: list[int], vocab: list[int], *, max_len: int, config: PolishConfig) -> Polished:
+        """Local search on a whole sequence under the exact L2 check (the encoder ``"polish"`` path).
+
+        Objective: the mean log10 L2 residual over the positions (whole sequence, bidirectional context);
+        the true sentence sits at ~-7, any one-token edit of it above ~-2.5, and the per-position terms
+        credit every position that is right even while others are wrong. Each step evaluates exactly:
+        the ``per_site`` best substitutions and insertions (screened by :meth:`site_residuals`) around the
+        ``sites`` positions with the largest residual, every deletion, the ``moves`` worst tokens (with up
+        to ``block`` - 1 tokens after them) moved to every other position, every swap of neighbours and
+        (``sweeps``) the screened sites re-chosen one after the other in both directions; it keeps the
+        best if it lowers the objective. The first and last
+        tokens ([CLS], [SEP]) stay. Stops when every position passes the check.
+        """
+        cur = list(seq)
+        res = self.whole_residuals([cur])[0]
+        best = _log_objective(res)
+        for _ in range(config.steps):
+            if float(res.max()) < self.threshold or len(cur) < 3:
+                break
+            trials = self._polish_trials(cur, res, vocab, max_len, config)
+            if not trials:
+                break
+            rs = self.whole_residuals(trials)
+            scores = [_log_objective(r) for r in rs]
+            i = min(range(len(trials)), key=scores.__getitem__)
+            if scores[i] >= best - 1e-9:
+                break
+            cur, best, res = trials[i], scores[i], rs[i]
+        return Polished(cur, float(res.max()), best)
+
+    def _sweep(self, seq: list[int], vocab: list[int], sites: list[int]) -> list[int]:
+        """Each of ``sites`` in turn set to its best token given the (updated) rest of the sequence: one
+        trial that can change several neighbouring tokens at once (e.g. a whole wrong word)."""
+        cur = list(seq)
+        for i in sites:
+            cur[i] = vocab[int(self.site_residuals(cur, vocab, [i], insert=False)[0].argmin())]
+        return cur
+
+    def _polish_trials(
+        self, cur: list[int], res: torch.Tensor, vocab: list[int], max_len: int, config: PolishConfig
+    ) -> list[list[int]]:
+        """The candidate edits of one :meth:`polish` step (distinct, the current sequence excluded)."""
+        inner = list(range(1, len(cur) - 1))
+        worst = sorted(inner, key=lambda i: -float(res[i]))
+        near = {q for i in worst[: config.sites] for q in (i - 1, i, i + 1)}
+        sites = [i for i in inner if i in near]
+        k = min(config.per_site, len(vocab))
+        trials: list[list[int]] = [[*cur[:i], *cur[i + 1 :]] for i in inner]
+        top = self.site_residuals(cur, vocab, sites, insert=False).topk(k, dim=1, largest=False).indices
+        for i, row in zip(sites, top.tolist(), strict=True):
+            trials += [[*cur[:i], vocab[j], *cur[i + 1 :]] for j in row if vocab[j] != cur[i]]
+        if len(cur) < max_len:
+            gaps = sorted(g for g in near | {q + 1 for q in near} if 1 <= g < len(cur))
+            top = self.site_residuals(cur, vocab, gaps, insert=True).topk(k, dim=1, largest=False).indices
+            for i, row in zip(gaps, top.tolist(), strict=True):
+                trials += [[*cur[:i], vocab[j], *cur[i:]] for j in row]
+        for q in worst[: config.moves]:
+            for w in range(1, config.block + 1):  # the span cur[q : q + w] moved elsewhere
+                if q + w > len(cur) - 1:
+                    break
+                part, rest = cur[q : q + w], [*cur[:q], *cur[q + w :]]
+                trials += [[*rest[:j], *part, *rest[j:]] for j in range(1, len(rest)) if j != q]
+        trials += [[*cur[:i], cur[i + 1], cur[i], *cur[i + 2 :]] for i in inner[:-1]]  # adjacent swaps
+        if config.sweeps:
+            trials += [self._sweep(cur, vocab, sites), self._sweep(cur, vocab, sites[::-1])]
+        seen = {tuple(cur)}
+        out = []
+        for t in trials:
+            if tuple(t) not in seen:
+                seen.add(tuple(t))
+                out.append(t)
+        return out
 
     def encoder_search(
         self,
@@ -387,3 +501,59 @@ def similar(a: list[int], b: list[int], fraction: float = 0.7) -> bool:
     one: variants of one sentence (shifted, with a word moved or dropped) count as the same sentence."""
     common = sum((Counter(a) & Counter(b)).values())
     return common >= fraction * min(len(a), len(b))
+
+
+@dataclass(frozen=True)
+class PolishConfig:
+    """Budget of one :meth:`L2Search.polish` run (see there)."""
+
+    steps: int = 60  # exact-evaluation steps (each keeps one edit)
+    sites: int = 10  # positions with the largest residual (and their neighbours) screened per step
+    per_site: int = 3  # substitutions / insertions per screened site evaluated exactly
+    moves: int = 3  # tokens with the largest residual tried at every other position
+    block: int = 2  # moved spans: up to this many tokens from each of those positions
+    sweeps: bool = True  # also re-choose the screened sites one after the other (both directions)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "sites", "per_site", "block"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.moves < 0:
+            raise ValueError(f"moves must be >= 0, got {self.moves}")
+
+
+@dataclass(frozen=True)
+class Polished:
+    """A polished sequence, its largest L2 residual and its objective (mean log10 residual)."""
+
+    seq: list[int]
+    worst: float
+    objective: float
+
+
+def _log_objective(res: torch.Tensor) -> float:
+    """Mean log10 of the per-position residuals (floored at 1e-9, below float32 rounding)."""
+    return float(torch.log10(res.clamp_min(1e-9)).mean())
+
+
+def _bert_site(layer: Any, ctx: torch.Tensor, zc: torch.Tensor) -> torch.Tensor:
+    """(n, c, d): BERT block-1 output of each candidate (layer-1 inputs ``zc`` (c, d)) attending over its
+    own key and the context's (layer-1 inputs ``ctx`` (n, m, d), positions already applied).
+
+    Under post-LN BERT layers the context's keys and values depend on their own layer-1 inputs only, so a
+    single query per candidate gives that position's block-2 input exactly.
+    """
+    n, m, _ = ctx.shape
+    c = zc.shape[0]
+    sa = layer.attention.self
+    h, dh = int(sa.num_attention_heads), int(sa.attention_head_size)
+    scale = dh**-0.5
+    kp, vp = sa.key(ctx).view(n, m, h, dh), sa.value(ctx).view(n, m, h, dh)
+    qc, kc, vc = (f(zc).view(c, h, dh) for f in (sa.query, sa.key, sa.value))
+    s_ctx = torch.einsum("chd,nthd->ncht", qc, kp) * scale  # (n, c, h, m)
+    s_self = (qc * kc).sum(-1).mul(scale).expand(n, c, h).unsqueeze(-1)  # (n, c, h, 1)
+    w = torch.softmax(torch.cat([s_ctx, s_self], dim=-1), dim=-1)
+    out = torch.einsum("ncht,nthd->nchd", w[..., :m], vp) + w[..., m:] * vc.unsqueeze(0)
+    x = zc.unsqueeze(0).expand(n, c, -1).reshape(n * c, -1)
+    a = layer.attention.output(out.reshape(n * c, h * dh), x)
+    return layer.output(layer.intermediate(a), a).view(n, c, -1)
