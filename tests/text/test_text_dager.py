@@ -259,3 +259,36 @@ def test_encoder_polish_recovers_batch_the_prefix_beam_misses(bert_cls):
     assert sum(s in batch.sequences() for s in beam.token_ids) == 1
     rec = Dager(DagerConfig(end_token_id=end)).reconstruct(obs, generator=_gen())  # "polish" by default
     assert sorted(rec.token_ids) == sorted(batch.sequences())
+
+
+@pytest.mark.parametrize(
+    "sentences",
+    [
+        # a sentence that is a prefix of another one; a repeated sentence
+        ("the movie was surprisingly good", "the movie was", "a dull and lifeless film ."),
+        ("a dull and lifeless film .", "a dull and lifeless film .", "the movie was surprisingly good"),
+    ],
+)
+def test_dager_causal_lm_returns_prefix_and_repeated_sentences(gpt2_lm, sentences):
+    from gradleak.text.data import encode
+
+    batch = encode(list(sentences), gpt2_lm.tokenizer, labels=[0, 0, 0])
+    obs = _observe(gpt2_lm, batch, "causal_lm")
+    # the decoder search closes a prefix only when nothing extends it, so it returns 2 of the 3 sentences
+    plain = Dager(DagerConfig(prefix_sentences=False)).reconstruct(obs, generator=_gen())
+    assert len(plain.token_ids) == 2
+    rec = Dager().reconstruct(obs, generator=_gen())
+    assert sorted(rec.token_ids) == sorted(batch.sequences())
+    assert rec.stats["prefix_sentences"] == 1.0
+
+
+def test_prefix_sentences_adds_nothing_that_does_not_explain_the_head_gradient(gpt2_lm, make_batch):
+    from gradleak.attacks.text.lm_completion import add_prefix_sentences
+
+    batch = make_batch(gpt2_lm)
+    obs = _observe(gpt2_lm, batch, "causal_lm")
+    true_prefixes = [s[:-1] for s in batch.sequences()]
+    # one sentence missing and no recovered prefix that contains it: no candidate fits, nothing is added
+    assert add_prefix_sentences(obs, gpt2_lm.model, true_prefixes[:1], 1) == true_prefixes[:1]
+    # both prefixes known: the one extra "sentence" the caller asks for does not exist either
+    assert add_prefix_sentences(obs, gpt2_lm.model, true_prefixes, 1) == true_prefixes

@@ -56,7 +56,7 @@ from gradleak.attacks.text.family import (
     vocab_size,
     with_thresholds,
 )
-from gradleak.attacks.text.lm_completion import complete_last_tokens, output_embedding
+from gradleak.attacks.text.lm_completion import add_prefix_sentences, complete_last_tokens, output_embedding
 from gradleak.attacks.text.rownorm import RowNormConfig, select_rows
 from gradleak.attacks.text.search import L2Search, PolishConfig, Scored, similar
 from gradleak.registry import ATTACKS
@@ -91,6 +91,8 @@ class DagerConfig:
     chunk: int = 4096
     midpoint_weights: bool = False  # evaluate candidates at w_0 + delta/2 (FedAvg)
     complete_last_token: bool = True  # causal LM: read each sequence's last token off the LM head
+    prefix_sentences: bool = True  # causal LM, fewer than B found: add prefix/repeated sentences (LM head)
+    prefix_tol: float = 1e-4  # ... accepted when the LM-head residual off the label rows is below this
     vocab: str = "full"  # "full" or "embedding": scan only the embedding row-norm channel's token set
     end_token_id: int | None = None  # encoders: a token that ends every sequence ([SEP]); limits lengths
     fill_to_batch: bool = True  # encoders: complete B with the best rejected sequences (partial recovery)
@@ -109,6 +111,8 @@ class DagerConfig:
             raise ValueError(f"polish_moves must be >= 0, got {self.polish_moves}")
         if self.search not in ("greedy", "beam"):
             raise ValueError(f"search must be 'greedy' or 'beam', got {self.search!r}")
+        if not 0 < self.prefix_tol < 1:
+            raise ValueError(f"prefix_tol must be in (0, 1), got {self.prefix_tol}")
         if not 0 <= self.repeat_tol < 1:
             raise ValueError(f"repeat_tol must be in [0, 1), got {self.repeat_tol}")
         for name in (
@@ -200,9 +204,13 @@ class Dager:
                     ):
                         seqs.append(s)
                         filled += 1
-        if self.config.complete_last_token and spec.causal:
-            if _has_lm_head(model):
-                seqs = complete_last_tokens(obs, model, seqs)
+        added = 0
+        if self.config.complete_last_token and spec.causal and _has_lm_head(model):
+            if self.config.prefix_sentences and len(seqs) < b:
+                n = len(seqs)
+                seqs = add_prefix_sentences(obs, model, seqs, b - n, tol=self.config.prefix_tol)
+                added = len(seqs) - n
+            seqs = complete_last_tokens(obs, model, seqs)
         stats = {
             "rank_l1": float(span1.rank),
             "rank_l2": float(span2.rank),
@@ -210,6 +218,7 @@ class Dager:
             "candidates": float(sum(len(c) for c in cands)),
             "accepted": float(len(found)),
             "filled": float(filled),
+            "prefix_sentences": float(added),
             "seconds": time.perf_counter() - start,
         }
         log.info("DAGER: L1 rank %d, %d positions, %d accepted sequences", span1.rank, len(cands), len(found))
