@@ -148,12 +148,16 @@ def summarize_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser(__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=None, help="override the scale's models")
+    parser.add_argument("--datasets", nargs="+", default=None, choices=list(DATA_KW), help="subset")
     args = parse_args(parser, argv)
     scale = SCALES[args.scale]
     name = NAME
     if args.models:
         scale = Scale(tuple(args.models), scale.datasets, scale.batch_size, scale.max_tokens, scale.batches)
         name = f"{NAME}_{'_'.join(args.models)}"  # a partial run never overwrites the full result
+    if args.datasets:
+        scale = Scale(scale.models, tuple(args.datasets), scale.batch_size, scale.max_tokens, scale.batches)
+        name = f"{name}_{'_'.join(args.datasets)}"
     threads = configure_torch(args.threads)
     print(f"{NAME} --scale {args.scale}: {scale}, seeds {args.seeds}, torch threads {threads}", flush=True)
     rows: list[dict[str, Any]] = []
