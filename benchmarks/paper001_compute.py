@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from _common import configure_torch, make_parser, parse_args
 from paper001_common import Victim
-from paper001_sweeps import Cell, run_cells
+from paper001_sweeps import Cell, add_steps_option, run_cells, select_epochs
 
 NAME = "paper001_compute"
 PAPER = {
@@ -48,13 +48,11 @@ SCALES = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser(__doc__.splitlines()[0])
-    parser.add_argument("--steps", nargs="+", type=int, help="subset of the scale's T")
+    add_steps_option(parser)
     args = parse_args(parser, argv)
     s = SCALES[args.scale]
     configure_torch(args.threads if args.threads is not None else 1)
-    epochs = tuple(e for e in s.epochs if not args.steps or Victim(s.k, s.batch_size, e).steps in args.steps)
-    if not epochs:
-        parser.error(f"--steps {args.steps}: none of the scale's T")
+    epochs, suffix = select_epochs(parser, args, s.k, s.batch_size, s.epochs)
     cells = []
     for e in epochs:
         v = Victim(s.k, s.batch_size, e)
@@ -64,9 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cells.append(
             Cell(f"T={v.steps}/pisme/{s.budgets[0]}", s.dataset, v, "pisme", {"max_iterations": s.budgets[0]})
         )
-    steps = [Victim(s.k, s.batch_size, e).steps for e in epochs]
-    name = NAME if epochs == s.epochs else NAME + "_T" + "_".join(map(str, steps))
-    run_cells(name, args, cells, {**s.__dict__, "epochs": epochs, "paper": PAPER})
+    run_cells(NAME + suffix, args, cells, {**s.__dict__, "epochs": epochs, "paper": PAPER})
     return 0
 
 

@@ -16,6 +16,27 @@ from _common import write_result
 from paper001_common import Victim, aggregate, run_attack, victim_update
 
 
+def add_steps_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", nargs="+", type=int, help="subset of the scale's local steps T")
+
+
+def select_epochs(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    k: int,
+    batch_size: int,
+    epochs: tuple[int, ...],
+) -> tuple[tuple[int, ...], str]:
+    """The scale's epochs whose T is in ``--steps`` (all without it) and the result-name suffix for a
+    subset ("" for all, else e.g. "_T100")."""
+    chosen = tuple(e for e in epochs if not args.steps or Victim(k, batch_size, e).steps in args.steps)
+    if not chosen:
+        parser.error(f"--steps {args.steps}: none of the scale's T")
+    if chosen == epochs:
+        return chosen, ""
+    return chosen, "_T" + "_".join(str(Victim(k, batch_size, e).steps) for e in chosen)
+
+
 @dataclass(frozen=True)
 class Cell:
     key: str  # summary key, e.g. "cifar10/T=100/m=7"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from _common import configure_torch, make_parser, parse_args
 from paper001_common import Victim
-from paper001_sweeps import Cell, run_cells
+from paper001_sweeps import Cell, add_steps_option, run_cells, select_epochs
 
 NAME = "paper001_table2"
 PAPER = {
@@ -58,11 +58,11 @@ SCALES = {
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser(__doc__.splitlines()[0])
     parser.add_argument("--datasets", nargs="+", choices=("cifar10", "femnist"), help="subset of the scale's")
-    parser.add_argument("--steps", nargs="+", type=int, choices=(100, 250), help="subset of the scale's T")
+    add_steps_option(parser)
     args = parse_args(parser, argv)
     s = SCALES[args.scale]
     datasets = tuple(args.datasets) if args.datasets else s.datasets
-    epochs = tuple(e for e in s.epochs if not args.steps or Victim(s.k, s.batch_size, e).steps in args.steps)
+    epochs, suffix = select_epochs(parser, args, s.k, s.batch_size, s.epochs)
     configure_torch(args.threads if args.threads is not None else 1)
     cells = [
         Cell(f"{ds}/T={Victim(s.k, s.batch_size, e).steps}/m={m}", ds, Victim(s.k, s.batch_size, e), "pisme",
@@ -76,10 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for m, v in zip(PAPER_NODES, vs, strict=True)
     }
     name = NAME if datasets == s.datasets else f"{NAME}_{'_'.join(datasets)}"
-    if epochs != s.epochs:
-        name += "_T" + "_".join(str(Victim(s.k, s.batch_size, e).steps) for e in epochs)
     run_cells(
-        name,
+        name + suffix,
         args,
         cells,
         {

@@ -64,29 +64,48 @@ def complete_last_tokens(
 
 
 @torch.no_grad()
-def _cosine_scores(obs: Observation, model: nn.Module, prefixes: list[list[int]]) -> list[torch.Tensor]:
-    grad = update_tensor(obs, lm_head_param(model))
+def _head_terms(model: nn.Module, prefixes: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per prefix: the softmax over the vocabulary at every position (L x V) and the LM head's inputs h
+    (L x d), in float64."""
     head = output_embedding(model)
     assert head is not None
     weight = head.weight
     assert isinstance(weight, torch.Tensor)
-    n_labels = sum(len(s) for s in prefixes)
-    known = torch.zeros_like(grad)
-    lasts = []
+    w64 = weight.detach().to(torch.float64)
+    out = []
     for s in prefixes:
-        ids = torch.tensor([s])
-        h = capture_input(model, head, input_ids=ids, use_cache=False)[0].to(torch.float64)  # (len(s), d)
-        p = torch.softmax(h @ weight.detach().to(torch.float64).T, dim=-1)
-        known += p.T @ h
-        targets = torch.tensor(s[1:], dtype=torch.long)
-        known.index_add_(0, targets, -h[: len(s) - 1])
-        lasts.append(h[-1])
-    rest = grad - known / n_labels
+        h = capture_input(model, head, input_ids=torch.tensor([s]), use_cache=False)[0].to(torch.float64)
+        out.append((torch.softmax(h @ w64.T, dim=-1), h))
+    return out
+
+
+def _known_terms(
+    prefixes: list[list[int]],
+    terms: list[tuple[torch.Tensor, torch.Tensor]],
+    basis: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """N times the head gradient of the prefixes without their unknown last labels:
+    sum_t p_t h_t^T - sum_{t < L-1} e_{s[t+1]} h_t^T, with h projected on ``basis`` (d x r) when given."""
+    known: torch.Tensor | None = None
+    for s, (p, h) in zip(prefixes, terms, strict=True):
+        hb = h if basis is None else h @ basis
+        part = p.T @ hb
+        part.index_add_(0, torch.tensor(s[1:], dtype=torch.long), -hb[: len(s) - 1])
+        known = part if known is None else known + part
+    assert known is not None
+    return known
+
+
+@torch.no_grad()
+def _cosine_scores(obs: Observation, model: nn.Module, prefixes: list[list[int]]) -> list[torch.Tensor]:
+    grad = update_tensor(obs, lm_head_param(model))
+    terms = _head_terms(model, prefixes)
+    rest = grad - _known_terms(prefixes, terms) / sum(len(s) for s in prefixes)
     norms = rest.norm(dim=1)
     live = norms > 1e-6 * norms.max().clamp_min(1e-300)
     out = []
-    for h in lasts:
-        cos = (-rest @ h) / (norms * h.norm()).clamp_min(1e-300)
+    for _, h in terms:
+        cos = (-rest @ h[-1]) / (norms * h[-1].norm()).clamp_min(1e-300)
         cos[~live] = -2.0
         out.append(cos)
     return out
@@ -196,28 +215,17 @@ def add_prefix_sentences(
     if missing <= 0 or not prefixes or not family_of(model).causal:
         return prefixes
     grad = update_tensor(obs, lm_head_param(model)).to(torch.float64)
-    head = output_embedding(model)
-    assert head is not None
-    head_weight = head.weight
-    assert isinstance(head_weight, torch.Tensor)
-    weight = head_weight.detach().to(torch.float64)
     sketch = (
         torch.randn(
-            weight.shape[1], sketch_dim, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+            grad.shape[1], sketch_dim, generator=torch.Generator().manual_seed(0), dtype=torch.float64
         )
         / sketch_dim**0.5
     )
     grad_s = grad @ sketch
     out = [list(s) for s in prefixes]
     for _ in range(missing):
-        terms = []  # per sequence: softmax over the vocabulary (L x V) and sketched hidden states (L x r)
-        known = torch.zeros_like(grad_s)
-        for s in out:
-            h = capture_input(model, head, input_ids=torch.tensor([s]), use_cache=False)[0].to(torch.float64)
-            p, hs = torch.softmax(h @ weight.T, dim=-1), h @ sketch
-            known += p.T @ hs
-            known.index_add_(0, torch.tensor(s[1:], dtype=torch.long), -hs[: len(s) - 1])
-            terms.append((p, hs))
+        terms = _head_terms(model, out)
+        known = _known_terms(out, terms, sketch)
         n_known = sum(len(s) for s in out)
         keep = torch.ones(grad.shape[0], dtype=torch.bool)
         keep[torch.tensor(sorted({t for s in out for t in s}))] = False
@@ -225,7 +233,8 @@ def add_prefix_sentences(
         best: tuple[float, list[int]] | None = None
         runner_up = float("inf")
         tried: set[tuple[int, ...]] = set()
-        for s, (p, hs) in zip(out, terms, strict=True):
+        for s, (p, h) in zip(out, terms, strict=True):
+            hs = h @ sketch
             extra = torch.zeros_like(grad_s)
             for length in range(1, len(s) + 1):
                 t = length - 1
