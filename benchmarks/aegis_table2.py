@@ -38,12 +38,13 @@ from torch import nn
 
 from gradleak.attacks import create_attack
 from gradleak.attacks.linear.loki import Loki, LokiConfig
-from gradleak.data import ImageDataset, load_dataset
+from gradleak.data import ImageDataset
 from gradleak.defenses.aegis_cache import CacheConfig, SyntheticCache, build_cache
 from gradleak.defenses.aegis_synthetic import aegis_for_client
 from gradleak.fl import derive_seed
 from gradleak.fl.client import train_client
 from gradleak.generators import ClassGaussianGenerator
+from gradleak.metrics import psnr, score_images
 from gradleak.models import build_model
 from gradleak.registry import ATTACKS
 from gradleak.types import Observation, Reconstruction, Update
@@ -52,14 +53,14 @@ from linear_leakage import (
     BINS,
     MODEL,
     PAPER_RTF,
-    PATH_CLIENT_POOL,
-    PUBLIC_LIMIT,
     THRESHOLD_DB,
     Regime,
     RegimeResult,
+    class_means,
     fedavg,
     fmt,
     load_setting,
+    public_labelled,
     score_regime,
 )
 
@@ -168,13 +169,44 @@ def mean_image_floor(shares: Sequence[ImageDataset], public: torch.Tensor) -> fl
     return float((10 * torch.log10(1 / mse.clamp_min(1e-12)) > THRESHOLD_DB).float().mean())
 
 
-def public_labelled(name: str, seed: int) -> ImageDataset:
-    """The server's public images with their labels (the data ``load_setting`` gives the server)."""
-    if name == "pathmnist":
-        full = load_dataset(name, "test")
-        perm = np.random.default_rng(derive_seed(seed, 0x11EA)).permutation(len(full))
-        return full.subset(np.sort(perm[PATH_CLIENT_POOL:]))
-    return load_dataset(name, "test", limit=PUBLIC_LIMIT)
+def class_mean_floor(shares: Sequence[ImageDataset], public: ImageDataset) -> float:
+    """As :func:`mean_image_floor` with the public mean image of each client image's own class."""
+    means = class_means(public.images, public.labels)
+    glob = public.images.float().mean(0, keepdim=True)
+    truth = torch.cat([s.images[:BATCH] for s in shares])
+    labels = torch.cat([s.labels[:BATCH] for s in shares])
+    own = torch.cat([means.get(int(y), glob) for y in labels])
+    return float((psnr(own, truth) > THRESHOLD_DB).float().mean())
+
+
+def cache_floor(
+    shares: Sequence[ImageDataset],
+    caches: Sequence[SyntheticCache],
+    public: ImageDataset,
+    seed: int,
+    size: int,
+) -> dict[str, float]:
+    """A "reconstruction" without any update: each client's B images scored (Hungarian matching, as the
+    attack) against B cache images drawn at random from the first ``size``. What the three RR rules give
+    for images that carry no information about the client's data beyond what the generator was fit on."""
+    out = RegimeResult("cache floor", "none", {}, {}, False)
+    means = class_means(public.images, public.labels)
+    glob = public.images.float().mean(0, keepdim=True)
+    for slot, (share, cache) in enumerate(zip(shares, caches, strict=True)):
+        truth, labels = share.images[:BATCH], share.labels[:BATCH]
+        pick = torch.randperm(size, generator=torch.Generator().manual_seed(derive_seed(seed, 0xF100, slot)))
+        scores = score_images(cache.images[pick[: len(truth)]], truth)
+        hit = torch.tensor(scores.matching) >= 0
+        out.images += scores.n_images
+        out.psnr += [min(p, 100.0) for p in scores.psnr]
+        out.ssim += list(scores.ssim)
+        out.prior_psnr += psnr(glob.expand_as(truth[hit]), truth[hit]).tolist()
+        out.class_prior_psnr += psnr(
+            torch.cat([means.get(int(y), glob) for y in labels[hit]]), truth[hit]
+        ).tolist()
+    out.recovery_seconds, out.step_seconds = [0.0], [1.0]
+    s = out.summary()
+    return {k: s[k] for k in ("reconstruction_rate", "rr_beyond_prior", "rr_beyond_class_prior")}
 
 
 def run_defended(
@@ -185,6 +217,7 @@ def run_defended(
     aegis: dict[str, Any],
     public: torch.Tensor,
     seed: int,
+    public_labels: torch.Tensor | None = None,
 ) -> RegimeResult:
     """``linear_leakage.run_regime`` with a per-client Aegis defense (``caches`` None: undefended)."""
     attack = create_attack(regime.attack, **regime.options)
@@ -217,8 +250,9 @@ def run_defended(
         results.append(res)
     images = [d.images for d in data]
     return score_regime(
-        out, attack, broadcast, secrets, results, images, shape, classes, regime.aggregated, seed, public
-    )
+        out, attack, broadcast, secrets, results, images, shape, classes, regime.aggregated, seed, public,
+        public_labels,
+    )  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -260,19 +294,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = build_model(
                 MODEL, shares[0].input_shape, shares[0].num_classes, seed=derive_seed(seed, 0x30DE)
             )
-            fit_on = None
-            if args.generator_data == "public":
-                fit_on = public_labelled(name, seed)
+            labelled = public_labelled(name, seed)
+            fit_on = labelled if args.generator_data == "public" else None
             caches = [client_cache(s, M_DEFAULT, seed, i, fit_on) for i, s in enumerate(shares)]
             info["mean_image_rr_floor"] = mean_image_floor(shares, public)
+            info["class_mean_rr_floor"] = class_mean_floor(shares, labelled)
             info["cache"] = [c.stats for c in caches]
+            info["cache_floor"] = {
+                str(m): cache_floor(shares, caches, labelled, seed, m)
+                for m in sorted({m for _, m, _ in defenses if m is not None})
+            }
+            print(
+                f"  {name}: mean-image floor {info['mean_image_rr_floor']:.3f}, class-mean floor "
+                f"{info['class_mean_rr_floor']:.3f}, cache floor {info['cache_floor']}",
+                flush=True,
+            )
             rows = []
             for key in args.attacks:
                 regime = attack_regimes(len(shares))[key]
                 for label, m, opts in defenses:
                     res = run_defended(
-                        regime, model, shares, None if m is None else caches, opts, public, seed
-                    )
+                        regime, model, shares, None if m is None else caches, opts, public, seed,
+                        labelled.labels,
+                    )  # fmt: skip
                     s = res.summary()
                     s.update(
                         defense=label,
@@ -283,7 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rows.append(s)
                     print(
                         f"  seed {seed} {name:14s} {regime.name:40s} {label:14s} "
-                        f"RR {s['reconstruction_rate']:.3f} (beyond prior {s['rr_beyond_prior']:.3f}) "
+                        f"RR {s['reconstruction_rate']:.3f} (beyond prior {s['rr_beyond_prior']:.3f}, "
+                        f"class prior {s['rr_beyond_class_prior']:.3f}) "
                         f"PSNR {fmt(s['psnr_mean_all'], '.1f')} SSIM {fmt(s['ssim_mean_all'], '.3f')} | succ "
                         f"{fmt(s['psnr_mean_successful'], '.1f')} {fmt(s['ssim_mean_successful'], '.3f')} | "
                         f"client {s['client_seconds']['median']:.1f}s",

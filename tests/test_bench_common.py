@@ -88,3 +88,47 @@ def test_rr_beyond_prior_counts_only_images_clearly_above_the_public_mean() -> N
     assert s["reconstruction_rate"] == pytest.approx(2 / 4)  # the unmatched image counts as a failure
     assert s["rr_beyond_prior"] == pytest.approx(1 / 4)
     assert s["prior_margin_db"] == ll.PRIOR_MARGIN_DB == 3.0
+
+
+def test_rr_beyond_class_prior_uses_the_public_mean_of_each_images_own_class() -> None:
+    import linear_leakage as ll
+
+    r = ll.RegimeResult("r", "a", {}, {}, False, images=3, matched=3)
+    r.psnr, r.ssim = [30.0, 25.0, 25.0], [0.9, 0.8, 0.8]
+    r.prior_psnr = [10.0, 10.0, 10.0]  # all three clearly above the global mean image
+    r.recovery_seconds, r.step_seconds = [1.0], [1.0]
+    assert r.summary()["rr_beyond_class_prior"] is None  # no class priors recorded: not reported
+    r.class_prior_psnr = [20.0, 23.0, 21.9]  # image 1 is within 3 dB of its class mean, image 2 just above
+    s = r.summary()
+    assert s["rr_beyond_prior"] == pytest.approx(1.0)
+    assert s["rr_beyond_class_prior"] == pytest.approx(2 / 3)
+    assert s["per_image_class_prior_psnr"] == [20.0, 23.0, 21.9]
+
+
+def test_score_regime_records_the_class_mean_prior_of_each_matched_image(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import linear_leakage as ll
+    from gradleak.fl.client import ClientResult
+    from gradleak.types import Reconstruction
+
+    # public: class 0 dark (0.2), class 1 bright (0.8), global mean 0.5
+    public = torch.cat([torch.full((4, 1, 12, 12), 0.2), torch.full((4, 1, 12, 12), 0.8)])
+    public_labels = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    truth = torch.stack([torch.full((1, 12, 12), v) for v in (0.25, 0.75, 0.45)])
+    labels = torch.tensor([0, 1, 2])  # class 2 is absent from the public data: the global mean is its prior
+
+    class Echo:  # returns the two class means and an exact copy of image 2, whatever the update
+        def reconstruct(self, obs: object, *, generator: torch.Generator) -> Reconstruction:
+            return Reconstruction(images=torch.stack([public[0], public[4], truth[2]]))
+
+    monkeypatch.setattr(ll, "server_view", lambda *a, **k: [object()])
+    out = ll.RegimeResult("r", "a", {}, {}, False, step_seconds=[1.0])
+    res = ClientResult(0, None, ImageDataset("c", truth, labels, 3))
+    ll.score_regime(out, Echo(), None, {}, [res], [truth], (1, 12, 12), 3, False, 0, public, public_labels)  # type: ignore[arg-type]
+    assert out.psnr == pytest.approx([26.02, 26.02, 100.0], abs=0.01)
+    assert out.prior_psnr == pytest.approx([12.04, 12.04, 26.02], abs=0.01)  # vs the global mean 0.5
+    assert out.class_prior_psnr == pytest.approx([26.02, 26.02, 26.02], abs=0.01)  # vs 0.2, 0.8, 0.5
+    s = out.summary()
+    assert s["rr_beyond_prior"] == pytest.approx(1.0)  # every image > 18 dB and > 3 dB above the mean image
+    assert s["rr_beyond_class_prior"] == pytest.approx(1 / 3)  # the class means tell nothing new
