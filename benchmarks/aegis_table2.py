@@ -20,6 +20,11 @@ number labelled with its setting:
 Defenses: ``none``; ``aegis`` (lambda weighting, the default) and ``aegis-same_lr``; ``--sweep`` adds
 M in {512, 1024, 1536, 2048} (Table A.5; lambda weighting) and writes ``aegis_tableA5_<scale>.json``.
 
+Besides RR (paper 000's 18 dB rule) every row has ``rr_beyond_prior`` and ``rr_beyond_class_prior``
+(``linear_leakage.py``: 3 dB above the public mean image, or above the public mean image of the image's own
+class), and each data set its floors: ``mean_image_rr_floor``, ``class_mean_rr_floor`` and ``cache_floor``
+(the three rates of B random cache images per client, no update and no attack; per M).
+
     python benchmarks/aegis_table2.py --scale smoke|small|paper --threads 1 [--sweep] [--attacks rtf ...]
 """
 
