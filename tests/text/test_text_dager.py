@@ -77,6 +77,10 @@ def test_dager_config_validation():
         DagerConfig(search="dfs")
     with pytest.raises(ValueError, match="l1_threshold"):
         DagerConfig(l1_threshold=2.0)
+    with pytest.raises(ValueError, match="held_ngram"):
+        DagerConfig(held_ngram=1)
+    with pytest.raises(ValueError, match="polish_wide"):
+        DagerConfig(polish_wide=-1)
     with pytest.raises(ValueError, match="unknown option"):
         ATTACKS.create("dager", nonsense=1)
 
@@ -292,3 +296,34 @@ def test_prefix_sentences_adds_nothing_that_does_not_explain_the_head_gradient(g
     assert add_prefix_sentences(obs, gpt2_lm.model, true_prefixes[:1], 1) == true_prefixes[:1]
     # both prefixes known: the one extra "sentence" the caller asks for does not exist either
     assert add_prefix_sentences(obs, gpt2_lm.model, true_prefixes, 1) == true_prefixes
+
+
+def test_similar_is_relative_to_the_longer_sequence_and_held_ngrams():
+    from gradleak.attacks.text.search import held_ngrams, similar
+
+    long = [101, 5, 6, 7, 8, 9, 10, 11, 12, 102]
+    short = [101, 5, 6, 102]  # all its tokens occur in ``long``: not a variant of it
+    assert not similar(long, short) and not similar(short, long)
+    assert similar(long, [*long[:3], *long[4:]])  # one word dropped
+    assert similar(long, [long[0], *long[2:5], long[1], *long[5:]])  # one word moved
+    assert held_ngrams([[1, 2, 3, 4, 5]], 4) == {(1, 2, 3, 4), (2, 3, 4, 5)}
+    assert held_ngrams([[1, 2, 3, 4, 5]], 0) == set()
+
+
+def test_encoder_beam_grows_no_ngram_of_a_held_sentence(bert_cls, make_batch):
+    from gradleak.attacks.text.search import held_ngrams
+
+    batch = make_batch(bert_cls)
+    seqs = batch.sequences()
+    search = _l2_search(bert_cls, _observe(bert_cls, batch, "classification"))
+    end = int(bert_cls.tokenizer.sep_token_id)
+    vocab = sorted({t for s in seqs for t in s[1:]})
+    cands = [[seqs[0][0]]] + [vocab] * (max(len(s) for s in seqs) - 1)
+    kw = {"end": end, "beam_width": 16, "per_prefix": 4, "batch": 2}
+    found, _ = search.encoder_beam(cands, **kw)
+    assert seqs[0] in [s for s, _ in found]  # control: without it the beam finds the sentence
+    found, closures = search.encoder_beam(cands, **kw, held=[seqs[0]], ngram=4)
+    grams = held_ngrams([seqs[0]], 4)
+    grown = [s[:-1] for s, _ in found + closures]  # the closing [SEP] is not grown
+    assert all(tuple(s[i : i + 4]) not in grams for s in grown for i in range(len(s) - 3))
+    assert [s for s, _ in found] == [seqs[1]]  # the other sentence is still found

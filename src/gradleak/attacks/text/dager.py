@@ -17,8 +17,11 @@
    positions the L1 filter passes the batch's tokens at (nearly) every position. ``encoder="polish"``
    (default): rounds of a left-to-right beam under a prefix-only L2 score, each round's best closures
    (one per first word) polished by exact local search on whole sequences (mean log10 L2 residual;
-   substitutions and insertions screened with the full bidirectional context, deletions, moves, swaps);
-   a sequence is accepted iff all its block-2 inputs lie in the L2 span. ``"beam"`` is the same beam
+   substitutions and insertions screened with the full bidirectional context, deletions, moves, swaps;
+   on a stall every token at the worst positions, evaluated exactly); a sequence is accepted iff all its
+   block-2 inputs lie in the L2 span. Rounds after a sentence is held grow no 4-gram of it
+   (``held_ngram``) and every other round starts from first words no held sentence contains
+   (``fresh_first_words``), so the beam stops re-growing what it already has. ``"beam"`` is the same beam
    with a greedy repair instead; ``"sample"`` draws whole sequences per length (exhaustive up to
    ``max_samples``, else sampled and refined by coordinate descent). With ``end_token_id`` (BERT's [SEP])
    sequences end with it. ``fill_to_batch`` completes B with the best rejected sequences.
@@ -81,11 +84,14 @@ class DagerConfig:
     per_prefix: int = 4  # encoder beam: extensions kept per prefix once the beam is full
     repair_steps: int = 8  # encoder beam: local edits per rejected closure (0: none)
     encoder_rounds: int = 8  # encoder beam: rounds, each without the held sentences' first words
+    held_ngram: int = 4  # encoder polish: later beam rounds grow no n-gram of a held sentence (0: off)
+    fresh_first_words: bool = True  # encoder polish: odd rounds start with tokens no held sentence has
     polish_tries: int = 8  # encoder polish: closures (distinct first words) polished per round
     polish_steps: int = 60  # encoder polish: exact-evaluation steps per closure
     polish_sites: int = 10  # encoder polish: worst positions (and neighbours) screened per step
     polish_per_site: int = 3  # encoder polish: screened edits per site evaluated exactly
     polish_moves: int = 3  # encoder polish: worst tokens tried at every other position
+    polish_wide: int = 3  # encoder polish, on a stall: every token at this many worst positions (0: off)
     max_samples: int = 4096  # encoders, "sample": sequences evaluated per length
     max_candidates: int = 512  # per position; more means the span check is not discriminating
     chunk: int = 4096
@@ -107,8 +113,11 @@ class DagerConfig:
             raise ValueError(f"vocab must be 'full' or 'embedding', got {self.vocab!r}")
         if self.encoder not in ("polish", "beam", "sample"):
             raise ValueError(f"encoder must be 'polish', 'beam' or 'sample', got {self.encoder!r}")
-        if self.polish_moves < 0:
-            raise ValueError(f"polish_moves must be >= 0, got {self.polish_moves}")
+        if self.held_ngram < 0 or self.held_ngram == 1:
+            raise ValueError(f"held_ngram must be 0 (off) or >= 2, got {self.held_ngram}")
+        for name in ("polish_moves", "polish_wide"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.search not in ("greedy", "beam"):
             raise ValueError(f"search must be 'greedy' or 'beam', got {self.search!r}")
         if not 0 < self.prefix_tol < 1:
@@ -276,7 +285,9 @@ class Dager:
         """Encoder beam rounds whose rejected closures are polished by exact local search.
 
         Each round runs the prefix beam (position-1 candidates without the first words of the sentences
-        held so far, nor those of rounds that found nothing), then polishes up to ``polish_tries`` of its
+        held so far, nor those of rounds that found nothing; with ``fresh_first_words``, in odd rounds only
+        tokens that no held sentence contains, while any are left; no ``held_ngram``-gram of a held one is
+        grown), then polishes up to ``polish_tries`` of its
         best closures that are distinct from the held sentences and from every closure polished before
         (:meth:`L2Search.polish`: whole-sequence L2 residual, bidirectional context). A polished sequence
         that passes the exact check is accepted. Returns the accepted sequences and the fills: polished
@@ -285,21 +296,33 @@ class Dager:
         """
         c = self.config
         end = c.end_token_id
-        cfg = PolishConfig(c.polish_steps, c.polish_sites, c.polish_per_site, c.polish_moves)
+        cfg = PolishConfig(
+            c.polish_steps, c.polish_sites, c.polish_per_site, c.polish_moves, wide=c.polish_wide
+        )
         vocab = sorted(set().union(*cands[1:]) - {end}) if len(cands) > 1 else []
         found: list[Scored] = []
         polished: list[Scored] = []
         closures: list[Scored] = []
         tried: list[list[int]] = []
         skip: set[int] = set()
-        for _ in range(c.encoder_rounds):
+        for r in range(c.encoder_rounds):
             if len(found) >= b or len(cands) < 2:
                 break
-            sets = [cands[0], [v for v in cands[1] if v not in skip], *cands[2:]]
+            firsts = [v for v in cands[1] if v not in skip]
+            if c.fresh_first_words and r % 2 == 1:  # odd rounds: first words no held sentence contains
+                used = {v for q, _ in found for v in q}
+                firsts = [v for v in firsts if v not in used] or firsts
+            sets = [cands[0], firsts, *cands[2:]]
             if not sets[1]:
                 break
             new, rejected = search.encoder_beam(
-                sets, end=end, beam_width=c.beam_width, per_prefix=c.per_prefix, batch=b
+                sets,
+                end=end,
+                beam_width=c.beam_width,
+                per_prefix=c.per_prefix,
+                batch=b,
+                held=[q for q, _ in found],
+                ngram=c.held_ngram,
             )
             found += [sr for sr in new if sr[0] not in [s for s, _ in found]]
             closures += rejected
@@ -310,7 +333,7 @@ class Dager:
                 if any(similar(s, q, 0.9) for q, _ in found):
                     continue
                 tried.append(s)
-                p = search.polish(s, vocab, max_len=len(cands), config=cfg)
+                p = search.polish(s, vocab, max_len=len(cands), config=cfg, held=[q for q, _ in found])
                 if p.worst < search.threshold and p.seq not in [q for q, _ in found]:
                     found.append((p.seq, p.worst))
                     gained = True
