@@ -62,6 +62,7 @@ from linear_leakage import (
     Regime,
     RegimeResult,
     class_means,
+    class_prior_images,
     fedavg,
     fmt,
     load_setting,
@@ -180,7 +181,7 @@ def class_mean_floor(shares: Sequence[ImageDataset], public: ImageDataset) -> fl
     glob = public.images.float().mean(0, keepdim=True)
     truth = torch.cat([s.images[:BATCH] for s in shares])
     labels = torch.cat([s.labels[:BATCH] for s in shares])
-    own = torch.cat([means.get(int(y), glob) for y in labels])
+    own = class_prior_images(means, labels, glob)
     return float((psnr(own, truth) > THRESHOLD_DB).float().mean())
 
 
@@ -206,9 +207,7 @@ def cache_floor(
         out.psnr += [min(p, 100.0) for p in scores.psnr]
         out.ssim += list(scores.ssim)
         out.prior_psnr += psnr(glob.expand_as(truth[hit]), truth[hit]).tolist()
-        out.class_prior_psnr += psnr(
-            torch.cat([means.get(int(y), glob) for y in labels[hit]]), truth[hit]
-        ).tolist()
+        out.class_prior_psnr += psnr(class_prior_images(means, labels[hit], glob), truth[hit]).tolist()
     out.recovery_seconds, out.step_seconds = [0.0], [1.0]
     s = out.summary()
     return {k: s[k] for k in ("reconstruction_rate", "rr_beyond_prior", "rr_beyond_class_prior")}

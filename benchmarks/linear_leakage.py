@@ -241,6 +241,16 @@ def class_means(images: torch.Tensor, labels: torch.Tensor) -> dict[int, torch.T
     return {int(y): images[labels == y].float().mean(0, keepdim=True) for y in labels.unique()}
 
 
+def class_prior_images(
+    means: dict[int, torch.Tensor], labels: torch.Tensor, fallback: torch.Tensor
+) -> torch.Tensor:
+    """Per label the public mean image of that class (``fallback``, the global mean, for a class the public
+    data lack); ``(0, C, H, W)`` for no labels."""
+    if len(labels) == 0:
+        return fallback[:0]
+    return torch.cat([means.get(int(y), fallback) for y in labels])
+
+
 def run_regime(
     regime: Regime,
     model: nn.Module,
@@ -321,7 +331,7 @@ def score_regime(
         matched = truth[hit].float()
         out.prior_psnr += psnr(prior.expand_as(matched), matched).clamp(max=100.0).tolist()
         if means is not None:
-            own = torch.cat([means.get(int(y), prior) for y in label[hit]]) if len(matched) else matched
+            own = class_prior_images(means, label[hit], prior)
             out.class_prior_psnr += psnr(own, matched).clamp(max=100.0).tolist()
     return out
 
