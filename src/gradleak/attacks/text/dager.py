@@ -21,8 +21,11 @@
    on a stall every token at the worst positions, evaluated exactly); a sequence is accepted iff all its
    block-2 inputs lie in the L2 span. Rounds after a sentence is held grow no 4-gram of it
    (``held_ngram``) and every other round starts from first words no held sentence contains
-   (``fresh_first_words``), so the beam stops re-growing what it already has. ``"beam"`` is the same beam
-   with a greedy repair instead; ``"sample"`` draws whole sequences per length (exhaustive up to
+   (``fresh_first_words``), and their prefix score is the L2 residual times exp(-``novelty`` * f), f the
+   fraction of a block-2 input's in-span part outside the span of the held sentences' (exactly known)
+   block-2 inputs: pieces of held sentences re-grown in new order score f ~ 0.05-0.1, the missing
+   sentences' own tokens ~ 0.6-0.7, so the beam stops re-growing what it already has. ``"beam"`` is the
+   same beam with a greedy repair instead; ``"sample"`` draws whole sequences per length (exhaustive up to
    ``max_samples``, else sampled and refined by coordinate descent). With ``end_token_id`` (BERT's [SEP])
    sequences end with it. ``fill_to_batch`` completes B with the best rejected sequences.
 5. **Batch assembly.** Of the accepted sequences, the ``B`` (= ``update.num_samples``) with the smallest
@@ -91,6 +94,7 @@ class DagerConfig:
     polish_sites: int = 10  # encoder polish: worst positions (and neighbours) screened per step
     polish_per_site: int = 3  # encoder polish: screened edits per site evaluated exactly
     polish_moves: int = 3  # encoder polish: worst tokens tried at every other position
+    novelty: float = 3.0  # encoder polish: later beams prefer block-2 inputs outside the held sentences' span
     polish_wide: int = 3  # encoder polish, on a stall: every token at this many worst positions (0: off)
     max_samples: int = 4096  # encoders, "sample": sequences evaluated per length
     max_candidates: int = 512  # per position; more means the span check is not discriminating
@@ -115,6 +119,8 @@ class DagerConfig:
             raise ValueError(f"encoder must be 'polish', 'beam' or 'sample', got {self.encoder!r}")
         if self.held_ngram < 0 or self.held_ngram == 1:
             raise ValueError(f"held_ngram must be 0 (off) or >= 2, got {self.held_ngram}")
+        if not self.novelty >= 0:
+            raise ValueError(f"novelty must be >= 0, got {self.novelty}")
         for name in ("polish_moves", "polish_wide"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -186,6 +192,7 @@ class Dager:
         fallback: list[Scored] = []
         b = max(1, obs.update.num_samples)
         search = L2Search(model, m2, span2, spec.l2_threshold, self.config.chunk, self.config.repeat_tol, m1)
+        search.novelty = self.config.novelty
         if spec.causal:
             found = search.extend(cands, self.config.search, self.config.beam_width)
         elif self.config.encoder == "polish":
@@ -258,6 +265,7 @@ class Dager:
                 sets[1] = [v for v in sets[1] if v not in done]
                 if not sets[1]:
                     break
+            search.hold([q for q, _ in found])
             new, rejected = search.encoder_beam(
                 sets, end=c.end_token_id, beam_width=c.beam_width, per_prefix=c.per_prefix, batch=b
             )
@@ -315,6 +323,7 @@ class Dager:
             sets = [cands[0], firsts, *cands[2:]]
             if not sets[1]:
                 break
+            search.hold([q for q, _ in found])
             new, rejected = search.encoder_beam(
                 sets,
                 end=end,
@@ -343,6 +352,7 @@ class Dager:
             skip |= {s[1] for s, _ in found if len(s) > 1} | {s[1] for s in tried}
             if not gained and rejected and len(rejected[0][0]) > 1:
                 skip.add(rejected[0][0][1])
+        search.hold([])
         log.debug("encoder polish: %d accepted, %d closures polished", len(found), len(tried))
         polished.sort(key=lambda sr: sr[1])
         return found, polished + sorted(closures, key=lambda sr: sr[1])

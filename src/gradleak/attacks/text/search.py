@@ -37,6 +37,8 @@ class L2Search:
     chunk: int = 4096
     repeat_tol: float = 1e-4  # decoders: an extension whose block-2 input repeats the previous one
     first: nn.Module | None = None  # block 1's first attention projection (encoder beam: layer-1 inputs)
+    novelty: float = 0.0  # encoder beam: weight of the novelty factor in the prefix score (see ``hold``)
+    _held: torch.Tensor | None = None  # orthonormal basis (span coordinates) of the held block-2 inputs
     _fast: bool | None = None  # encoder beam: the one-token block-1 fast path agrees with the model
 
     def residual(self, seqs: torch.Tensor, last_only: bool, reduce: str = "max") -> torch.Tensor:
@@ -121,6 +123,35 @@ class L2Search:
         repeat = (z64 - prev.to(torch.float64)).norm(dim=-1) < self.repeat_tol * z64.norm(dim=-1)
         return torch.where(repeat, torch.full_like(res, float("inf")), res)
 
+    def hold(self, held: Sequence[list[int]]) -> None:
+        """Record the held (recovered) sentences for the novelty factor of :meth:`prefix_score`.
+
+        The block-2 inputs of a held sentence are known exactly, and they span a subspace H of the L2 span S.
+        The sentences still missing have inputs in S that are not echoes of H, while a beam that re-grows
+        pieces of held sentences (their local contexts) produces inputs close to H.
+        """
+        if not held or self.novelty == 0:
+            self._held = None
+            return
+        z = torch.cat(self.whole_inputs(list(held)))
+        c = z.to(torch.float64) @ self.span.basis
+        u, sv, _ = torch.linalg.svd(c.T, full_matrices=False)
+        self._held = u[:, sv > 1e-6 * sv.max()]
+
+    def novel_fraction(self, z: torch.Tensor) -> torch.Tensor:
+        """Fraction ||P_U z|| / ||P_S z|| of each row's in-span part that lies outside the held subspace H."""
+        assert self._held is not None
+        c = z.to(torch.float64) @ self.span.basis
+        u = c - (c @ self._held) @ self._held.T
+        return u.norm(dim=-1) / c.norm(dim=-1).clamp_min(1e-30)
+
+    def prefix_score(self, z: torch.Tensor) -> torch.Tensor:
+        """L2 residual of each row, times exp(-novelty * novel fraction) once sentences are held."""
+        res = self.span.residual(z)
+        if self._held is None:
+            return res
+        return res * torch.exp(-self.novelty * self.novel_fraction(z))
+
     def encoder_beam(
         self,
         cands: list[list[int]],
@@ -159,7 +190,7 @@ class L2Search:
                 seqs = torch.tensor(closed)
                 z = layer_inputs(self.model, self.module, seqs, chunk=max(1, self.chunk // seqs.shape[1]))
                 res = self.span.residual(z)
-                worst, mean = res.max(dim=1).values, res.mean(dim=1)
+                worst, mean = res.max(dim=1).values, self.prefix_score(z).mean(dim=1)
                 for i, seq in enumerate(closed):
                     if worst[i] < self.threshold:
                         found.append((seq, float(worst[i])))
@@ -279,7 +310,7 @@ class L2Search:
         ``per_root`` sharing a token at position 1, so that no one sequence's variants fill the beam."""
         seqs = torch.tensor(prefixes)
         z = layer_inputs(self.model, self.module, seqs, chunk=max(1, self.chunk // seqs.shape[1]))
-        mean = self.span.residual(z)[:, 1:].mean(dim=1)
+        mean = self.prefix_score(z)[:, 1:].mean(dim=1)
         out: list[Scored] = []
         count: dict[int, int] = {}
         for i in mean.argsort().tolist():
@@ -298,7 +329,7 @@ class L2Search:
         for i in range(0, len(prefixes), group):
             part = prefixes[i : i + group]
             z = self._encoder_last_inputs(part, cands, t)
-            out.append(self.span.residual(z).view(len(part), len(cands)))
+            out.append(self.prefix_score(z).view(len(part), len(cands)))
         return torch.cat(out)
 
     def _encoder_last_inputs(self, prefixes: list[list[int]], cands: list[int], t: int) -> torch.Tensor:
@@ -381,6 +412,19 @@ class L2Search:
         seqs = torch.tensor([[*seq[:i], v, *rest] for v in vocab])
         z = layer_inputs(self.model, self.module, seqs, chunk=max(1, self.chunk // seqs.shape[1]))
         return self.span.residual(z[:, i])
+
+    def whole_inputs(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        """Block-2 inputs (len, d) of each whole sequence (grouped by length, one forward per group)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+        by_len: dict[int, list[int]] = {}
+        for i, q in enumerate(seqs):
+            by_len.setdefault(len(q), []).append(i)
+        for length, idx in by_len.items():
+            t = torch.tensor([seqs[i] for i in idx])
+            z = layer_inputs(self.model, self.module, t, chunk=max(1, self.chunk // length))
+            for j, i in enumerate(idx):
+                out[i] = z[j]
+        return out
 
     def whole_residuals(self, seqs: list[list[int]]) -> list[torch.Tensor]:
         """Per-position L2 residuals of each whole sequence (grouped by length, one forward per group)."""
