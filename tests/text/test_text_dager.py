@@ -327,3 +327,32 @@ def test_encoder_beam_grows_no_ngram_of_a_held_sentence(bert_cls, make_batch):
     grown = [s[:-1] for s, _ in found + closures]  # the closing [SEP] is not grown
     assert all(tuple(s[i : i + 4]) not in grams for s in grown for i in range(len(s) - 3))
     assert [s for s, _ in found] == [seqs[1]]  # the other sentence is still found
+
+
+def test_novel_fraction_matches_a_least_squares_reference(bert_cls, make_batch):
+    """f = ||P_S z - P_H P_S z|| / ||P_S z||, H = span of the held sentence's block-2 inputs (inside S);
+    the reference solves the projection onto H by least squares in the model's own coordinates."""
+    batch = make_batch(bert_cls)
+    seqs = batch.sequences()
+    search = _l2_search(bert_cls, _observe(bert_cls, batch, "classification"))
+    search.novelty = 3.0
+    z_held, z_other = search.whole_inputs(seqs)
+    probe = torch.cat(
+        [z_held, z_other, torch.randn(4, z_held.shape[1], generator=torch.Generator().manual_seed(0))]
+    )
+    plain = search.prefix_score(probe)
+    assert torch.equal(plain, search.span.residual(probe))  # nothing held: the plain residual
+    search.hold([seqs[0]])
+    f = search.novel_fraction(probe)
+    b = search.span.basis
+    zs = probe.double() @ b @ b.T  # in-span parts
+    h = z_held.double().T  # (d, n_held): H is spanned by these (all in S up to float error)
+    hs = b @ (b.T @ h)
+    coef = torch.linalg.lstsq(hs, zs.T).solution
+    ref = (zs.T - hs @ coef).norm(dim=0) / zs.norm(dim=-1)
+    assert torch.allclose(f, ref, atol=1e-6)
+    assert float(f[: len(z_held)].max()) < 1e-6  # the held sentence's own inputs: nothing novel
+    assert float(f[len(z_held) : len(z_held) + len(z_other)].mean()) > 0.3  # the other sentence's
+    assert torch.allclose(search.prefix_score(probe), plain * torch.exp(-3.0 * f))
+    search.hold([])
+    assert torch.equal(search.prefix_score(probe), plain)

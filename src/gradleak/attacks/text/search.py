@@ -14,7 +14,7 @@ import inspect
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -415,28 +415,22 @@ class L2Search:
 
     def whole_inputs(self, seqs: list[list[int]]) -> list[torch.Tensor]:
         """Block-2 inputs (len, d) of each whole sequence (grouped by length, one forward per group)."""
-        out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
-        by_len: dict[int, list[int]] = {}
-        for i, q in enumerate(seqs):
-            by_len.setdefault(len(q), []).append(i)
-        for length, idx in by_len.items():
-            t = torch.tensor([seqs[i] for i in idx])
-            z = layer_inputs(self.model, self.module, t, chunk=max(1, self.chunk // length))
-            for j, i in enumerate(idx):
-                out[i] = z[j]
-        return out
+        return self._whole(seqs, lambda z: z)
 
     def whole_residuals(self, seqs: list[list[int]]) -> list[torch.Tensor]:
         """Per-position L2 residuals of each whole sequence (grouped by length, one forward per group)."""
+        return self._whole(seqs, self.span.residual)
+
+    def _whole(self, seqs: list[list[int]], fn: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        """``fn`` of the block-2 inputs (n, len, d) of each group of equal-length sequences, split per
+        sequence in the input order."""
         out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
         by_len: dict[int, list[int]] = {}
         for i, q in enumerate(seqs):
             by_len.setdefault(len(q), []).append(i)
         for length, idx in by_len.items():
             t = torch.tensor([seqs[i] for i in idx])
-            res = self.span.residual(
-                layer_inputs(self.model, self.module, t, chunk=max(1, self.chunk // length))
-            )
+            res = fn(layer_inputs(self.model, self.module, t, chunk=max(1, self.chunk // length)))
             for j, i in enumerate(idx):
                 out[i] = res[j]
         return out
