@@ -94,7 +94,7 @@ class DagerConfig:
     polish_sites: int = 10  # encoder polish: worst positions (and neighbours) screened per step
     polish_per_site: int = 3  # encoder polish: screened edits per site evaluated exactly
     polish_moves: int = 3  # encoder polish: worst tokens tried at every other position
-    novelty: float = 3.0  # encoder polish: later beams prefer block-2 inputs outside the held sentences' span
+    novelty: float = 3.0  # encoders: later beam rounds prefer block-2 inputs outside the held sentences' span
     polish_wide: int = 3  # encoder polish, on a stall: every token at this many worst positions (0: off)
     max_samples: int = 4096  # encoders, "sample": sequences evaluated per length
     max_candidates: int = 512  # per position; more means the span check is not discriminating
@@ -191,8 +191,8 @@ class Dager:
         cands = self.position_candidates(model, spec, m1, span1, self.scan_vocab(obs, model))
         fallback: list[Scored] = []
         b = max(1, obs.update.num_samples)
-        search = L2Search(model, m2, span2, spec.l2_threshold, self.config.chunk, self.config.repeat_tol, m1)
-        search.novelty = self.config.novelty
+        c = self.config
+        search = L2Search(model, m2, span2, spec.l2_threshold, c.chunk, c.repeat_tol, m1, novelty=c.novelty)
         if spec.causal:
             found = search.extend(cands, self.config.search, self.config.beam_width)
         elif self.config.encoder == "polish":

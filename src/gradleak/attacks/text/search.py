@@ -176,7 +176,9 @@ class L2Search:
         Extensions that would complete an ``ngram``-gram of a ``held`` sentence (already recovered) are
         not grown: without right context the prefix score favours a held sentence's continuation after any
         first word, so later rounds would otherwise fill the beam with its variants (``ngram`` 0: off).
-        Returns the accepted sequences and the best rejected closures (lowest mean residual first).
+        Prefixes, extensions and rejected closures are ranked by :meth:`prefix_score` (the L2 residual,
+        novelty-weighted once sentences are held); acceptance is the exact check on the plain residual.
+        Returns the accepted sequences and the best rejected closures (lowest mean score first).
         """
         blocked = held_ngrams(held, ngram)
         found: list[Scored] = []
