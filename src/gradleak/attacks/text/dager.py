@@ -323,14 +323,15 @@ class Dager:
             sets = [cands[0], firsts, *cands[2:]]
             if not sets[1]:
                 break
-            search.hold([q for q, _ in found])
+            held = [q for q, _ in found]
+            search.hold(held)
             new, rejected = search.encoder_beam(
                 sets,
                 end=end,
                 beam_width=c.beam_width,
                 per_prefix=c.per_prefix,
                 batch=b,
-                held=[q for q, _ in found],
+                held=held,
                 ngram=c.held_ngram,
             )
             found += [sr for sr in new if sr[0] not in [s for s, _ in found]]

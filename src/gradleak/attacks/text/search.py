@@ -145,9 +145,10 @@ class L2Search:
         u = c - (c @ self._held) @ self._held.T
         return u.norm(dim=-1) / c.norm(dim=-1).clamp_min(1e-30)
 
-    def prefix_score(self, z: torch.Tensor) -> torch.Tensor:
-        """L2 residual of each row, times exp(-novelty * novel fraction) once sentences are held."""
-        res = self.span.residual(z)
+    def prefix_score(self, z: torch.Tensor, res: torch.Tensor | None = None) -> torch.Tensor:
+        """L2 residual of each row (``res`` when already computed), times exp(-novelty * novel fraction)
+        once sentences are held."""
+        res = self.span.residual(z) if res is None else res
         if self._held is None:
             return res
         return res * torch.exp(-self.novelty * self.novel_fraction(z))
@@ -192,7 +193,7 @@ class L2Search:
                 seqs = torch.tensor(closed)
                 z = layer_inputs(self.model, self.module, seqs, chunk=max(1, self.chunk // seqs.shape[1]))
                 res = self.span.residual(z)
-                worst, mean = res.max(dim=1).values, self.prefix_score(z).mean(dim=1)
+                worst, mean = res.max(dim=1).values, self.prefix_score(z, res).mean(dim=1)
                 for i, seq in enumerate(closed):
                     if worst[i] < self.threshold:
                         found.append((seq, float(worst[i])))
