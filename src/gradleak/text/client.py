@@ -89,6 +89,76 @@ def fedsgd_text_update(
     return chain.on_update(update) if defenses else update
 
 
+class LocalTrainer:
+    """The client's local fine-tuning loop, one step at a time, on ``model`` itself (pass a copy to keep it).
+
+    ``setup`` of every defense runs first (AEGIS freezes attention there), then the optimiser (SGD or AdamW,
+    ``weight_decay``) is built over the parameters that still require a gradient. Each :meth:`step` is
+    forward, backward, ``on_gradients`` (the defended gradient), optimiser step, so the optimiser always steps
+    on exactly what the defenses left (paper 002, Algorithm 1). The learning rate follows a linear warm-up
+    over ``warmup_steps`` and, when ``total_steps`` is given, a linear decay to 0 at ``total_steps`` (the
+    usual transformers schedule, paper 002 Sec. VI-A); without either it is constant.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        task: str,
+        *,
+        lr: float = 5e-5,
+        optimizer: str = "sgd",
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        total_steps: int | None = None,
+        dropout: bool = False,
+        defenses: Sequence[Defense] = (),
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if optimizer not in ("sgd", "adamw"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+        if lr <= 0 or weight_decay < 0 or warmup_steps < 0:
+            raise ValueError(f"need lr > 0, weight_decay >= 0, warmup_steps >= 0; got {lr}, {weight_decay}, "
+                             f"{warmup_steps}")  # fmt: skip
+        if total_steps is not None and total_steps <= warmup_steps:
+            raise ValueError(f"total_steps ({total_steps}) must exceed warmup_steps ({warmup_steps})")
+        self.model, self.task, self.dropout = model, task, dropout
+        self.chain = DefenseChain(defenses)
+        self.chain.setup(model, generator=_generator(generator))
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer: torch.optim.Optimizer = (
+            torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+            if optimizer == "sgd"
+            else torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        )
+        self.base_lr, self.warmup_steps, self.total_steps = lr, warmup_steps, total_steps
+        self.steps_done = 0
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return self.base_lr * (step + 1) / self.warmup_steps
+        if self.total_steps is None:
+            return self.base_lr
+        left = max(self.total_steps - step, 0)
+        return self.base_lr * left / (self.total_steps - self.warmup_steps)
+
+    def step(self, batch: TextBatch) -> float:
+        """One defended optimiser step on ``batch``; returns the batch loss before the step."""
+        self.model.train(self.dropout)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.steps_done)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = text_loss(self.model, batch, self.task)
+        loss.backward()
+        self.chain.on_gradients(self.model, self.steps_done)
+        self.optimizer.step()
+        self.steps_done += 1
+        return float(loss.detach())
+
+    def end_epoch(self) -> None:
+        self.chain.on_epoch_end(self.model, self.optimizer)
+
+
 def fedavg_text_update(
     model: nn.Module,
     batches: Sequence[TextBatch],
@@ -102,34 +172,21 @@ def fedavg_text_update(
     defenses: Sequence[Defense] = (),
     generator: torch.Generator | None = None,
 ) -> Update:
-    """``epochs`` passes over ``batches`` with SGD or AdamW on a copy; returns delta = w_T - w_0.
-
-    The optimiser is built after the defenses' ``setup`` and holds only parameters that still require a
-    gradient; it steps on the gradients as ``on_gradients`` left them.
+    """``epochs`` passes over ``batches`` with SGD or AdamW (:class:`LocalTrainer`, constant ``lr``) on a
+    copy; returns delta = w_T - w_0 through the defenses' ``on_update``.
     """
-    if optimizer not in ("sgd", "adamw"):
-        raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
-    if not batches or epochs < 1 or lr <= 0:
-        raise ValueError("need at least one batch, epochs >= 1 and lr > 0")
-    chain = DefenseChain(defenses)
+    if not batches or epochs < 1:
+        raise ValueError("need at least one batch and epochs >= 1")
     work = copy.deepcopy(model)
-    chain.setup(work, generator=_generator(generator))
-    work.train(dropout)
-    params = [p for p in work.parameters() if p.requires_grad]
-    opt: torch.optim.Optimizer = (
-        torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.AdamW(params, lr=lr)
+    trainer = LocalTrainer(
+        work, task, lr=lr, optimizer=optimizer, dropout=dropout, defenses=defenses, generator=generator
     )
-    step = 0
     for _ in range(epochs):
         for batch in batches:
-            opt.zero_grad(set_to_none=True)
-            text_loss(work, batch, task).backward()
-            chain.on_gradients(work, step)
-            opt.step()
-            step += 1
-        chain.on_epoch_end(work, opt)
+            trainer.step(batch)
+        trainer.end_epoch()
     w0 = dict(model.named_parameters())
     delta = {n: (p.detach() - w0[n].detach()).clone() for n, p in work.named_parameters()}
     n = sum(len(b) for b in batches)
-    meta = {"client_id": client_id, "steps": step}
-    return chain.on_update(Update(delta, n, kind="delta", metadata=meta))
+    meta = {"client_id": client_id, "steps": trainer.steps_done}
+    return trainer.chain.on_update(Update(delta, n, kind="delta", metadata=meta))
