@@ -176,8 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser(__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=None, help="run only these models' tasks")
     parser.add_argument("--settings", nargs="+", default=["none", "aegis"], choices=list(SETTINGS))
-    parser.add_argument("--reference", type=Path, default=None,
-                        help="a result file of this script holding the undefended run to compare against")  # fmt: skip
+    parser.add_argument(
+        "--reference", type=Path, default=None, help="a result file of this script with the undefended run"
+    )
     args = parse_args(parser, argv)
     tasks = [t for t in SCALES[args.scale] if not args.models or t.model in args.models]
     if not tasks:
@@ -204,8 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "dropout": True},
         "torch_threads": threads,
         "reference": str(args.reference) if args.reference else None,
-        "paper": {"protocol": "AdamW 5e-5, wd 0.01, 10 % warm-up, <= 8 epochs / 12,000 steps (2,000-step cap), "
-                              "early stopping on validation loss (patience 5, every 200 steps)",
+        "paper": {"protocol": "AdamW 5e-5, wd 0.01, 10 % warm-up, <= 8 epochs / 12,000 steps (2,000-step "
+                              "cap), early stopping on validation loss (patience 5, every 200 steps)",
                   "gpt2_wikitext2_ppl_none_aegis": [26.0, 25.6]},
         "comparisons": comparisons,
         "rows": rows,

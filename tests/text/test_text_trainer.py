@@ -1,0 +1,60 @@
+"""LocalTrainer: the schedule, the optimiser over unfrozen parameters, steps on the defended gradient."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from gradleak.defenses.aegis_llm import AegisLLM
+from gradleak.text.client import LocalTrainer, text_loss
+
+
+def test_warmup_then_linear_decay_matches_the_formula(gpt2_cls):
+    trainer = LocalTrainer(copy.deepcopy(gpt2_cls.model), "classification", lr=1.0, warmup_steps=4,
+                           total_steps=12)  # fmt: skip
+    got = [trainer.lr_at(s) for s in range(13)]
+    want = [0.25, 0.5, 0.75, 1.0] + [(12 - s) / 8 for s in range(4, 13)]
+    assert got == pytest.approx(want, abs=1e-12)
+    constant = LocalTrainer(copy.deepcopy(gpt2_cls.model), "classification", lr=0.3)
+    assert [constant.lr_at(s) for s in (0, 5, 1000)] == [0.3, 0.3, 0.3]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"optimizer": "adam"}, {"lr": 0.0}, {"weight_decay": -1.0}, {"warmup_steps": 5, "total_steps": 5}],
+)
+def test_bad_settings_are_refused(gpt2_cls, kwargs):
+    with pytest.raises(ValueError):
+        LocalTrainer(copy.deepcopy(gpt2_cls.model), "classification", **kwargs)
+
+
+def test_adamw_steps_equal_a_hand_written_loop_on_the_defended_gradient(gpt2_cls, make_batch):
+    """Four AdamW steps with warm-up and weight decay under AEGIS equal torch's AdamW driven by hand on the
+    same flooded gradients (same generator), frozen attention excluded from the optimiser."""
+    batch = make_batch(gpt2_cls)
+    model = copy.deepcopy(gpt2_cls.model)
+    trainer = LocalTrainer(model, "classification", lr=1e-3, optimizer="adamw", weight_decay=0.01,
+                           warmup_steps=2, total_steps=6, defenses=[AegisLLM()],
+                           generator=torch.Generator().manual_seed(3))  # fmt: skip
+    ref = copy.deepcopy(gpt2_cls.model).eval()  # no dropout, as the trainer by default
+    defense = AegisLLM()
+    defense.setup(ref, generator=torch.Generator().manual_seed(3))
+    params = [p for p in ref.parameters() if p.requires_grad]
+    assert len(params) < len(list(ref.parameters()))  # attention frozen
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    for step, lr in enumerate([5e-4, 1e-3, 1e-3, 7.5e-4]):
+        trainer.step(batch)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        text_loss(ref, batch, "classification").backward()
+        defense.on_gradients(ref, step)
+        opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
+    moved = [
+        (p - q).abs().max() for p, q in zip(model.parameters(), gpt2_cls.model.parameters(), strict=True)
+    ]
+    assert max(moved) > 1e-4  # the comparison is not between two untouched models
