@@ -176,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rounds = args.rounds or ROUNDS[args.scale]
     print(f"{NAME} --scale {args.scale}: {rounds} rounds, seeds {args.seeds}, threads {threads}", flush=True)
     name = NAME + (f"_utility_r{rounds}" if args.utility_only else "")
+    if args.seeds != [0]:  # other seeds get their own file instead of overwriting seed 0's
+        name += "_seeds" + "-".join(str(s) for s in args.seeds)
     results: dict[str, Any] = {}
 
     def setting() -> dict[str, Any]:
