@@ -112,14 +112,15 @@ def train_order(n_batches: int, epochs: int, seed: int) -> list[int]:
     return [i for _ in range(epochs) for i in torch.randperm(n_batches, generator=gen).tolist()]
 
 
-def run(task: Task, setting: str, seed: int) -> dict[str, Any]:
+def run(task: Task, setting: str, seed: int, device: str = "cpu") -> dict[str, Any]:
     train_data, val_data, test_data = splits(task, seed)
     if task.train_limit:
         train_data = train_data.subset(range(min(task.train_limit, len(train_data))))
     tm = build_text_model(task.model, task.task, seed=0)
-    train = batches(train_data, task.batch_size, tm, task.max_tokens)
-    val = batches(val_data, task.eval_batch, tm, task.max_tokens)
-    test = batches(test_data, task.eval_batch, tm, task.max_tokens)
+    tm.model.to(device)
+    train = [b.to(device) for b in batches(train_data, task.batch_size, tm, task.max_tokens)]
+    val = [b.to(device) for b in batches(val_data, task.eval_batch, tm, task.max_tokens)]
+    test = [b.to(device) for b in batches(test_data, task.eval_batch, tm, task.max_tokens)]
     total = min(task.max_epochs * len(train), task.max_steps)
     order = train_order(len(train), task.max_epochs, seed)[:total]
     torch.manual_seed(seed)  # dropout masks
@@ -179,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--reference", type=Path, default=None, help="a result file of this script with the undefended run"
     )
+    parser.add_argument("--device", default="cpu", help="torch device for the model and batches (cpu, cuda)")
     args = parse_args(parser, argv)
     tasks = [t for t in SCALES[args.scale] if not args.models or t.model in args.models]
     if not tasks:
@@ -190,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"{args.reference} holds no undefended ('none') run")
     threads = configure_torch(args.threads)
     print(f"{NAME} --scale {args.scale}: {tasks}, settings {args.settings}, seeds {args.seeds}", flush=True)
-    rows = [run(t, s, seed) for t in tasks for seed in args.seeds for s in args.settings]
+    rows = [run(t, s, seed, args.device) for t in tasks for seed in args.seeds for s in args.settings]
     refs += [r for r in rows if r["setting"] == "none"]
     comparisons = []
     for r in rows:
@@ -204,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "patience": PATIENCE, "optimizer": "AdamW (the client's own, on the defended gradient)",
                      "dropout": True},
         "torch_threads": threads,
+        "device": args.device,
         "reference": str(args.reference) if args.reference else None,
         "paper": {"protocol": "AdamW 5e-5, wd 0.01, 10 % warm-up, <= 8 epochs / 12,000 steps (2,000-step "
                               "cap), early stopping on validation loss (patience 5, every 200 steps)",

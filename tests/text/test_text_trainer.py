@@ -58,3 +58,11 @@ def test_adamw_steps_equal_a_hand_written_loop_on_the_defended_gradient(gpt2_cls
         (p - q).abs().max() for p, q in zip(model.parameters(), gpt2_cls.model.parameters(), strict=True)
     ]
     assert max(moved) > 1e-4  # the comparison is not between two untouched models
+
+
+def test_batch_to_a_device_keeps_every_field(make_batch, gpt2_cls):
+    batch = make_batch(gpt2_cls)
+    assert batch.to("cpu") is batch
+    moved = batch.to("meta")  # a second device without hardware: shapes, dtypes and fields travel
+    assert moved.input_ids.device.type == "meta" and moved.labels is not None
+    assert moved.labels.device.type == "meta" and moved.attention_mask.shape == batch.attention_mask.shape

@@ -202,7 +202,8 @@ def flood(
         mask = active.reshape(-1, *([1] * (grad.dim() - 1)))
     else:
         mask = active.reshape(1, -1)
-    out = torch.randn(grad.shape, generator=generator, dtype=torch.float32).mul_(lam * m_bar)
+    out = torch.randn(grad.shape, generator=generator, dtype=torch.float32, device=generator.device)
+    out = out.to(grad.device).mul_(lam * m_bar)
     if rho:
         out.addcmul_(grad.float(), mask.to(torch.float32), value=rho)
     return out.to(grad.dtype), m_bar
@@ -219,6 +220,7 @@ class AegisLLM(Defense):
         self.rules: dict[str, FloodRule] = {}
         self.frozen: list[str] = []
         self.generator: torch.Generator | None = None
+        self.device_generators: dict[torch.device, torch.Generator] = {}
         self.skipped_steps = 0
 
     def setup(self, model: nn.Module, *, generator: torch.Generator, **_: Any) -> None:
@@ -228,6 +230,7 @@ class AegisLLM(Defense):
                 f"aegis_llm: no parameter map for model_type {model_type!r}; known: {PARTS.names()}"
             )
         self.generator = generator
+        self.device_generators = {generator.device: generator}
         self.skipped_steps = 0
         parts = PARTS.get(model_type)
         self.frozen = self._freeze(model, parts) if self.config.freeze_attention else []
@@ -280,6 +283,14 @@ class AegisLLM(Defense):
             raise ValueError("aegis_llm: the model's input token embedding was not found or is frozen")
         return {names[i]: r for i, r in by_id.items()}
 
+    def _generator_for(self, device: torch.device, base: torch.Generator) -> torch.Generator:
+        """The noise generator for gradients on ``device``: the setup generator ``base`` on its own device,
+        else one generator per device seeded once from it (no host-to-device copy of the noise each step)."""
+        if device not in self.device_generators:
+            seed = int(torch.randint(0, 2**62, (1,), generator=base))
+            self.device_generators[device] = torch.Generator(device=device).manual_seed(seed)
+        return self.device_generators[device]
+
     @torch.no_grad()
     def on_gradients(self, model: nn.Module, step: int, **_: Any) -> None:
         if self.generator is None:
@@ -306,7 +317,7 @@ class AegisLLM(Defense):
                 lam=rule.lam * (self.config.bf16_scale if bf16 else 1.0),
                 rho=rule.rho,
                 rows=rule.rows,
-                generator=self.generator,
+                generator=self._generator_for(p.grad.device, self.generator),
                 active_rel_tol=self.config.active_rel_tol,
             )[0]
             p.grad.copy_(flooded)

@@ -145,6 +145,7 @@ class LocalTrainer:
     def step(self, batch: TextBatch) -> float:
         """One defended optimiser step on ``batch``; returns the batch loss before the step."""
         self.model.train(self.dropout)
+        batch = batch.to(next(self.model.parameters()).device)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.steps_done)
         self.optimizer.zero_grad(set_to_none=True)

@@ -195,6 +195,13 @@ class TextBatch:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def to(self, device: torch.device | str) -> TextBatch:
+        """The same batch on ``device`` (itself when it is already there)."""
+        if self.input_ids.device == torch.device(device):
+            return self
+        labels = self.labels.to(device) if self.labels is not None else None
+        return TextBatch(self.input_ids.to(device), self.attention_mask.to(device), labels)
+
     def sequences(self) -> list[list[int]]:
         """The unpadded token ids of each sequence."""
         return [ids[m.bool()].tolist() for ids, m in zip(self.input_ids, self.attention_mask, strict=True)]
