@@ -18,8 +18,8 @@ the gap between the settings can be read at every evaluation.
 
     python benchmarks/aegis_llm_horizon.py --scale smoke|small|paper --settings none aegis [--models minilm]
 
-Run one setting per process to use both cores, then ``--reference`` the undefended result file to get the
-ratios written next to the defended run.
+Run one setting per process to use both cores, then merge them (no training) with
+``--combine FILE FILE`` (or pass ``--reference`` the undefended result file to a defended run).
 """
 
 from __future__ import annotations
@@ -181,6 +181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--reference", type=Path, default=None, help="a result file of this script with the undefended run"
     )
     parser.add_argument("--device", default="cpu", help="torch device for the model and batches (cpu, cuda)")
+    parser.add_argument("--combine", type=Path, nargs="+", default=None,
+                        help="no training: merge the runs of these result files (one setting per process) "
+                             "into one file with the comparisons")  # fmt: skip
     args = parse_args(parser, argv)
     tasks = [t for t in SCALES[args.scale] if not args.models or t.model in args.models]
     if not tasks:
@@ -191,8 +194,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not refs:
             parser.error(f"{args.reference} holds no undefended ('none') run")
     threads = configure_torch(args.threads)
-    print(f"{NAME} --scale {args.scale}: {tasks}, settings {args.settings}, seeds {args.seeds}", flush=True)
-    rows = [run(t, s, seed, args.device) for t in tasks for seed in args.seeds for s in args.settings]
+    if args.combine:
+        rows = [r for f in args.combine for r in json.loads(f.read_text())["result"]["rows"]]
+        rows = [r for r in rows if r["model"] in {t.model for t in tasks} and r["seed"] in args.seeds]
+        if not rows:
+            parser.error(f"no run of {[t.model for t in tasks]}, seeds {args.seeds} in {args.combine}")
+        args.settings = list(dict.fromkeys(r["setting"] for r in rows))
+    else:
+        print(
+            f"{NAME} --scale {args.scale}: {tasks}, settings {args.settings}, seeds {args.seeds}", flush=True
+        )
+        rows = [run(t, s, seed, args.device) for t in tasks for seed in args.seeds for s in args.settings]
     refs += [r for r in rows if r["setting"] == "none"]
     comparisons = []
     for r in rows:
@@ -208,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "torch_threads": threads,
         "device": args.device,
         "reference": str(args.reference) if args.reference else None,
+        "combined_from": [str(f) for f in args.combine] if args.combine else None,
         "paper": {"protocol": "AdamW 5e-5, wd 0.01, 10 % warm-up, <= 8 epochs / 12,000 steps (2,000-step "
                               "cap), early stopping on validation loss (patience 5, every 200 steps)",
                   "gpt2_wikitext2_ppl_none_aegis": [26.0, 25.6]},
