@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from gradleak.text.client import LocalTrainer, text_loss
+from gradleak.text.client import LocalTrainer
 from gradleak.text.data import TextBatch, TextDataset, encode, load_text_dataset, split
-from gradleak.text.metrics import accuracy, classify, macro_f1
+from gradleak.text.metrics import accuracy, macro_f1, perplexity
 from gradleak.text.models import TextModel, build_text_model
 
 from _common import configure_torch, make_parser, parse_args, write_result
@@ -61,10 +61,12 @@ class Task:
     eval_batch: int = 32
     batch_size: int = 8
     train_limit: int | None = None  # examples (smoke)
+    eval_limit: int | None = None  # validation and test examples (smoke)
 
 
 SCALES = {
-    "smoke": (Task("bert_tiny", "classification", "rotten_tomatoes", 32, 2, 40, 10, train_limit=80),),
+    "smoke": (Task("bert_tiny", "classification", "rotten_tomatoes", 32, 2, 40, 10, train_limit=80),
+              Task("gpt2_tiny", "causal_lm", "wikitext2", 32, 1, 10, 5, train_limit=80, eval_limit=256)),
     "small": (Task("minilm", "classification", "rotten_tomatoes", 32, 8, 12000, 200),),
     "paper": (Task("minilm", "classification", "rotten_tomatoes", 64, 8, 12000, 200),
               Task("smollm2", "causal_lm", "wikitext2", 64, 8, 2000, 200)),
@@ -92,18 +94,19 @@ def batches(data: TextDataset, size: int, tm: TextModel, max_tokens: int) -> lis
 
 @torch.no_grad()
 def evaluate(tm: TextModel, task: Task, data: list[TextBatch]) -> dict[str, float]:
-    """Mean loss per example (classification) or per next token (causal LM) and the task metric."""
+    """Mean loss per next token (causal LM: log of the perplexity) or per example (classification, one
+    forward pass for loss and predictions) and the task metric."""
     tm.model.eval()
     if task.task == "causal_lm":
-        total, count = 0.0, 0
-        for b in data:
-            n = int((b.attention_mask[:, 1:] * b.attention_mask[:, :-1]).sum())
-            total += float(text_loss(tm.model, b, task.task)) * n
-            count += n
-        return {"loss": total / count, "perplexity": math.exp(total / count)}
-    loss = sum(float(text_loss(tm.model, b, task.task)) * len(b) for b in data) / sum(len(b) for b in data)
-    pred, true = classify(tm.model, data)
-    return {"loss": loss, "accuracy": accuracy(pred, true), "f1": macro_f1(pred, true)}
+        ppl = perplexity(tm.model, data)
+        return {"loss": math.log(ppl), "perplexity": ppl}
+    loss, pred, true = 0.0, [], []
+    for b in data:
+        out = tm.model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
+        loss += float(out.loss) * len(b)
+        pred += out.logits.argmax(-1).tolist()
+        true += b.labels.tolist() if b.labels is not None else []
+    return {"loss": loss / len(pred), "accuracy": accuracy(pred, true), "f1": macro_f1(pred, true)}
 
 
 def train_order(n_batches: int, epochs: int, seed: int) -> list[int]:
@@ -116,6 +119,8 @@ def run(task: Task, setting: str, seed: int, device: str = "cpu") -> dict[str, A
     train_data, val_data, test_data = splits(task, seed)
     if task.train_limit:
         train_data = train_data.subset(range(min(task.train_limit, len(train_data))))
+    if task.eval_limit:
+        val_data, test_data = (d.subset(range(min(task.eval_limit, len(d)))) for d in (val_data, test_data))
     tm = build_text_model(task.model, task.task, seed=0)
     tm.model.to(device)
     train = [b.to(device) for b in batches(train_data, task.batch_size, tm, task.max_tokens)]
