@@ -23,6 +23,7 @@ from gradleak.defenses import Defense
 from gradleak.defenses.aegis_llm import AegisLLM, AegisLLMConfig
 from gradleak.defenses.baselines import DPNoise, DPNoiseConfig, Soteria, SoteriaConfig
 from gradleak.defenses.pruning import Pruning, PruningConfig
+from gradleak.text.data import TextBatch, TextDataset, encode
 from gradleak.text.models import TextModel
 
 _OFF = {"flood_embedding": False, "flood_mlp": False, "flood_layernorm": False, "flood_lm_head": False,
@@ -30,6 +31,18 @@ _OFF = {"flood_embedding": False, "flood_mlp": False, "flood_layernorm": False, 
 
 
 Factory = Callable[[TextModel], list[Defense]]
+
+
+def encode_batches(data: TextDataset, size: int, tm: TextModel, max_tokens: int) -> list[TextBatch]:
+    """``data`` in order, cut into consecutive batches of ``size`` sequences (labels kept when present)."""
+    out = []
+    for i in range(0, len(data), size):
+        part = data.subset(range(i, min(i + size, len(data))))
+        labels = list(part.labels) if part.labels is not None else None
+        out.append(encode(list(part.texts), tm.tokenizer, max_tokens=max_tokens, labels=labels))
+    return out
+
+
 # (consumer, input module) per family and task: the output layer's input is Soteria's representation
 SOTERIA_LAYERS = {
     ("gpt2", "causal_lm"): ("lm_head", "transformer.wte"),

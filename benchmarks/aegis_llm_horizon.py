@@ -37,12 +37,12 @@ import torch
 from tqdm import tqdm
 
 from gradleak.text.client import LocalTrainer
-from gradleak.text.data import TextBatch, TextDataset, encode, load_text_dataset, split
+from gradleak.text.data import TextBatch, TextDataset, load_text_dataset, split
 from gradleak.text.metrics import accuracy, macro_f1, perplexity
 from gradleak.text.models import TextModel, build_text_model
 
 from _common import configure_torch, make_parser, parse_args, write_result
-from aegis_llm_common import SETTINGS
+from aegis_llm_common import SETTINGS, encode_batches
 
 NAME = "aegis_llm_horizon"
 LR, WEIGHT_DECAY, WARMUP_FRACTION, PATIENCE = 5e-5, 0.01, 0.1, 5
@@ -83,15 +83,6 @@ def splits(task: Task, seed: int) -> tuple[TextDataset, TextDataset, TextDataset
     return train, val, test
 
 
-def batches(data: TextDataset, size: int, tm: TextModel, max_tokens: int) -> list[TextBatch]:
-    out = []
-    for i in range(0, len(data), size):
-        part = data.subset(range(i, min(i + size, len(data))))
-        labels = list(part.labels) if part.labels is not None else None
-        out.append(encode(list(part.texts), tm.tokenizer, max_tokens=max_tokens, labels=labels))
-    return out
-
-
 @torch.no_grad()
 def evaluate(tm: TextModel, task: Task, data: list[TextBatch]) -> dict[str, float]:
     """Mean loss per next token (causal LM: log of the perplexity) or per example (classification, one
@@ -123,9 +114,9 @@ def run(task: Task, setting: str, seed: int, device: str = "cpu") -> dict[str, A
         val_data, test_data = (d.subset(range(min(task.eval_limit, len(d)))) for d in (val_data, test_data))
     tm = build_text_model(task.model, task.task, seed=0)
     tm.model.to(device)
-    train = [b.to(device) for b in batches(train_data, task.batch_size, tm, task.max_tokens)]
-    val = [b.to(device) for b in batches(val_data, task.eval_batch, tm, task.max_tokens)]
-    test = [b.to(device) for b in batches(test_data, task.eval_batch, tm, task.max_tokens)]
+    train = [b.to(device) for b in encode_batches(train_data, task.batch_size, tm, task.max_tokens)]
+    val = [b.to(device) for b in encode_batches(val_data, task.eval_batch, tm, task.max_tokens)]
+    test = [b.to(device) for b in encode_batches(test_data, task.eval_batch, tm, task.max_tokens)]
     total = min(task.max_epochs * len(train), task.max_steps)
     order = train_order(len(train), task.max_epochs, seed)[:total]
     torch.manual_seed(seed)  # dropout masks

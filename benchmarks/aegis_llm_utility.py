@@ -31,12 +31,12 @@ import torch
 from tqdm import tqdm
 
 from gradleak.text.client import fedsgd_text_update
-from gradleak.text.data import TextBatch, TextDataset, encode, load_text_dataset, sample, split
+from gradleak.text.data import TextBatch, TextDataset, load_text_dataset, sample, split
 from gradleak.text.metrics import accuracy, classify, macro_f1, perplexity
 from gradleak.text.models import TextModel, build_text_model
 
 from _common import configure_torch, make_parser, parse_args, write_result
-from aegis_llm_common import SETTINGS
+from aegis_llm_common import SETTINGS, encode_batches
 
 NAME = "aegis_llm_utility"
 UTILITY_SETTINGS = ("none", "freeze", "embed", "aegis_2ch", "aegis", "aegis_rho_fc_0.3", "dp_0.001",
@@ -83,12 +83,7 @@ def datasets(task: Task, seed: int) -> tuple[TextDataset, TextDataset]:
 
 def batches(data: TextDataset, n_examples: int, tm: TextModel, task: Task, seed: int) -> list[TextBatch]:
     picked = sample(data, min(n_examples, len(data)), seed=seed)
-    out = []
-    for i in range(0, len(picked), task.batch_size):
-        part = picked.subset(range(i, min(i + task.batch_size, len(picked))))
-        labels = list(part.labels) if part.labels is not None else None
-        out.append(encode(list(part.texts), tm.tokenizer, max_tokens=task.max_tokens, labels=labels))
-    return out
+    return encode_batches(picked, task.batch_size, tm, task.max_tokens)
 
 
 @torch.no_grad()
