@@ -32,6 +32,7 @@ import torch
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
+STATE_DIR = BENCH_DIR / ".state"  # resumable run states (model weights): large, not committed
 SCALES = ("smoke", "small", "paper")
 DEFAULT_SEED = 0
 
@@ -218,3 +219,39 @@ def write_result(
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def save_state(path: Path, meta: Mapping[str, Any], state: Mapping[str, Any]) -> Path:
+    """Write a resumable run state atomically: ``meta`` names the run it belongs to, ``state`` is its data.
+
+    Long benchmarks (tens of FL rounds) call this after every round so that a run stopped by the end of a
+    session continues where it stopped (:func:`load_state`) instead of starting again.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save({"meta": dict(meta), "state": dict(state)}, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_state(path: Path, meta: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The state saved at ``path`` by :func:`save_state` (None if there is none).
+
+    Raises ``ValueError`` naming the differing keys when the saved run's ``meta`` is not ``meta``: resuming
+    another run's state would silently mix two experiments.
+    """
+    path = Path(path)
+    if not path.exists():
+        return None
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    if saved.get("meta") != dict(meta):
+        old = saved.get("meta", {})
+        diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
+        raise ValueError(f"{path} belongs to another run (differs in {diff}); delete it or change the run")
+    return dict(saved["state"])

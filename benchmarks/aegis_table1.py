@@ -14,6 +14,10 @@ the paper's single workstation). Reported:
 - the one-time cache cost (generator fit + candidate generation + acceptance), separately.
 
     python benchmarks/aegis_table1.py --scale smoke|small|paper --threads 1 [--datasets organamnist]
+        [--rounds R] [--utility-only] [--resume]
+
+Both models are saved after every round under ``benchmarks/.state/``; ``--resume`` continues a stopped run
+(or extends a finished one to a larger ``--rounds``) with the rounds an uninterrupted run would give.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import copy
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,7 +45,16 @@ from gradleak.registry import DEFENSES
 from gradleak.types import LocalTraining
 from linear_leakage import MAX_CLASSES, MODEL, NUM_CLIENTS
 
-from _common import configure_torch, make_parser, parse_args, summarize, write_result
+from _common import (
+    STATE_DIR,
+    configure_torch,
+    load_state,
+    make_parser,
+    parse_args,
+    save_state,
+    summarize,
+    write_result,
+)
 
 NAME = "aegis_table1"
 M = 2048
@@ -86,7 +100,15 @@ def run(
     baselines: bool = True,
     last: int = 5,
     checkpoint: Callable[[list[dict[str, Any]]], None] | None = None,
+    state_path: Path | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
+    """Train both models for ``rounds`` rounds; with ``state_path`` save both after every round.
+
+    ``resume`` continues from the rounds saved at ``state_path`` (the same dataset, seed and settings; the
+    round count may grow): the models are reloaded and the client sampler is replayed, so a resumed run
+    gives the rounds an uninterrupted one would (everything else is seeded per round and client).
+    """
     pool = load_dataset(name, "train")
     test = load_dataset(name, "test")
     parts = partition(
@@ -96,14 +118,29 @@ def run(
     init = build_model(MODEL, pool.input_shape, pool.num_classes, seed=derive_seed(seed, 0x30DE))
     models = {"none": copy.deepcopy(init), "aegis": copy.deepcopy(init)}
     caches: dict[int, SyntheticCache] = {}
+    cache_stats: dict[int, dict[str, Any]] = {}
     rng = np.random.default_rng(derive_seed(seed, 0x5A11))
-    rounds_out, baseline_rows = [], []
-    for rnd in range(rounds):
+    rounds_out: list[dict[str, Any]] = []
+    baseline_rows: list[dict[str, Any]] = []
+    meta = {"benchmark": NAME, "dataset": name, "seed": seed, "cache": M, "training": repr(ADAM)}
+    meta |= {"baselines": baselines, "soteria_clients": soteria_clients, "model": MODEL}
+    saved = load_state(state_path, meta) if (resume and state_path is not None) else None
+    if saved is not None:
+        rounds_out, baseline_rows, cache_stats = saved["rounds"], saved["baseline_rows"], saved["cache_stats"]
+        for label, model in models.items():
+            model.load_state_dict(saved["models"][label])
+        for _ in rounds_out:  # replay the sampler to where the saved run stopped
+            sample_clients(NUM_CLIENTS, 0.1, rng)
+        if len(rounds_out) > rounds:
+            raise ValueError(f"{state_path} already holds {len(rounds_out)} rounds; ask for >= that many")
+        print(f"  {name} seed {seed}: resumed after round {len(rounds_out) - 1} ({state_path})", flush=True)
+    for rnd in range(len(rounds_out), rounds):
         sampled = sample_clients(NUM_CLIENTS, 0.1, rng)
         row: dict[str, Any] = {"round": rnd, "clients": sampled, "seconds": {"none": 0.0, "aegis": 0.0}}
         for cid in sampled:
             if cid not in caches:
                 caches[cid] = client_cache(shares[cid], M, seed, cid)
+                cache_stats.setdefault(cid, caches[cid].stats)
         for label, model in models.items():
             updates = []
             for cid in sampled:
@@ -132,6 +169,14 @@ def run(
             flush=True,
         )
         rounds_out.append(row)
+        if state_path is not None:
+            models_state = {k: m.state_dict() for k, m in models.items()}
+            save_state(
+                state_path,
+                meta,
+                {"rounds": rounds_out, "baseline_rows": baseline_rows, "cache_stats": cache_stats}
+                | {"models": models_state},
+            )
         if checkpoint is not None:
             checkpoint(rounds_out)
     per_client: dict[str, dict[int, float]] = {}
@@ -145,7 +190,6 @@ def run(
         ratios[d] = {"median": statistics.median(rs), "per_client": rs, "clients": len(rs)}
     sizes = {r["client"]: r["n_real"] for r in baseline_rows}
     bound = [(n + M) / n for n in sizes.values()]
-    cache_stats = [c.stats for c in caches.values()]
     return {
         "rounds": rounds_out,
         "client_timings_round0": baseline_rows,
@@ -158,8 +202,10 @@ def run(
             "aegis": tail_mean(rounds_out, "acc_aegis", last),
         },
         "round_seconds": {k: summarize([r["seconds"][k] for r in rounds_out]) for k in ("none", "aegis")},
-        "cache_one_time_seconds": summarize([c["seconds"] + c["generator_fit_seconds"] for c in cache_stats]),
-        "cache_rejection_rate": summarize([c["rejection_rate"] for c in cache_stats]),
+        "cache_one_time_seconds": summarize(
+            [c["seconds"] + c["generator_fit_seconds"] for c in cache_stats.values()]
+        ),
+        "cache_rejection_rate": summarize([c["rejection_rate"] for c in cache_stats.values()]),
         "paper_acc_none_aegis": PAPER_ACC.get(name),
     }
 
@@ -171,6 +217,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="override the scale's round count")
     parser.add_argument("--utility-only", action="store_true", help="skip the baseline timings")
     parser.add_argument("--last", type=int, default=5, help="report the mean accuracy of the last N rounds")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help=f"continue each seed from its state in {STATE_DIR.name}/ (saved after every round)",
+    )
     args = parse_args(parser, argv)
     threads = configure_torch(args.threads)
     rounds = args.rounds or ROUNDS[args.scale]
@@ -201,8 +252,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 payload = {"setting": setting(), "paper_table1_seconds": PAPER_TABLE1, "results": partial}
                 write_result(name, args.scale, payload, seeds=args.seeds, out=args.out)
 
+            state = STATE_DIR / f"{NAME}_{n}_seed{s}_{'utility' if args.utility_only else 'full'}.pt"
             results[key] = run(
-                n, s, rounds, args.soteria_clients, not args.utility_only, args.last, checkpoint
+                n,
+                s,
+                rounds,
+                args.soteria_clients,
+                not args.utility_only,
+                args.last,
+                checkpoint,
+                state_path=state,
+                resume=args.resume,
             )
     for key, r in results.items():
         print(

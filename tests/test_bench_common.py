@@ -132,3 +132,17 @@ def test_score_regime_records_the_class_mean_prior_of_each_matched_image(
     s = out.summary()
     assert s["rr_beyond_prior"] == pytest.approx(1.0)  # every image > 18 dB and > 3 dB above the mean image
     assert s["rr_beyond_class_prior"] == pytest.approx(1 / 3)  # the class means tell nothing new
+
+
+def test_run_state_round_trip_and_refuses_another_runs_state(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "run.pt"
+    assert _common.load_state(path, {"seed": 0}) is None  # nothing saved yet
+    model = torch.nn.Linear(3, 2)
+    rows = [{"round": 0, "acc": 0.25}]
+    _common.save_state(path, {"seed": 0, "dataset": "x"}, {"rounds": rows, "model": model.state_dict()})
+    assert [p.name for p in path.parent.iterdir()] == ["run.pt"]  # no temp file left behind
+    state = _common.load_state(path, {"seed": 0, "dataset": "x"})
+    assert state is not None and state["rounds"] == rows
+    assert all(torch.equal(state["model"][k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match=r"\['seed'\]"):  # a state of seed 0 does not resume seed 1
+        _common.load_state(path, {"seed": 1, "dataset": "x"})
