@@ -48,7 +48,7 @@ from gradleak.defenses.aegis_cache import CacheConfig, SyntheticCache, build_cac
 from gradleak.defenses.aegis_synthetic import aegis_for_client
 from gradleak.fl import derive_seed
 from gradleak.fl.client import train_client
-from gradleak.generators import ClassGaussianGenerator
+from gradleak.generators import ClassGaussianGenerator, GaussianGeneratorConfig
 from gradleak.metrics import psnr, score_images
 from gradleak.models import build_model
 from gradleak.registry import ATTACKS
@@ -150,12 +150,17 @@ def attack_regimes(n_clients: int) -> dict[str, Regime]:
 
 
 def client_cache(
-    share: ImageDataset, size: int, seed: int, slot: int, fit_on: ImageDataset | None = None
+    share: ImageDataset,
+    size: int,
+    seed: int,
+    slot: int,
+    fit_on: ImageDataset | None = None,
+    generator_config: GaussianGeneratorConfig | None = None,
 ) -> SyntheticCache:
     """The client's offline cache: generator fit on its whole share (or on ``fit_on``, e.g. public data,
     the analogue of an off-the-shelf generator), acceptance against the client's share."""
     t0 = time.perf_counter()
-    source = ClassGaussianGenerator.fit(share if fit_on is None else fit_on)
+    source = ClassGaussianGenerator.fit(share if fit_on is None else fit_on, generator_config)
     fit = time.perf_counter() - t0
     cache = build_cache(
         source,
