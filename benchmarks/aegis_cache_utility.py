@@ -30,12 +30,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from aegis_table1 import federation
 from aegis_table2 import client_cache
-from gradleak.data import load_dataset, partition
+from gradleak.data import load_dataset
 from gradleak.fl import derive_seed, evaluate
 from gradleak.generators import GaussianGeneratorConfig
-from gradleak.models import build_model
-from linear_leakage import MAX_CLASSES, MODEL, NUM_CLIENTS
+from linear_leakage import MODEL, NUM_CLIENTS
 
 from _common import configure_torch, make_parser, parse_args, write_result
 
@@ -66,12 +66,8 @@ def train(init: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, seed: i
 
 
 def run(seed: int, clients: int, gen: GaussianGeneratorConfig) -> dict[str, Any]:
-    pool = load_dataset("organamnist", "train")
+    pool, parts, init = federation("organamnist", seed)
     test = load_dataset("organamnist", "test")
-    parts = partition(
-        "label_skew", pool, NUM_CLIENTS, derive_seed(seed, 0x9A27), max_classes_per_client=MAX_CLASSES
-    )
-    init = build_model(MODEL, pool.input_shape, pool.num_classes, seed=derive_seed(seed, 0x30DE))
     rows = []
     for cid in range(clients):
         share = pool.subset(np.sort(parts[cid]))

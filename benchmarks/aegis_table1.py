@@ -14,10 +14,11 @@ the paper's single workstation). Reported:
 - the one-time cache cost (generator fit + candidate generation + acceptance), separately.
 
     python benchmarks/aegis_table1.py --scale smoke|small|paper --threads 1 [--datasets organamnist]
-        [--rounds R] [--utility-only] [--resume]
+        [--rounds R] [--utility-only] [--resume | --restart]
 
 Both models are saved after every round under ``benchmarks/.state/``; ``--resume`` continues a stopped run
-(or extends a finished one to a larger ``--rounds``) with the rounds an uninterrupted run would give.
+(or extends a finished one to a larger ``--rounds``) with the rounds an uninterrupted run would give; a run
+that finds a saved state stops unless ``--resume`` or ``--restart`` (discard it) is given.
 """
 
 from __future__ import annotations
@@ -92,6 +93,17 @@ def tail_mean(rounds_out: Sequence[dict[str, Any]], key: str, last: int) -> floa
     return sum(xs) / len(xs)
 
 
+def federation(name: str, seed: int) -> tuple[ImageDataset, list[np.ndarray], nn.Module]:
+    """Paper 000's federation for ``seed``: the training pool, its 100 label-skew client index sets (<= 5
+    classes each) and the initial ``aegis_cnn`` (shared by the utility run and ``aegis_cache_utility``)."""
+    pool = load_dataset(name, "train")
+    parts = partition(
+        "label_skew", pool, NUM_CLIENTS, derive_seed(seed, 0x9A27), max_classes_per_client=MAX_CLASSES
+    )
+    init = build_model(MODEL, pool.input_shape, pool.num_classes, seed=derive_seed(seed, 0x30DE))
+    return pool, list(parts), init
+
+
 def run(
     name: str,
     seed: int,
@@ -102,20 +114,18 @@ def run(
     checkpoint: Callable[[list[dict[str, Any]]], None] | None = None,
     state_path: Path | None = None,
     resume: bool = False,
+    restart: bool = False,
 ) -> dict[str, Any]:
     """Train both models for ``rounds`` rounds; with ``state_path`` save both after every round.
 
     ``resume`` continues from the rounds saved at ``state_path`` (the same dataset, seed and settings; the
     round count may grow): the models are reloaded and the client sampler is replayed, so a resumed run
-    gives the rounds an uninterrupted one would (everything else is seeded per round and client).
+    gives the rounds an uninterrupted one would (everything else is seeded per round and client). A saved
+    state is never overwritten by a new run unless ``restart``.
     """
-    pool = load_dataset(name, "train")
+    pool, parts, init = federation(name, seed)
     test = load_dataset(name, "test")
-    parts = partition(
-        "label_skew", pool, NUM_CLIENTS, derive_seed(seed, 0x9A27), max_classes_per_client=MAX_CLASSES
-    )
     shares = {i: pool.subset(np.sort(p)) for i, p in enumerate(parts)}
-    init = build_model(MODEL, pool.input_shape, pool.num_classes, seed=derive_seed(seed, 0x30DE))
     models = {"none": copy.deepcopy(init), "aegis": copy.deepcopy(init)}
     caches: dict[int, SyntheticCache] = {}
     cache_stats: dict[int, dict[str, Any]] = {}
@@ -124,6 +134,8 @@ def run(
     baseline_rows: list[dict[str, Any]] = []
     meta = {"benchmark": NAME, "dataset": name, "seed": seed, "cache": M, "training": repr(ADAM)}
     meta |= {"baselines": baselines, "soteria_clients": soteria_clients, "model": MODEL}
+    if state_path is not None and state_path.exists() and not (resume or restart):
+        raise FileExistsError(f"{state_path} holds a saved run: --resume it, or --restart to discard it")
     saved = load_state(state_path, meta) if (resume and state_path is not None) else None
     if saved is not None:
         rounds_out, baseline_rows, cache_stats = saved["rounds"], saved["baseline_rows"], saved["cache_stats"]
@@ -222,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help=f"continue each seed from its state in {STATE_DIR.name}/ (saved after every round)",
     )
+    parser.add_argument("--restart", action="store_true", help="discard saved states and start again")
     args = parse_args(parser, argv)
     threads = configure_torch(args.threads)
     rounds = args.rounds or ROUNDS[args.scale]
@@ -263,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 checkpoint,
                 state_path=state,
                 resume=args.resume,
+                restart=args.restart,
             )
     for key, r in results.items():
         print(
