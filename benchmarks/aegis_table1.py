@@ -14,7 +14,7 @@ the paper's single workstation). Reported:
 - the one-time cache cost (generator fit + candidate generation + acceptance), separately.
 
     python benchmarks/aegis_table1.py --scale smoke|small|paper --threads 1 [--datasets organamnist]
-        [--rounds R] [--utility-only] [--resume | --restart]
+        [--rounds R] [--utility-only] [--resume | --restart] [--components 32 --tag NAME]
 
 Both models are saved after every round under ``benchmarks/.state/``; ``--resume`` continues a stopped run
 (or extends a finished one to a larger ``--rounds``) with the rounds an uninterrupted run would give; a run
@@ -41,6 +41,7 @@ from gradleak.defenses.aegis_synthetic import aegis_for_client
 from gradleak.defenses.base import Defense
 from gradleak.fl import apply_update, derive_seed, evaluate, sample_clients, weighted_mean
 from gradleak.fl.client import train_client
+from gradleak.generators import GaussianGeneratorConfig
 from gradleak.models import build_model
 from gradleak.registry import DEFENSES
 from gradleak.types import LocalTraining
@@ -115,14 +116,17 @@ def run(
     state_path: Path | None = None,
     resume: bool = False,
     restart: bool = False,
+    generator: GaussianGeneratorConfig | None = None,
 ) -> dict[str, Any]:
     """Train both models for ``rounds`` rounds; with ``state_path`` save both after every round.
 
     ``resume`` continues from the rounds saved at ``state_path`` (the same dataset, seed and settings; the
     round count may grow): the models are reloaded and the client sampler is replayed, so a resumed run
     gives the rounds an uninterrupted one would (everything else is seeded per round and client). A saved
-    state is never overwritten by a new run unless ``restart``.
+    state is never overwritten by a new run unless ``restart``. ``generator`` configures the built-in
+    cache generator (default: ``GaussianGeneratorConfig()``).
     """
+    generator = generator or GaussianGeneratorConfig()
     pool, parts, init = federation(name, seed)
     test = load_dataset(name, "test")
     shares = {i: pool.subset(np.sort(p)) for i, p in enumerate(parts)}
@@ -134,6 +138,8 @@ def run(
     baseline_rows: list[dict[str, Any]] = []
     meta = {"benchmark": NAME, "dataset": name, "seed": seed, "cache": M, "training": repr(ADAM)}
     meta |= {"baselines": baselines, "soteria_clients": soteria_clients, "model": MODEL}
+    if generator != GaussianGeneratorConfig():  # states saved before this key existed used the default
+        meta["generator"] = repr(generator)
     if state_path is not None and state_path.exists() and not (resume or restart):
         raise FileExistsError(f"{state_path} holds a saved run: --resume it, or --restart to discard it")
     saved = load_state(state_path, meta) if (resume and state_path is not None) else None
@@ -151,7 +157,7 @@ def run(
         row: dict[str, Any] = {"round": rnd, "clients": sampled, "seconds": {"none": 0.0, "aegis": 0.0}}
         for cid in sampled:
             if cid not in caches:
-                caches[cid] = client_cache(shares[cid], M, seed, cid)
+                caches[cid] = client_cache(shares[cid], M, seed, cid, generator_config=generator)
                 cache_stats.setdefault(cid, caches[cid].stats)
         for label, model in models.items():
             updates = []
@@ -235,6 +241,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"continue each seed from its state in {STATE_DIR.name}/ (saved after every round)",
     )
     parser.add_argument("--restart", action="store_true", help="discard saved states and start again")
+    parser.add_argument(
+        "--components",
+        type=int,
+        default=GaussianGeneratorConfig.components,
+        help="PCA directions per class of the built-in cache generator",
+    )
+    parser.add_argument("--tag", default="", help="suffix of the result and state file names")
     args = parse_args(parser, argv)
     threads = configure_torch(args.threads)
     rounds = args.rounds or ROUNDS[args.scale]
@@ -242,6 +255,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = NAME + (f"_utility_r{rounds}" if args.utility_only else "")
     if args.seeds != [0]:  # other seeds get their own file instead of overwriting seed 0's
         name += "_seeds" + "-".join(str(s) for s in args.seeds)
+    if args.tag:
+        name += f"_{args.tag}"
+    generator = GaussianGeneratorConfig(components=args.components)
     results: dict[str, Any] = {}
 
     def setting() -> dict[str, Any]:
@@ -249,6 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "model": MODEL,
             "training": "FedAvg Adam lr 1e-3, E=3, B=64 (paper 000)",
             "cache": M,
+            "generator": {"kind": "gaussian", "components": generator.components},
             "clients": NUM_CLIENTS,
             "fraction": 0.1,
             "rounds": rounds,
@@ -265,7 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 payload = {"setting": setting(), "paper_table1_seconds": PAPER_TABLE1, "results": partial}
                 write_result(name, args.scale, payload, seeds=args.seeds, out=args.out)
 
-            state = STATE_DIR / f"{NAME}_{n}_seed{s}_{'utility' if args.utility_only else 'full'}.pt"
+            tag = f"_{args.tag}" if args.tag else ""
+            state = STATE_DIR / f"{NAME}_{n}_seed{s}_{'utility' if args.utility_only else 'full'}{tag}.pt"
             results[key] = run(
                 n,
                 s,
@@ -277,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 state_path=state,
                 resume=args.resume,
                 restart=args.restart,
+                generator=generator,
             )
     for key, r in results.items():
         print(

@@ -26,6 +26,7 @@ class), and each data set its floors: ``mean_image_rr_floor``, ``class_mean_rr_f
 (the three rates of B random cache images per client, no update and no attack; per M).
 
     python benchmarks/aegis_table2.py --scale smoke|small|paper --threads 1 [--sweep] [--attacks rtf ...]
+        [--components 32 --tag NAME]
 """
 
 from __future__ import annotations
@@ -281,10 +282,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="share",
         help="fit the generator on the client's share (default) or on the public test images",
     )
+    parser.add_argument(
+        "--components",
+        type=int,
+        default=GaussianGeneratorConfig.components,
+        help="PCA directions per class of the built-in cache generator",
+    )
     parser.add_argument("--tag", default="", help="suffix of the result file name")
     parser.add_argument("--no-baseline", action="store_true", help="skip the undefended rows")
     args = parse_args(parser, argv)
     n_clients = SCALES[args.scale]
+    gen = GaussianGeneratorConfig(components=args.components)
     threads = configure_torch(args.threads)
     print(
         f"{NAME} --scale {args.scale}: {n_clients} clients, seeds {args.seeds}, threads {threads}", flush=True
@@ -305,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             labelled = public_labelled(name, seed)
             fit_on = labelled if args.generator_data == "public" else None
-            caches = [client_cache(s, M_DEFAULT, seed, i, fit_on) for i, s in enumerate(shares)]
+            caches = [client_cache(s, M_DEFAULT, seed, i, fit_on, gen) for i, s in enumerate(shares)]
             info["mean_image_rr_floor"] = mean_image_floor(shares, public)
             info["class_mean_rr_floor"] = class_mean_floor(shares, labelled)
             info["cache"] = [c.stats for c in caches]
@@ -356,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "bins": BINS,
             "batch": BATCH,
             "cache_default": M_DEFAULT,
-            "generator": "per-class PCA Gaussian (32 components) fit on the client's share",
+            "generator": f"per-class PCA Gaussian ({gen.components} components) fit on the client's share",
             "acceptance": "feature MSE to nearest same-label private sample <= H (q0.9 LOO)",
             "clients_per_dataset": n_clients,
             "round": "first round",
