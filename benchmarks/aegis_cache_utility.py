@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from aegis_table1 import federation
+from aegis_table1 import federation, other_clients
 from aegis_table2 import client_cache
 from gradleak.data import load_dataset
 from gradleak.fl import derive_seed, evaluate
@@ -77,8 +77,7 @@ def run(seed: int, clients: int, gen: GaussianGeneratorConfig) -> dict[str, Any]
         mask = torch.isin(test.labels, labels)
         g = torch.Generator().manual_seed(derive_seed(seed, 0xC0DE, cid))
         pick = torch.randperm(len(cache), generator=g)[:n]
-        others = torch.as_tensor(np.setdiff1d(np.arange(len(pool.labels)), parts[cid]))
-        others = others[torch.isin(pool.labels[others], labels)]
+        others = other_clients(pool, parts[cid])
         other = others[torch.randperm(len(others), generator=g)[:n]]
         data = {
             "real": (share.images, share.labels),

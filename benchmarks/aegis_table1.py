@@ -14,7 +14,8 @@ the paper's single workstation). Reported:
 - the one-time cache cost (generator fit + candidate generation + acceptance), separately.
 
     python benchmarks/aegis_table1.py --scale smoke|small|paper --threads 1 [--datasets organamnist]
-        [--rounds R] [--utility-only] [--resume | --restart] [--components 32 --tag NAME]
+        [--rounds R] [--utility-only] [--resume | --restart]
+        [--components 32 | --cache-source oracle] [--tag NAME]
 
 Both models are saved after every round under ``benchmarks/.state/``; ``--resume`` continues a stopped run
 (or extends a finished one to a larger ``--rounds``) with the rounds an uninterrupted run would give; a run
@@ -105,6 +106,30 @@ def federation(name: str, seed: int) -> tuple[ImageDataset, list[np.ndarray], nn
     return pool, list(parts), init
 
 
+def other_clients(pool: ImageDataset, part: np.ndarray) -> torch.Tensor:
+    """Pool indices of the images of ``part``'s labels that other clients hold."""
+    others = torch.as_tensor(np.setdiff1d(np.arange(len(pool.labels)), part))
+    return others[torch.isin(pool.labels[others], torch.unique(pool.labels[torch.as_tensor(part)]))]
+
+
+def oracle_cache(pool: ImageDataset, part: np.ndarray, size: int, seed: int, cid: int) -> SyntheticCache:
+    """A *perfect generator*'s cache (diagnostic, not a defense): ``size`` distinct real images that other
+    clients hold, drawn with the client's label frequencies (as ``build_cache`` draws labels). Isolates
+    what Aegis' extra step costs in accuracy when its images come from the true data distribution."""
+    t0 = time.perf_counter()
+    others = other_clients(pool, part)
+    counts = torch.bincount(pool.labels[torch.as_tensor(part)], minlength=pool.num_classes).double()
+    available = torch.bincount(pool.labels[others], minlength=pool.num_classes).double()
+    weight = counts[pool.labels[others]] / available[pool.labels[others]]
+    g = torch.Generator().manual_seed(derive_seed(seed, 0x0AC1E, cid))
+    pick = others[torch.multinomial(weight, size, replacement=False, generator=g)]
+    stats = {"seconds": time.perf_counter() - t0, "generator_fit_seconds": 0.0, "rejection_rate": 0.0}
+    return SyntheticCache(pool.images[pick].float().contiguous(), pool.labels[pick].long(), stats)
+
+
+CACHE_SOURCES = ("gaussian", "oracle")
+
+
 def run(
     name: str,
     seed: int,
@@ -117,6 +142,7 @@ def run(
     resume: bool = False,
     restart: bool = False,
     generator: GaussianGeneratorConfig | None = None,
+    cache_source: str = "gaussian",
 ) -> dict[str, Any]:
     """Train both models for ``rounds`` rounds; with ``state_path`` save both after every round.
 
@@ -124,8 +150,11 @@ def run(
     round count may grow): the models are reloaded and the client sampler is replayed, so a resumed run
     gives the rounds an uninterrupted one would (everything else is seeded per round and client). A saved
     state is never overwritten by a new run unless ``restart``. ``generator`` configures the built-in
-    cache generator (default: ``GaussianGeneratorConfig()``).
+    cache generator (default: ``GaussianGeneratorConfig()``); ``cache_source="oracle"`` replaces the
+    generator by :func:`oracle_cache` (a diagnostic).
     """
+    if cache_source not in CACHE_SOURCES:
+        raise ValueError(f"cache_source must be one of {CACHE_SOURCES}, got {cache_source!r}")
     generator = generator or GaussianGeneratorConfig()
     pool, parts, init = federation(name, seed)
     test = load_dataset(name, "test")
@@ -140,6 +169,8 @@ def run(
     meta |= {"baselines": baselines, "soteria_clients": soteria_clients, "model": MODEL}
     if generator != GaussianGeneratorConfig():  # states saved before this key existed used the default
         meta["generator"] = repr(generator)
+    if cache_source != "gaussian":
+        meta["cache_source"] = cache_source
     if state_path is not None and state_path.exists() and not (resume or restart):
         raise FileExistsError(f"{state_path} holds a saved run: --resume it, or --restart to discard it")
     saved = load_state(state_path, meta) if (resume and state_path is not None) else None
@@ -157,7 +188,11 @@ def run(
         row: dict[str, Any] = {"round": rnd, "clients": sampled, "seconds": {"none": 0.0, "aegis": 0.0}}
         for cid in sampled:
             if cid not in caches:
-                caches[cid] = client_cache(shares[cid], M, seed, cid, generator_config=generator)
+                caches[cid] = (
+                    oracle_cache(pool, parts[cid], M, seed, cid)
+                    if cache_source == "oracle"
+                    else client_cache(shares[cid], M, seed, cid, generator_config=generator)
+                )
                 cache_stats.setdefault(cid, caches[cid].stats)
         for label, model in models.items():
             updates = []
@@ -247,6 +282,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=GaussianGeneratorConfig.components,
         help="PCA directions per class of the built-in cache generator",
     )
+    parser.add_argument(
+        "--cache-source",
+        choices=CACHE_SOURCES,
+        default="gaussian",
+        help="oracle: real images of other clients instead of generated ones (a diagnostic, not a defense)",
+    )
     parser.add_argument("--tag", default="", help="suffix of the result and state file names")
     args = parse_args(parser, argv)
     threads = configure_torch(args.threads)
@@ -265,7 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "model": MODEL,
             "training": "FedAvg Adam lr 1e-3, E=3, B=64 (paper 000)",
             "cache": M,
-            "generator": {"kind": "gaussian", "components": generator.components},
+            "generator": {"kind": args.cache_source}
+            | ({"components": generator.components} if args.cache_source == "gaussian" else {}),
             "clients": NUM_CLIENTS,
             "fraction": 0.1,
             "rounds": rounds,
@@ -296,6 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 resume=args.resume,
                 restart=args.restart,
                 generator=generator,
+                cache_source=args.cache_source,
             )
     for key, r in results.items():
         print(

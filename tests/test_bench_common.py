@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -146,3 +147,22 @@ def test_run_state_round_trip_and_refuses_another_runs_state(tmp_path: Path) -> 
     assert all(torch.equal(state["model"][k], v) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match=r"\['seed'\]"):  # a state of seed 0 does not resume seed 1
         _common.load_state(path, {"seed": 1, "dataset": "x"})
+
+
+def test_oracle_cache_draws_other_clients_images_of_the_clients_labels() -> None:
+    import aegis_table1  # heavy: imports the attack benchmarks
+
+    labels = torch.arange(4).repeat_interleave(500)  # 4 classes, 500 images each
+    images = torch.arange(len(labels), dtype=torch.float32).view(-1, 1, 1, 1).expand(-1, 1, 2, 2).contiguous()
+    pool = ImageDataset("toy", images, labels, 4)
+    part = np.concatenate([np.arange(0, 30), np.arange(500, 510)])  # client: 30 of class 0, 10 of class 1
+    cache = aegis_table1.oracle_cache(pool, part, 400, seed=0, cid=3)
+    ids = cache.images[:, 0, 0, 0].long()
+    assert len(cache) == 400 and len(set(ids.tolist())) == 400  # distinct pool images
+    assert not set(ids.tolist()) & set(part.tolist())  # none of the client's own
+    assert torch.equal(pool.labels[ids], cache.labels)  # labels belong to the images
+    counts = torch.bincount(cache.labels, minlength=4)
+    assert counts[2:].sum() == 0  # only the client's classes
+    assert abs(int(counts[0]) - 300) <= 40  # 3:1 like the client's share (binomial sd ~ 8.7)
+    again = aegis_table1.oracle_cache(pool, part, 400, seed=0, cid=3)
+    assert torch.equal(again.images, cache.images)  # seeded
