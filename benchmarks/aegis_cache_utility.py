@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from aegis_table1 import federation, other_clients
-from aegis_table2 import client_cache
+from aegis_table1 import federation
+from aegis_table2 import client_cache, other_clients
 from gradleak.data import load_dataset
 from gradleak.fl import derive_seed, evaluate
 from gradleak.generators import GaussianGeneratorConfig

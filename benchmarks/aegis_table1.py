@@ -17,6 +17,10 @@ the paper's single workstation). Reported:
         [--rounds R] [--utility-only] [--resume | --restart]
         [--components 32 | --cache-source oracle] [--tag NAME]
 
+``--components`` sets the built-in generator's PCA directions per class; ``--cache-source oracle`` replaces
+the generator by real images of the client's labels held by other clients (``aegis_table2.oracle_cache``, a
+diagnostic of Aegis' cost with a perfect generator, not a defense); give either a ``--tag``.
+
 Both models are saved after every round under ``benchmarks/.state/``; ``--resume`` continues a stopped run
 (or extends a finished one to a larger ``--rounds``) with the rounds an uninterrupted run would give; a run
 that finds a saved state stops unless ``--resume`` or ``--restart`` (discard it) is given.
@@ -35,8 +39,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from aegis_table2 import client_cache
-from gradleak.data import ImageDataset, load_dataset, partition
+from aegis_table2 import client_cache, oracle_cache, other_clients
+from gradleak.data import ImageDataset, load_dataset
 from gradleak.defenses.aegis_cache import SyntheticCache
 from gradleak.defenses.aegis_synthetic import aegis_for_client
 from gradleak.defenses.base import Defense
@@ -46,7 +50,7 @@ from gradleak.generators import GaussianGeneratorConfig
 from gradleak.models import build_model
 from gradleak.registry import DEFENSES
 from gradleak.types import LocalTraining
-from linear_leakage import MAX_CLASSES, MODEL, NUM_CLIENTS
+from linear_leakage import MODEL, NUM_CLIENTS, client_pool
 
 from _common import (
     STATE_DIR,
@@ -98,33 +102,9 @@ def tail_mean(rounds_out: Sequence[dict[str, Any]], key: str, last: int) -> floa
 def federation(name: str, seed: int) -> tuple[ImageDataset, list[np.ndarray], nn.Module]:
     """Paper 000's federation for ``seed``: the training pool, its 100 label-skew client index sets (<= 5
     classes each) and the initial ``aegis_cnn`` (shared by the utility run and ``aegis_cache_utility``)."""
-    pool = load_dataset(name, "train")
-    parts = partition(
-        "label_skew", pool, NUM_CLIENTS, derive_seed(seed, 0x9A27), max_classes_per_client=MAX_CLASSES
-    )
+    pool, parts, _, _ = client_pool(name, seed)
     init = build_model(MODEL, pool.input_shape, pool.num_classes, seed=derive_seed(seed, 0x30DE))
-    return pool, list(parts), init
-
-
-def other_clients(pool: ImageDataset, part: np.ndarray) -> torch.Tensor:
-    """Pool indices of the images of ``part``'s labels that other clients hold."""
-    others = torch.as_tensor(np.setdiff1d(np.arange(len(pool.labels)), part))
-    return others[torch.isin(pool.labels[others], torch.unique(pool.labels[torch.as_tensor(part)]))]
-
-
-def oracle_cache(pool: ImageDataset, part: np.ndarray, size: int, seed: int, cid: int) -> SyntheticCache:
-    """A *perfect generator*'s cache (diagnostic, not a defense): ``size`` distinct real images that other
-    clients hold, drawn with the client's label frequencies (as ``build_cache`` draws labels). Isolates
-    what Aegis' extra step costs in accuracy when its images come from the true data distribution."""
-    t0 = time.perf_counter()
-    others = other_clients(pool, part)
-    counts = torch.bincount(pool.labels[torch.as_tensor(part)], minlength=pool.num_classes).double()
-    available = torch.bincount(pool.labels[others], minlength=pool.num_classes).double()
-    weight = counts[pool.labels[others]] / available[pool.labels[others]]
-    g = torch.Generator().manual_seed(derive_seed(seed, 0x0AC1E, cid))
-    pick = others[torch.multinomial(weight, size, replacement=False, generator=g)]
-    stats = {"seconds": time.perf_counter() - t0, "generator_fit_seconds": 0.0, "rejection_rate": 0.0}
-    return SyntheticCache(pool.images[pick].float().contiguous(), pool.labels[pick].long(), stats)
+    return pool, parts, init
 
 
 CACHE_SOURCES = ("gaussian", "oracle")
@@ -189,7 +169,9 @@ def run(
         for cid in sampled:
             if cid not in caches:
                 caches[cid] = (
-                    oracle_cache(pool, parts[cid], M, seed, cid)
+                    oracle_cache(
+                        pool.subset(other_clients(pool, parts[cid]).numpy()), shares[cid], M, seed, cid
+                    )
                     if cache_source == "oracle"
                     else client_cache(shares[cid], M, seed, cid, generator_config=generator)
                 )

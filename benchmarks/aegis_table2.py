@@ -20,6 +20,11 @@ number labelled with its setting:
 Defenses: ``none``; ``aegis`` (lambda weighting, the default) and ``aegis-same_lr``; ``--sweep`` adds
 M in {512, 1024, 1536, 2048} (Table A.5; lambda weighting) and writes ``aegis_tableA5_<scale>.json``.
 
+``--generator-data public`` fits the generator on the server's public images instead of the client's share
+(an off-the-shelf-generator analogue); ``--generator-data oracle`` uses no generator but real images the
+client does not hold (``oracle_cache``: other clients' images, public ones on PathMNIST), a diagnostic of
+what a perfect in-distribution generator would give, not a defense.
+
 Besides RR (paper 000's 18 dB rule) every row has ``rr_beyond_prior`` and ``rr_beyond_class_prior``
 (``linear_leakage.py``: 3 dB above the public mean image, or above the public mean image of the image's own
 class), and each data set its floors: ``mean_image_rr_floor``, ``class_mean_rr_floor`` and ``cache_floor``
@@ -64,6 +69,7 @@ from linear_leakage import (
     RegimeResult,
     class_means,
     class_prior_images,
+    client_pool,
     fedavg,
     fmt,
     load_setting,
@@ -173,6 +179,50 @@ def client_cache(
     return cache
 
 
+def other_clients(pool: ImageDataset, part: np.ndarray) -> torch.Tensor:
+    """Pool indices of the images of ``part``'s labels that other clients hold."""
+    others = torch.as_tensor(np.setdiff1d(np.arange(len(pool.labels)), part))
+    return others[torch.isin(pool.labels[others], torch.unique(pool.labels[torch.as_tensor(part)]))]
+
+
+def oracle_cache(
+    source: ImageDataset, share: ImageDataset, size: int, seed: int, slot: int
+) -> SyntheticCache:
+    """A *perfect generator*'s cache (a diagnostic, not a defense): ``size`` real images of ``source``, a set
+    the client does not hold (other clients' images, or public ones), of the share's labels, drawn at the
+    share's label frequencies (as ``build_cache`` draws labels); distinct while ``source`` has enough
+    (``stats["distinct"]``). Separates what Aegis' extra step costs from what generated images cost."""
+    t0 = time.perf_counter()
+    labels = torch.unique(share.labels)
+    idx = torch.nonzero(torch.isin(source.labels, labels)).flatten()
+    counts = torch.bincount(share.labels, minlength=share.num_classes).double()
+    available = torch.bincount(source.labels[idx], minlength=share.num_classes).double()
+    weight = counts[source.labels[idx]] / available[source.labels[idx]]
+    g = torch.Generator().manual_seed(derive_seed(seed, 0x0AC1E, slot))
+    pick = idx[torch.multinomial(weight, size, replacement=size > len(idx), generator=g)]
+    stats = {"seconds": time.perf_counter() - t0, "generator_fit_seconds": 0.0, "rejection_rate": 0.0}
+    stats["distinct"] = float(len(torch.unique(pick)))
+    return SyntheticCache(source.images[pick].float().contiguous(), source.labels[pick].long(), stats)
+
+
+def oracle_caches(
+    name: str, seed: int, shares: Sequence[ImageDataset], ids: Sequence[int], public: ImageDataset
+) -> list[SyntheticCache]:
+    """:func:`oracle_cache` for the sampled clients ``ids`` of :func:`load_setting`: other clients' images
+    of the pool, except on PathMNIST, whose 512-image pool is too small, the public labelled images."""
+    pool, parts, _, _ = client_pool(name, seed)
+    return [
+        oracle_cache(
+            public if name == "pathmnist" else pool.subset(other_clients(pool, parts[i]).numpy()),
+            share,
+            M_DEFAULT,
+            seed,
+            slot,
+        )  # fmt: skip
+        for slot, (i, share) in enumerate(zip(ids, shares, strict=True))
+    ]
+
+
 def mean_image_floor(shares: Sequence[ImageDataset], public: torch.Tensor) -> float:
     """RR of a trivial "attack" that returns the public mean image for every client image: the share of
     attacked images within 18 dB of it (where RR at 18 dB cannot tell a reconstruction from the mean)."""
@@ -278,9 +328,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--same-lr", action="store_true", help="also run the same-lr normalisation")
     parser.add_argument(
         "--generator-data",
-        choices=["share", "public"],
+        choices=["share", "public", "oracle"],
         default="share",
-        help="fit the generator on the client's share (default) or on the public test images",
+        help="fit the generator on the client's share (default) or on the public test images; oracle: "
+        "no generator, real images the client does not hold (a diagnostic, not a defense)",
     )
     parser.add_argument(
         "--components",
@@ -313,7 +364,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             labelled = public_labelled(name, seed)
             fit_on = labelled if args.generator_data == "public" else None
-            caches = [client_cache(s, M_DEFAULT, seed, i, fit_on, gen) for i, s in enumerate(shares)]
+            if args.generator_data == "oracle":
+                caches = oracle_caches(name, seed, shares, info["client_ids"], labelled)
+            else:
+                caches = [client_cache(s, M_DEFAULT, seed, i, fit_on, gen) for i, s in enumerate(shares)]
             info["mean_image_rr_floor"] = mean_image_floor(shares, public)
             info["class_mean_rr_floor"] = class_mean_floor(shares, labelled)
             info["cache"] = [c.stats for c in caches]
@@ -372,8 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "results": per,
     }
     name = "aegis_tableA5" if args.sweep else NAME
-    if args.generator_data == "public":
-        name += "_publicgen"
+    if args.generator_data != "share":
+        name += f"_{args.generator_data}gen"
     if args.tag:
         name += f"_{args.tag}"
     payload["setting"]["generator_data"] = args.generator_data

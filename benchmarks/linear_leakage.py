@@ -201,25 +201,34 @@ class RegimeResult:
         }  # fmt: skip
 
 
-def load_setting(
-    name: str, seed: int, n_clients: int
-) -> tuple[list[ImageDataset], torch.Tensor, dict[str, Any]]:
-    """The sampled clients' full data and the server's public images."""
+def client_pool(
+    name: str, seed: int
+) -> tuple[ImageDataset, list[np.ndarray], torch.Tensor, np.random.Generator]:
+    """The clients' pool, its label-skew client index sets, the server's public images, and the setting's
+    generator (advanced past the PathMNIST split) that :func:`load_setting` samples the clients with."""
     rng = np.random.default_rng(derive_seed(seed, 0x11EA))
     if name == "pathmnist":
         full = load_dataset(name, "test")
         perm = rng.permutation(len(full))
         pool = full.subset(np.sort(perm[:PATH_CLIENT_POOL]))
         public = full.images[np.sort(perm[PATH_CLIENT_POOL:])]
-        parts = partition("label_skew", pool, PATH_CLIENTS, derive_seed(seed, 0x9A27),
-                          max_classes_per_client=MAX_CLASSES)  # fmt: skip
         total = PATH_CLIENTS
     else:
         pool = load_dataset(name, "train")
         public = load_dataset(name, "test", limit=PUBLIC_LIMIT).images
-        parts = partition("label_skew", pool, NUM_CLIENTS, derive_seed(seed, 0x9A27),
-                          max_classes_per_client=MAX_CLASSES)  # fmt: skip
         total = NUM_CLIENTS
+    parts = partition(
+        "label_skew", pool, total, derive_seed(seed, 0x9A27), max_classes_per_client=MAX_CLASSES
+    )
+    return pool, list(parts), public, rng
+
+
+def load_setting(
+    name: str, seed: int, n_clients: int
+) -> tuple[list[ImageDataset], torch.Tensor, dict[str, Any]]:
+    """The sampled clients' full data and the server's public images."""
+    pool, parts, public, rng = client_pool(name, seed)
+    total = len(parts)
     ids = sorted(int(i) for i in rng.choice(total, size=min(n_clients, total), replace=False))
     clients = [pool.subset(np.sort(parts[i])) for i in ids]
     info = {"client_ids": ids, "client_full_sizes": [len(c) for c in clients], "public_images": len(public),

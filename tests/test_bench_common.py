@@ -150,13 +150,16 @@ def test_run_state_round_trip_and_refuses_another_runs_state(tmp_path: Path) -> 
 
 
 def test_oracle_cache_draws_other_clients_images_of_the_clients_labels() -> None:
-    import aegis_table1  # heavy: imports the attack benchmarks
+    import aegis_table2  # heavy: imports the attack benchmarks
 
     labels = torch.arange(4).repeat_interleave(500)  # 4 classes, 500 images each
     images = torch.arange(len(labels), dtype=torch.float32).view(-1, 1, 1, 1).expand(-1, 1, 2, 2).contiguous()
     pool = ImageDataset("toy", images, labels, 4)
     part = np.concatenate([np.arange(0, 30), np.arange(500, 510)])  # client: 30 of class 0, 10 of class 1
-    cache = aegis_table1.oracle_cache(pool, part, 400, seed=0, cid=3)
+    share = pool.subset(part)
+    cache = aegis_table2.oracle_cache(
+        pool.subset(aegis_table2.other_clients(pool, part).numpy()), share, 400, 0, 3
+    )
     ids = cache.images[:, 0, 0, 0].long()
     assert len(cache) == 400 and len(set(ids.tolist())) == 400  # distinct pool images
     assert not set(ids.tolist()) & set(part.tolist())  # none of the client's own
@@ -164,5 +167,7 @@ def test_oracle_cache_draws_other_clients_images_of_the_clients_labels() -> None
     counts = torch.bincount(cache.labels, minlength=4)
     assert counts[2:].sum() == 0  # only the client's classes
     assert abs(int(counts[0]) - 300) <= 40  # 3:1 like the client's share (binomial sd ~ 8.7)
-    again = aegis_table1.oracle_cache(pool, part, 400, seed=0, cid=3)
+    again = aegis_table2.oracle_cache(
+        pool.subset(aegis_table2.other_clients(pool, part).numpy()), share, 400, 0, 3
+    )
     assert torch.equal(again.images, cache.images)  # seeded
