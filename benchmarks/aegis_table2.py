@@ -202,7 +202,7 @@ def oracle_cache(
     pick = idx[torch.multinomial(weight, size, replacement=size > len(idx), generator=g)]
     stats = {"seconds": time.perf_counter() - t0, "generator_fit_seconds": 0.0, "rejection_rate": 0.0}
     stats["distinct"] = float(len(torch.unique(pick)))
-    return SyntheticCache(source.images[pick].float().contiguous(), source.labels[pick].long(), stats)
+    return SyntheticCache(source.images[pick].contiguous(), source.labels[pick], stats)
 
 
 def oracle_caches(
@@ -218,7 +218,7 @@ def oracle_caches(
             M_DEFAULT,
             seed,
             slot,
-        )  # fmt: skip
+        )
         for slot, (i, share) in enumerate(zip(ids, shares, strict=True))
     ]
 
@@ -418,7 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "bins": BINS,
             "batch": BATCH,
             "cache_default": M_DEFAULT,
-            "generator": f"per-class PCA Gaussian ({gen.components} components) fit on the client's share",
+            "generator": f"per-class PCA Gaussian ({gen.components} components)"
+            if args.generator_data != "oracle"
+            else "none: real images the client does not hold (oracle diagnostic)",
             "acceptance": "feature MSE to nearest same-label private sample <= H (q0.9 LOO)",
             "clients_per_dataset": n_clients,
             "round": "first round",
