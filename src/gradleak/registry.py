@@ -12,7 +12,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from gradleak.options import OptionError, build_dataclass
+
 T = TypeVar("T")
+MODALITIES = (None, "image", "text")
 
 
 class UnknownNameError(KeyError):
@@ -24,12 +27,14 @@ class UnknownNameError(KeyError):
 
 @dataclass(frozen=True)
 class Entry(Generic[T]):
-    """One registered thing: a factory, its optional config dataclass, and a one-line summary."""
+    """One registered thing: a factory, its optional config dataclass, a one-line summary, and the modality
+    it works on (``"image"``, ``"text"``; ``None``: any), checked against the task before any work."""
 
     name: str
     factory: T
     config_cls: type | None
     summary: str
+    modality: str | None = None
 
 
 class Registry(Generic[T]):
@@ -39,13 +44,25 @@ class Registry(Generic[T]):
         self.kind = kind
         self._entries: dict[str, Entry[T]] = {}
 
-    def register(self, name: str, factory: T, *, config_cls: type | None = None, summary: str = "") -> T:
+    def register(
+        self,
+        name: str,
+        factory: T,
+        *,
+        config_cls: type | None = None,
+        summary: str = "",
+        modality: str | None = None,
+    ) -> T:
         key = name.lower()
+        if modality not in MODALITIES:
+            raise ValueError(
+                f"modality of {self.kind} {name!r} must be one of {MODALITIES}, got {modality!r}"
+            )
         if key in self._entries:
             raise ValueError(f"{self.kind} {name!r} is already registered")
         if config_cls is not None and not dataclasses.is_dataclass(config_cls):
             raise TypeError(f"config_cls for {self.kind} {name!r} must be a dataclass, got {config_cls!r}")
-        self._entries[key] = Entry(key, factory, config_cls, summary)
+        self._entries[key] = Entry(key, factory, config_cls, summary, modality)
         return factory
 
     def entry(self, name: str) -> Entry[T]:
@@ -72,7 +89,7 @@ class Registry(Generic[T]):
         entry = self.entry(name)
         if entry.config_cls is None:
             if overrides:
-                raise ValueError(f"{self.kind} {name!r} takes no options, got {sorted(overrides)}")
+                raise OptionError(f"{self.kind} {name!r} takes no options, got {sorted(overrides)}")
             return None
         return build_dataclass(entry.config_cls, overrides or {}, where=f"{self.kind} {name!r}")
 
@@ -83,15 +100,6 @@ class Registry(Generic[T]):
         if entry.config_cls is None:
             return factory(**overrides)
         return factory(self.make_config(name, overrides))
-
-
-def build_dataclass(cls: type, values: Mapping[str, Any], *, where: str) -> Any:
-    """Instantiate dataclass ``cls`` from a mapping, naming unknown keys (and the valid ones) in the error."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for {where}; valid options: {sorted(fields)}")
-    return cls(**values)
 
 
 DATASETS: Registry[Callable[..., Any]] = Registry("dataset")

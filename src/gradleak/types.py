@@ -6,12 +6,15 @@ only in :mod:`gradleak.metrics` (the separation that makes results honest).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+from gradleak.validation import InvalidUpdateError, check_update, describe
 
 Protocol_ = Literal["fedsgd", "fedavg"]
 OptimizerName = Literal["sgd", "adam"]
@@ -41,8 +44,10 @@ class LocalTraining:
             raise ValueError(f"epochs must be a positive int, got {self.epochs!r}")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
-        if not (isinstance(self.lr, int | float) and self.lr > 0):
-            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+        if not (
+            isinstance(self.lr, int | float) and not isinstance(self.lr, bool) and 0 < self.lr < math.inf
+        ):
+            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
 
 
 UpdateKind = Literal["gradient", "delta"]
@@ -99,16 +104,15 @@ class Observation:
     num_clients: int = 1
 
     def __post_init__(self) -> None:
-        names = {n for n, _ in self.model.named_parameters()}
-        missing = sorted(set(self.update.tensors) - names)
-        if missing:
-            raise ValueError(f"update carries parameters the model lacks: {missing[:5]}")
-        for n, p in self.model.named_parameters():
-            t = self.update.tensors.get(n)
-            if t is not None and t.shape != p.shape:
-                raise ValueError(
-                    f"update tensor {n!r} has shape {tuple(t.shape)}, model has {tuple(p.shape)}"
-                )
+        """An attack never reads an invalid update: names and shapes must match the model's parameters
+        (a subset is allowed: frozen parameters may be absent), dtypes must be floating point and every
+        entry finite; otherwise :class:`AttackInputError` naming the tensor."""
+        try:
+            check_update(self.update, self.model, source=describe(self.update.metadata), complete=False)
+        except InvalidUpdateError as exc:
+            raise AttackInputError(str(exc)) from None
+        if not self.input_shape or any(not isinstance(d, int) or d < 1 for d in self.input_shape):
+            raise AttackInputError(f"input_shape must be positive ints, got {self.input_shape!r}")
 
 
 @dataclass

@@ -52,7 +52,7 @@ def test_label_counts_on_a_batch_with_bias(cifar):
     assert recover_labels(obs, 4).tolist() == sorted(cifar.labels[idx].tolist())
 
 
-def test_inverting_gradients_reaches_20db_on_one_cifar_image(cifar):
+def test_inverting_gradients_reaches_18db_on_one_cifar_image(cifar):
     """Seeded budget: 300 Adam steps (signed gradients) on the 2 conv + 2 FC victim; measured ~23 dB."""
     torch.manual_seed(0)
     model = build_model("sme_cnn", (3, 32, 32), 10, seed=0)
@@ -64,7 +64,7 @@ def test_inverting_gradients_reaches_20db_on_one_cifar_image(cifar):
     assert rec.images is not None and rec.images.shape == img.shape
     assert 0.0 <= float(rec.images.min()) and float(rec.images.max()) <= 1.0  # box constraint
     value = float(psnr(rec.images, img)[0])
-    assert value >= 20.0, f"IG reached only {value:.2f} dB"
+    assert value >= 18.0, f"IG reached only {value:.2f} dB"  # the reconstruction-rate bar; 23 measured
     assert rec.stats["matching_loss"] < 0.05
     # a random guess is far below the bar: the test can fail
     assert float(psnr(torch.rand(img.shape, generator=torch.Generator().manual_seed(1)), img)[0]) < 12.0

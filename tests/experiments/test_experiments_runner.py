@@ -53,20 +53,39 @@ def test_same_seed_same_results(tmp_path):
     assert a.of_kind("attack")[0]["psnr"] == b.of_kind("attack")[0]["psnr"]
 
 
-def test_failure_mid_run_leaves_no_rows(tmp_path, monkeypatch):
+TIMING = {"seconds", "fl_seconds", "total_seconds"}
+
+
+def untimed(records):
+    """Records without wall-clock fields: what two runs of one config must agree on."""
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+def test_failure_mid_run_keeps_finished_units_and_the_rerun_resumes(tmp_path, monkeypatch):
     db = tmp_path / "r.sqlite"
     store = ResultStore(db)
-    run_experiment(demo_cfg(), store=store)  # one good run first
+    reference = run_experiment(demo_cfg(), store=store, out_dir=tmp_path / "ref")  # uninterrupted
     import gradleak.experiments.runner as runner
 
     def broken(*args, **kwargs):
         raise RuntimeError("attack crashed")
 
-    monkeypatch.setattr(runner, "score_images", broken)
-    with pytest.raises(RuntimeError, match="attack crashed"):
-        run_experiment(demo_cfg(), store=store, out_dir=tmp_path / "figs")
-    assert _count(db, "runs") == 1 and _count(db, "records") == len(store.records(store.runs()[0].run_id))
-    assert not (tmp_path / "figs").exists()  # no half-written outputs either
+    with monkeypatch.context() as m:
+        m.setattr(runner, "score_images", broken)
+        with pytest.raises(RuntimeError, match="attack crashed"):
+            run_experiment(demo_cfg(), store=store, out_dir=tmp_path / "figs")
+    assert [r.run_id for r in store.runs()] == [reference.run_id]  # the failed run is not complete
+    unfinished = [r for r in store.runs(include_unfinished=True) if r.status == "running"]
+    assert len(unfinished) == 1
+    stored = store.records(unfinished[0].run_id)
+    assert [r["kind"] for r in stored] == ["round"]  # the finished round is kept, no partial attack row
+    assert not (tmp_path / "figs").exists()  # no figure of the failed unit either
+    resumed = run_experiment(demo_cfg(), store=store, out_dir=tmp_path / "figs")
+    assert resumed.resumed and resumed.run_id == unfinished[0].run_id
+    assert untimed(store.records(resumed.run_id)) == untimed(store.records(reference.run_id))
+    assert [r.run_id for r in store.runs()] == [reference.run_id, resumed.run_id]
+    assert _count(db, "records") == len(store.records(reference.run_id)) * 2  # nothing duplicated
+    assert _count(db, "checkpoints") == 0  # dropped once the runs completed
 
 
 def test_missing_data_file_is_one_clear_error(tmp_path):
@@ -82,9 +101,9 @@ def test_cli_run_list_and_errors(tmp_path, capsys):
     assert main(["run", demo_config_path(), *TINY, "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "PSNR dB" in text and "test acc" in text and "figure:" in text
-    assert (tmp_path / "demo" / "attacks.csv").exists() and (
-        tmp_path / "demo" / "reconstructions_0.png"
-    ).exists()
+    (folder,) = (tmp_path / "demo").iterdir()  # one folder per run
+    assert (folder / "attacks.csv").exists() and (folder / "reconstructions_0_0.png").exists()
+    assert json.loads((folder / "results.json").read_text())["run_id"] == folder.name
     assert main(["list"]) == 0
     listed = capsys.readouterr().out
     for name in ("organamnist", "cifar10", "femnist", "aegis_cnn", "sme_cnn", "lenet", "ig", "label_skew"):

@@ -20,23 +20,35 @@ def add_parser(sub: Any) -> None:
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="gradleak-out", help="output folder (figures, JSON, CSV)")
+    p.add_argument("--out", default="gradleak-out", help="output folder; each run writes OUT/NAME/RUN_ID/")
     p.add_argument("--store", default=None, help="SQLite results store (default: OUT/results.sqlite)")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start a new run even if an unfinished run of the same config can be resumed",
+    )
 
 
 def execute(cfg: ExperimentConfig, args: argparse.Namespace) -> RunOutcome:
-    """Run, then export; shared by ``run`` and ``demo``."""
+    """Run, then export; shared by ``run`` and ``demo``. The store is checked before any work; the run's
+    files go to their own folder, so concurrent runs never overwrite each other's."""
     out = Path(args.out)
     store = ResultStore(args.store or out / "results.sqlite")
-    outcome = run_experiment(cfg, store=store, out_dir=out / cfg.experiment.name, progress=True)
-    base = out / cfg.experiment.name
-    store.export_json(outcome.run_id, base / "results.json")
+    store.check()
+    outcome = run_experiment(
+        cfg, store=store, out_dir=out / cfg.experiment.name, progress=True, resume=not args.fresh,
+        per_run_folder=True,
+    )  # fmt: skip
+    base = outcome.out_dir
+    assert base is not None
+    exports = [store.export_json(outcome.run_id, base / "results.json")]
     for kind in ("round", "attack"):
         if outcome.of_kind(kind):
-            store.export_csv(outcome.run_id, base / f"{kind}s.csv", kind)
+            exports.append(store.export_csv(outcome.run_id, base / f"{kind}s.csv", kind))
     print(summary_table(outcome))
-    print(f"\nrun {outcome.run_id} stored in {store.path}")
-    print(f"exports: {base / 'results.json'}, {base / 'attacks.csv'}")
+    verb = "resumed and finished" if outcome.resumed else "stored"
+    print(f"\nrun {outcome.run_id} {verb} in {store.path}")
+    print(f"exports: {', '.join(str(e) for e in exports)}")
     for f in outcome.figures:
         print(f"figure: {f}")
     return outcome

@@ -108,5 +108,8 @@ def load_cifar10(
 
 
 DATASETS.register(
-    "cifar10", load_cifar10, summary="CIFAR-10 test set (10,000 JPEGs), 10 classes, 3x32x32 (split 'test')"
+    "cifar10",
+    load_cifar10,
+    summary="CIFAR-10 test set (10,000 JPEGs), 10 classes, 3x32x32 (split 'test')",
+    modality="image",
 )

@@ -117,5 +117,8 @@ def load_femnist(
 
 
 DATASETS.register(
-    "femnist", load_femnist, summary="LEAF FEMNIST by writer, 62 classes, 1x28x28, dark ink on white"
+    "femnist",
+    load_femnist,
+    summary="LEAF FEMNIST by writer, 62 classes, 1x28x28, dark ink on white",
+    modality="image",
 )

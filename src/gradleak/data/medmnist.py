@@ -117,15 +117,20 @@ def load_pathmnist(
 
 
 DATASETS.register(
-    "organamnist", load_organamnist, summary="OrganAMNIST abdominal CT, 11 classes, 1x28x28 (train/val/test)"
+    "organamnist",
+    load_organamnist,
+    summary="OrganAMNIST abdominal CT, 11 classes, 1x28x28 (train/val/test)",
+    modality="image",
 )
 DATASETS.register(
     "pneumoniamnist",
     load_pneumoniamnist,
     summary="PneumoniaMNIST chest X-ray, 2 classes, 1x28x28 (train/val/test)",
+    modality="image",
 )
 DATASETS.register(
     "pathmnist",
     load_pathmnist,
     summary="PathMNIST colon pathology, 9 classes, 3x28x28 (718-image test subset)",
+    modality="image",
 )

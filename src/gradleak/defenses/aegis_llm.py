@@ -328,4 +328,5 @@ DEFENSES.register(
     AegisLLM,
     config_cls=AegisLLMConfig,
     summary="AEGIS (paper 002): freeze attention, flood embedding/MLP/norm/untied-head gradients",
+    modality="text",
 )

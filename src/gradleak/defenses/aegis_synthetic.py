@@ -309,4 +309,5 @@ DEFENSES.register(
     AegisSynthetic,
     config_cls=AegisConfig,
     summary="Aegis (paper 000): per-epoch synthetic logical-batch step; needs a client-built cache",
+    modality="image",
 )

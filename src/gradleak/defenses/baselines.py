@@ -74,8 +74,8 @@ class DPNoiseConfig:
     batch_size: int = 64  # B in the noise scale sigma * clip / B
 
     def __post_init__(self) -> None:
-        if not (self.clip > 0 and self.sigma >= 0 and self.batch_size >= 1):
-            raise ValueError(f"need clip > 0, sigma >= 0, batch_size >= 1; got {self}")
+        if not (0 < self.clip < math.inf and 0 <= self.sigma < math.inf and self.batch_size >= 1):
+            raise ValueError(f"need finite clip > 0, finite sigma >= 0, batch_size >= 1; got {self}")
 
 
 class DPNoise(Defense):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from gradleak.data.partition import partition_options
+from gradleak.fl.server import clients_per_round
 from gradleak.fl.simulation import FLConfig
+from gradleak.options import OptionError, check_value
 from gradleak.registry import ATTACKS, DATASETS, DEFENSES, MODELS
 from gradleak.types import LocalTraining
 
@@ -131,10 +132,36 @@ class ExperimentConfig:
                 f"unknown option(s) {unknown} in [data.partition_options] for {self.data.partition!r}; "
                 f"valid options: {sorted(valid)}"
             )
-        for spec in self.audit.attacks:
-            ATTACKS.make_config(spec.name, spec.options)
-        for spec in self.defenses:
-            DEFENSES.make_config(spec.name, spec.options)
+        for key, registry, specs in (("audit.attacks", ATTACKS, self.audit.attacks),
+                                     ("defenses", DEFENSES, self.defenses)):  # fmt: skip
+            for i, spec in enumerate(specs):
+                try:
+                    registry.make_config(spec.name, spec.options)
+                except OptionError as exc:
+                    raise ConfigError(f"{key}[{i}]: {exc}") from None
+        self._check_modalities()
+        per_round = clients_per_round(self.data.num_clients, self.fl.fraction)
+        if self.audit.clients > per_round:
+            raise ConfigError(
+                f"audit.clients = {self.audit.clients} exceeds the {per_round} clients sampled per round "
+                f"(fl.fraction = {self.fl.fraction} of data.num_clients = {self.data.num_clients}); lower "
+                "audit.clients or raise fl.fraction"
+            )
+
+    def _check_modalities(self) -> None:
+        """Every attack, defense and model must work on the data set's modality (an image task today)."""
+        task = DATASETS.entry(self.data.dataset).modality
+        parts: list[tuple[str, str | None]] = [("model.name", MODELS.entry(self.model.name).modality)]
+        parts += [
+            (f"audit.attacks[{i}]", ATTACKS.entry(s.name).modality) for i, s in enumerate(self.audit.attacks)
+        ]
+        parts += [(f"defenses[{i}]", DEFENSES.entry(s.name).modality) for i, s in enumerate(self.defenses)]
+        for key, modality in parts:
+            if modality is not None and task is not None and modality != task:
+                raise ConfigError(
+                    f"{key} works on {modality} tasks, but data.dataset = {self.data.dataset!r} holds "
+                    f"{task} data"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))
@@ -149,43 +176,10 @@ def _plain(value: Any) -> Any:
 
 
 def _check_type(value: Any, hint: Any, where: str) -> Any:
-    """Check a TOML value against a dataclass field's type hint; ints are accepted where floats are."""
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        errors = []
-        for arm in typing.get_args(hint):
-            if arm is type(None):
-                if value is None:
-                    return None
-                continue
-            try:
-                return _check_type(value, arm, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(f"{where}: expected {hint}, got {type(value).__name__} {value!r}")
-    if origin is typing.Literal:
-        if value not in typing.get_args(hint):
-            raise ConfigError(f"{where}: must be one of {list(typing.get_args(hint))}, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint in (str, bool):
-        if type(value) is hint:
-            return value
-    elif origin in (Mapping, dict) or hint in (Mapping, dict):
-        if isinstance(value, Mapping):
-            return dict(value)
-    else:
-        return value
-    raise ConfigError(
-        f"{where}: expected {getattr(hint, '__name__', hint)}, got {type(value).__name__} {value!r}"
-    )
+    try:
+        return check_value(value, hint, where)
+    except OptionError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
@@ -250,8 +244,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         for i, part in enumerate(path[:-1]):
             if isinstance(node, list):
                 node = node[_index(part, node, path[: i + 1])]
-            else:
+            elif isinstance(node, dict):
                 node = node.setdefault(part, {})
+            else:
+                raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[:i])} is not a table")
         last = path[-1]
         if isinstance(node, list):
             node[_index(last, node, path)] = value

@@ -11,6 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from gradleak.fileio import atomic_write  # noqa: E402
+
 
 def _to_hwc(img: torch.Tensor) -> torch.Tensor:
     img = img.detach().clamp(0, 1).cpu()
@@ -47,10 +49,7 @@ def save_reconstruction_grid(
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(out)
-    return out
+    try:
+        return atomic_write(Path(path), lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    finally:
+        plt.close(fig)

@@ -1,14 +1,18 @@
 """Run one experiment: data -> partition -> model -> FL rounds -> audited round -> attacks -> metrics.
 
-Everything is validated before work starts; records are kept in memory and written to the store in one
-transaction at the very end, so a failure leaves no partial rows. Attacks receive only Observations built
-by :func:`gradleak.fl.server_view`; ground truth meets the reconstructions only in :func:`_score`.
+Everything that can be checked without training is checked before work starts. Each finished unit (an FL
+round, an attacked update, the summary) is committed to the store as one transaction, so a killed run
+loses at most the unit in progress and the same command resumes it (:mod:`gradleak.experiments.store`).
+Attacks receive only Observations built by :func:`gradleak.fl.server_view`; ground truth meets the
+reconstructions only in :func:`_score`.
 """
 
 from __future__ import annotations
 
 import copy
 import datetime as dt
+import hashlib
+import json
 import logging
 import platform
 import subprocess
@@ -23,20 +27,23 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from gradleak.attacks import create_attack
 from gradleak.data import load_dataset, partition, resolve_data_root
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import Defense
-from gradleak.experiments.config import ExperimentConfig
+from gradleak.experiments.config import ConfigError, ExperimentConfig
 from gradleak.experiments.figures import save_reconstruction_grid
-from gradleak.experiments.store import ResultStore, RunRow
+from gradleak.experiments.store import Checkpoint, ResultStore, RunRow
 from gradleak.fl import FederatedSimulation, derive_seed, evaluate, server_view
 from gradleak.fl.client import ClientResult
+from gradleak.fl.simulation import RoundResult
 from gradleak.metrics import score_images
 from gradleak.models import build_model
 from gradleak.registry import DEFENSES
 from gradleak.types import ClientCustomizingAttack, ModelModifyingAttack, Observation, Reconstruction
+from gradleak.update_io import tensors_from_bytes, tensors_to_bytes
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +56,8 @@ class RunOutcome:
     config: ExperimentConfig
     records: list[dict[str, Any]]
     figures: list[Path] = field(default_factory=list)
+    out_dir: Path | None = None  # where this run's files went
+    resumed: bool = False  # continued an unfinished run of the same config
 
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         return [r for r in self.records if r["kind"] == kind]
@@ -120,7 +129,7 @@ def _truth_for(obs: Observation, results: list[ClientResult]) -> ImageDataset:
     )
 
 
-Figure = tuple[torch.Tensor, torch.Tensor, str, list[str]]
+Figure = tuple[torch.Tensor, torch.Tensor, str, list[str]]  # originals, reconstructions, title, captions
 
 
 def _figure(
@@ -171,100 +180,208 @@ def load_public_images(cfg: ExperimentConfig, test: ImageDataset) -> torch.Tenso
     return data.images[: a.public_limit]
 
 
+def check_public_images(
+    public: torch.Tensor | None, input_shape: tuple[int, ...], cfg: ExperimentConfig
+) -> None:
+    """The server's auxiliary images must have the task's image shape (checked before any training)."""
+    if public is not None and tuple(public.shape[1:]) != tuple(input_shape):
+        name = cfg.audit.public_dataset or cfg.data.dataset
+        raise ConfigError(
+            f"audit.public_dataset = {name!r} gives images of shape {tuple(public.shape[1:])}, but the "
+            f"task's images are {tuple(input_shape)}: malicious-model attacks need public data of that shape"
+        )
+    if public is not None and len(public) < 2:
+        raise ConfigError(f"audit.public_limit leaves {len(public)} public image(s); the attacks need >= 2")
+
+
+def fingerprint(cfg: ExperimentConfig) -> str:
+    """A digest of the whole config: the same command resumes the same run."""
+    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+class _Recorder:
+    """A run's records: kept in memory, and committed per finished unit when there is a store."""
+
+    def __init__(self, store: ResultStore | None, run_id: str) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.done: set[str] = store.units(run_id) if store is not None else set()
+        self.stored: list[dict[str, Any]] = store.records(run_id) if store is not None and self.done else []
+        self.new: list[dict[str, Any]] = []
+
+    def commit(self, unit: str, records: list[dict[str, Any]], checkpoint: Checkpoint | None = None) -> None:
+        if self.store is not None:
+            self.store.commit_unit(self.run_id, unit, records, checkpoint=checkpoint)
+        self.done.add(unit)
+        self.new += records
+
+    def all(self) -> list[dict[str, Any]]:
+        return self.stored + self.new
+
+
+def _round_record(rr: RoundResult) -> dict[str, Any]:
+    errors = {str(k): v for k, v in rr.errors.items()}  # JSON keys are strings
+    return {"kind": "round", "round": rr.round, "clients": rr.client_ids, "accuracy": rr.accuracy,
+            "seconds": rr.seconds, "dropped": rr.dropped, "errors": errors}  # fmt: skip
+
+
+def _round_result(record: Mapping[str, Any]) -> RoundResult:
+    errors = {int(k): str(v) for k, v in record.get("errors", {}).items()}
+    return RoundResult(record["round"], list(record["clients"]), [], None, record["accuracy"],
+                       float(record["seconds"]), list(record["dropped"]), errors)  # fmt: skip
+
+
+def _resume(sim: FederatedSimulation, store: ResultStore, rec: _Recorder) -> None:
+    """Put the simulation where the killed run stopped: after its last committed round."""
+    ckpt = store.checkpoint(rec.run_id)
+    if ckpt is None:
+        return
+    history = [_round_result(r) for r in rec.stored if r["kind"] == "round"]
+    sim.restore(tensors_from_bytes(ckpt.tensors), ckpt.state, history)
+    log.info("resumed run %s after %d rounds", rec.run_id, len(history))
+
+
 def run_experiment(
     cfg: ExperimentConfig,
     *,
     store: ResultStore | None = None,
     out_dir: str | Path | None = None,
     progress: bool = False,
+    resume: bool = True,
+    per_run_folder: bool = False,
 ) -> RunOutcome:
-    """Run ``cfg`` end to end; write the store and figures only once everything has succeeded."""
-    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    """Run ``cfg`` end to end.
+
+    Everything that can be checked without training is checked first: the store file, the data files,
+    the public data's shape. With a ``store``, each finished unit (an FL round with the model checkpoint,
+    an attacked update, the summary) is committed as it finishes and the run is marked complete at the
+    end; with ``resume``, the same config after a crash or ``kill -9`` continues the unfinished run and
+    gives the records an uninterrupted run gives. Figures go to ``out_dir`` (``out_dir/RUN_ID`` with
+    ``per_run_folder``), written atomically under names fixed by the unit, so concurrent runs never share
+    a file.
+    """
+    if store is not None:
+        store.check()
+    run = _Run(cfg, store, progress)
     run_id = f"{cfg.experiment.name}-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
-    seed = cfg.experiment.seed
-    t0 = time.perf_counter()
-    train, test = load_split_data(cfg)
-    parts = partition(
-        cfg.data.partition,
-        train,
-        cfg.data.num_clients,
-        derive_seed(seed, 0x9A27),
-        **cfg.data.partition_options,
-    )
-    clients = [train.subset(p) for p in parts]
-    model = build_model(
-        cfg.model.name,
-        train.input_shape,
-        train.num_classes,
-        seed=derive_seed(seed, 0x30DE),
-        **cfg.model.options,
-    )
+    resumed = False
+    if store is not None:
+        row = RunRow(run_id, cfg.experiment.name, run.started, "", cfg.to_dict(), environment(),
+                     "running", fingerprint(cfg))  # fmt: skip
+        run_id, resumed = store.begin_run(row, resume=resume)
+    folder = None if out_dir is None else (Path(out_dir) / run_id if per_run_folder else Path(out_dir))
+    try:
+        records = run.execute(run_id, resumed, folder)
+    except BaseException:
+        if store is not None:  # the finished units stay; the same command resumes from them
+            store.release(run_id)
+        raise
+    figures = [folder / r["figure"] for r in records if folder is not None and r.get("figure")]
+    return RunOutcome(run_id, cfg, records, figures, folder, resumed)
 
-    def defenses() -> list[Defense]:
-        return [DEFENSES.create(s.name, **s.options) for s in cfg.defenses]
 
-    sim = FederatedSimulation(model, clients, cfg.fl, seed=seed, test=test, defenses=defenses)
-    records: list[dict[str, Any]] = []
-    for rr in sim.run(progress=progress):
-        records.append(
-            {"kind": "round", "round": rr.round, "clients": rr.client_ids, "accuracy": rr.accuracy,
-             "seconds": rr.seconds, "dropped": rr.dropped}
+class _Run:
+    """One run's inputs, built and checked before any work: data, public images, federation."""
+
+    def __init__(self, cfg: ExperimentConfig, store: ResultStore | None, progress: bool) -> None:
+        self.cfg, self.store, self.progress = cfg, store, progress
+        self.started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        self.t0 = time.perf_counter()
+        seed = cfg.experiment.seed
+        self.train, self.test = load_split_data(cfg)
+        modifying = cfg.audit.clients > 0 and any_model_modifying(cfg)
+        self.public = load_public_images(cfg, self.test) if modifying else None
+        check_public_images(self.public, self.train.input_shape, cfg)
+        parts = partition(
+            cfg.data.partition, self.train, cfg.data.num_clients, derive_seed(seed, 0x9A27),
+            **cfg.data.partition_options,
         )  # fmt: skip
-    fl_seconds = time.perf_counter() - t0
+        clients = [self.train.subset(p) for p in parts]
+        model = build_model(
+            cfg.model.name, self.train.input_shape, self.train.num_classes, seed=derive_seed(seed, 0x30DE),
+            **cfg.model.options,
+        )  # fmt: skip
 
-    audit = cfg.audit
-    last = sim.history[-1].accuracy if sim.history else None  # accuracy of the broadcast the audit attacks
-    audited_accuracy = last if last is not None else evaluate(sim.model, test.images, test.labels)
-    pending_figures: list[Figure] = []
-    if audit.clients > 0:
+        def defenses() -> list[Defense]:
+            return [DEFENSES.create(s.name, **s.options) for s in cfg.defenses]
+
+        self.sim = FederatedSimulation(model, clients, cfg.fl, seed=seed, test=self.test, defenses=defenses)
+
+    def execute(self, run_id: str, resumed: bool, folder: Path | None) -> list[dict[str, Any]]:
+        """The run's work, unit by unit: FL rounds, the audit, the summary; returns all its records."""
+        cfg, sim, store = self.cfg, self.sim, self.store
+        rec = _Recorder(store, run_id)
+        if resumed and store is not None:
+            _resume(sim, store, rec)
+        for r in tqdm(range(len(sim.history), cfg.fl.rounds), desc="FL rounds", disable=not self.progress):
+            rr = sim.run_round(r)
+            ckpt = None
+            if store is not None:
+                tensors, state = sim.state()
+                ckpt = Checkpoint(f"round/{r}", tensors_to_bytes(tensors), state)
+            rec.commit(f"round/{r}", [_round_record(rr)], ckpt)
+        fl_seconds = time.perf_counter() - self.t0
+        last = sim.history[-1].accuracy if sim.history else None  # accuracy of the broadcast audited
+        accuracy = last if last is not None else evaluate(sim.model, self.test.images, self.test.labels)
+        if cfg.audit.clients > 0:
+            self.audit(rec, folder)
+        summary = {"kind": "summary", "final_accuracy": accuracy, "fl_seconds": fl_seconds,
+                   "total_seconds": time.perf_counter() - self.t0, "num_clients": len(sim.clients),
+                   "train_size": len(self.train), "test_size": len(self.test)}  # fmt: skip
+        if store is not None:
+            store.finish_run(run_id, dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), [summary])
+        rec.new.append(summary)
+        return rec.all()
+
+    def audit(self, rec: _Recorder, folder: Path | None) -> None:
+        """The audited round: every attack on the updates of the same sampled clients, a unit per update."""
+        cfg, sim = self.cfg, self.sim
+        seed, audit = cfg.experiment.seed, cfg.audit
         ids = sim.sample()[: audit.clients]
-        public = load_public_images(cfg, test) if any_model_modifying(cfg) else None
         honest: list[ClientResult] | None = None
-        for spec in audit.attacks:
+        salt = cfg.fl.rounds  # records before this attack's (rounds, earlier attacks): seeds its prepare
+        for i, spec in enumerate(tqdm(audit.attacks, desc="attacks", disable=not self.progress)):
+            if f"attack/{i}" in rec.done:
+                salt += sum(1 for r in rec.stored if r["kind"] == "attack" and r.get("cell") == i)
+                log.info("attack %d (%s) already stored: skipped", i, spec.name)
+                continue
             attack = create_attack(spec.name, **spec.options)
             broadcast: nn.Module = sim.model
             secrets: Mapping[str, object] = {}
             if isinstance(attack, ModelModifyingAttack):  # the server broadcasts its own model this round
-                gen = torch.Generator().manual_seed(derive_seed(seed, 0xBAD, len(records)))
-                broadcast, secrets = attack.prepare(copy.deepcopy(sim.model), public, generator=gen)
+                gen = torch.Generator().manual_seed(derive_seed(seed, 0xBAD, salt))
+                broadcast, secrets = attack.prepare(copy.deepcopy(sim.model), self.public, generator=gen)
                 results = collect_malicious(sim, attack, broadcast, ids, cfg)
             else:
                 if honest is None:
                     honest = sim.collect(ids, audit.training, max_samples=audit.max_samples)
                 results = honest
             observations = server_view(
-                broadcast, results, input_shape=train.input_shape, num_classes=train.num_classes,
+                broadcast, results, input_shape=self.train.input_shape, num_classes=self.train.num_classes,
                 secure_aggregation=cfg.fl.secure_aggregation,
                 training=audit.training if audit.training_public else None, grant_labels=audit.grant_labels,
                 secrets=secrets,
             )  # fmt: skip
             for k, obs in enumerate(observations):
+                unit = f"attack/{i}/{k}"
+                if unit in rec.done:
+                    log.info("unit %s already stored: skipped", unit)
+                    continue
                 gen = torch.Generator().manual_seed(derive_seed(seed, 0xA77C, k))
-                rec = attack.reconstruct(obs, generator=gen)
+                reconstruction = attack.reconstruct(obs, generator=gen)
                 truth = _truth_for(obs, results)
-                scores = _score(rec, truth)
-                records.append(
-                    {"kind": "attack", "attack": spec.name, "options": dict(spec.options),
-                     "client_id": obs.update.metadata.get("client_id"), "aggregated": obs.aggregated,
-                     "num_clients": obs.num_clients, "batch_size": len(truth), **rec.stats, **scores}
-                )  # fmt: skip
-                if rec.images is not None and "matching" in scores:
-                    pending_figures.append(_figure(spec.name, obs, rec.images, truth.images, scores))
-
-    records.append(
-        {"kind": "summary", "final_accuracy": audited_accuracy, "fl_seconds": fl_seconds,
-         "total_seconds": time.perf_counter() - t0, "num_clients": len(clients), "train_size": len(train),
-         "test_size": len(test)}
-    )  # fmt: skip
-
-    figures: list[Path] = []
-    if out_dir is not None:
-        for i, (orig, recon, title, caps) in enumerate(pending_figures):
-            path = Path(out_dir) / f"reconstructions_{i}.png"
-            figures.append(save_reconstruction_grid(orig, recon, path, title=title, captions=caps))
-    if store is not None:
-        finished = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-        store.write_run(
-            RunRow(run_id, cfg.experiment.name, started, finished, cfg.to_dict(), environment()), records
-        )
-    return RunOutcome(run_id, cfg, records, figures)
+                scores = _score(reconstruction, truth)
+                record = {"kind": "attack", "attack": spec.name, "cell": i, "options": dict(spec.options),
+                          "client_id": obs.update.metadata.get("client_id"), "aggregated": obs.aggregated,
+                          "num_clients": obs.num_clients, "batch_size": len(truth), **reconstruction.stats,
+                          **scores}  # fmt: skip
+                if folder is not None and reconstruction.images is not None and "matching" in scores:
+                    orig, recon, title, caps = _figure(
+                        spec.name, obs, reconstruction.images, truth.images, scores
+                    )
+                    name = f"reconstructions_{i}_{k}.png"
+                    save_reconstruction_grid(orig, recon, folder / name, title=title, captions=caps)
+                    record["figure"] = name
+                rec.commit(unit, [record])
+            salt += len(observations)
+            rec.commit(f"attack/{i}", [])

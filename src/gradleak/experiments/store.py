@@ -1,14 +1,23 @@
-"""SQLite results store: one row per finished run and one row per record, written in one transaction.
+"""SQLite results store: runs, their records committed per finished unit, and a resumable checkpoint.
 
-A run is written only when it has finished: a failure before :meth:`ResultStore.write_run` leaves the
-store untouched, so there are never partial result rows. Records are JSON objects with a ``kind``
-("round", "attack", ...). JSON and CSV exports read from the store.
+A run is a row in ``runs`` (``status`` ``running`` until :meth:`ResultStore.finish_run` marks it
+``complete``). Its work is split into *units* (one FL round, one attacked update, the summary); each unit's
+records are committed in one transaction together with the unit's name in ``units``, so a unit is either
+wholly stored or absent, never duplicated. A killed run is resumed by :meth:`ResultStore.begin_run` with the
+same config fingerprint: its finished units are skipped. ``checkpoints`` holds the latest global model
+(safetensors bytes, never pickle) and the server's sampler state, written with each round's unit.
+
+The file is checked before any work (:meth:`ResultStore.check`): a foreign or corrupt file is a
+:class:`StoreError`. WAL journaling and a busy timeout let several processes write one store at once.
+Records are JSON objects with a ``kind`` ("round", "attack", "summary"); JSON and CSV exports read them.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
+import socket
 import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -16,23 +25,58 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gradleak.fileio import atomic_write
+
+SCHEMA_VERSION = 2
+APPLICATION = "gradleak"
+
 SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
     name TEXT NOT NULL,
     started TEXT NOT NULL,
     finished TEXT NOT NULL,
     config TEXT NOT NULL,
-    environment TEXT NOT NULL
+    environment TEXT NOT NULL,
+    status TEXT NOT NULL DEFAULT 'complete',
+    fingerprint TEXT,
+    owner TEXT
 );
 CREATE TABLE IF NOT EXISTS records (
     run_id TEXT NOT NULL REFERENCES runs(run_id),
     seq INTEGER NOT NULL,
     kind TEXT NOT NULL,
     data TEXT NOT NULL,
+    unit TEXT,
     PRIMARY KEY (run_id, seq)
 );
+CREATE TABLE IF NOT EXISTS units (
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    unit TEXT NOT NULL,
+    PRIMARY KEY (run_id, unit)
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    run_id TEXT PRIMARY KEY REFERENCES runs(run_id),
+    unit TEXT NOT NULL,
+    tensors BLOB NOT NULL,
+    state TEXT NOT NULL
+);
 """
+# schema 1 (before units and resume): runs(run_id, name, started, finished, config, environment) and
+# records(run_id, seq, kind, data); its runs are all complete.
+V1_TABLES = {"runs": {"run_id", "name", "started", "finished", "config", "environment"},
+             "records": {"run_id", "seq", "kind", "data"}}  # fmt: skip
+V1_UPGRADE = """
+ALTER TABLE runs ADD COLUMN status TEXT NOT NULL DEFAULT 'complete';
+ALTER TABLE runs ADD COLUMN fingerprint TEXT;
+ALTER TABLE runs ADD COLUMN owner TEXT;
+ALTER TABLE records ADD COLUMN unit TEXT;
+"""
+
+
+class StoreError(ValueError):
+    """The store file cannot be used: not SQLite, corrupt, another program's database, or a unit clash."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +87,18 @@ class RunRow:
     finished: str
     config: dict[str, Any]
     environment: dict[str, Any]
+    status: str = "complete"
+    fingerprint: str | None = None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The latest resumable state of a run: after ``unit``, model ``tensors`` (safetensors bytes) and a
+    JSON-able ``state`` (e.g. the server's sampler)."""
+
+    unit: str
+    tensors: bytes
+    state: dict[str, Any]
 
 
 def _json_default(value: Any) -> Any:
@@ -64,51 +120,255 @@ def _finite(value: Any) -> Any:
     return value
 
 
-class ResultStore:
-    """A results database at ``path`` (created on first write)."""
+def _dumps(value: Any) -> str:
+    return json.dumps(_finite(value), default=_json_default)
 
-    def __init__(self, path: str | Path) -> None:
+
+def this_owner() -> str:
+    """``host:pid`` of this process: who is executing a running run."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _owner_alive(owner: str | None) -> bool:
+    """Whether the process that owns a running run may still be executing it (unknown hosts: assume so)."""
+    if not owner or ":" not in owner:
+        return False
+    host, _, pid = owner.rpartition(":")
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ResultStore:
+    """A results database at ``path`` (created at the first write; :meth:`check` before any work)."""
+
+    def __init__(self, path: str | Path, *, timeout: float = 60.0) -> None:
         self.path = Path(path)
+        self.timeout = timeout
+        self._inspected = False  # the file was checked by this object (integrity, schema)
+
+    # -- opening and checking -------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Open and check an existing file (SQLite, integrity, a gradleak store of a known schema; a
+        schema-1 store is upgraded in place). A missing file is fine: it is created at the first write.
+        Raises :class:`StoreError` naming the problem."""
+        if self.path.is_dir():
+            raise StoreError(f"results store {self.path} is a directory, not a file")
+        if not self.path.exists():
+            parent = self.path.parent if str(self.path.parent) else Path(".")
+            ancestor = next((p for p in (parent, *parent.parents) if p.exists()), Path("."))
+            if not os.access(ancestor, os.W_OK):
+                raise StoreError(f"results store {self.path} cannot be created: {ancestor} is not writable")
+            return
+        with self._connect(create=False):
+            pass
+
+    def _inspect(self, conn: sqlite3.Connection) -> None:
+        try:
+            ok = conn.execute("PRAGMA quick_check").fetchone()
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"results store {self.path} is not a readable SQLite database ({exc})") from None
+        if not ok or ok[0] != "ok":
+            raise StoreError(
+                f"results store {self.path} is corrupt (integrity check: {ok[0] if ok else '?'})"
+            )
+        if not tables:
+            conn.executescript(SCHEMA)
+            self._stamp(conn)
+            return
+        if "meta" in tables:
+            meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+            if meta.get("application") != APPLICATION:
+                raise StoreError(f"{self.path} is not a gradleak results store (meta: {meta})")
+            version = int(meta.get("schema_version", "0"))
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"results store {self.path} has schema {version}, newer than this gradleak's "
+                    f"{SCHEMA_VERSION}: upgrade gradleak or use another store"
+                )
+            conn.executescript(SCHEMA)
+            return
+        columns = {
+            t: {r[1] for r in conn.execute(f"PRAGMA table_info({t})")} for t in V1_TABLES if t in tables
+        }
+        if set(columns) == set(V1_TABLES) and all(columns[t] == V1_TABLES[t] for t in V1_TABLES):
+            with conn:
+                conn.executescript(V1_UPGRADE + SCHEMA)
+                self._stamp(conn)
+            return
+        raise StoreError(
+            f"{self.path} is not a gradleak results store: it holds tables {sorted(tables)}; "
+            "pass another --store path"
+        )
+
+    @staticmethod
+    def _stamp(conn: sqlite3.Connection) -> None:
+        conn.executemany(
+            "INSERT OR REPLACE INTO meta VALUES (?, ?)",
+            [("application", APPLICATION), ("schema_version", str(SCHEMA_VERSION))],
+        )
+        conn.commit()
 
     @contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self.path)
+    def _connect(self, create: bool = True) -> Iterator[sqlite3.Connection]:
+        if create:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        elif not self.path.exists():
+            raise StoreError(f"results store {self.path} does not exist")
         try:
-            conn.executescript(SCHEMA)
+            conn = sqlite3.connect(self.path, timeout=self.timeout)
+        except sqlite3.Error as exc:
+            raise StoreError(f"results store {self.path} cannot be opened ({exc})") from None
+        try:
+            if not self._inspected:  # read-only checks first: a foreign file is never modified
+                self._inspect(conn)
+                self._inspected = True
+            conn.execute("PRAGMA journal_mode=WAL")  # concurrent readers beside one writer at a time
             yield conn
         finally:
             conn.close()
 
+    # -- writing ---------------------------------------------------------------------------------------
+
+    def begin_run(self, run: RunRow, *, resume: bool = True) -> tuple[str, bool]:
+        """Start ``run``, or resume an unfinished run with the same fingerprint whose process is gone.
+
+        Returns ``(run_id, resumed)``. The claim is one immediate transaction, so two processes never
+        resume the same run."""
+        with self._connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                if resume and run.fingerprint:
+                    rows = conn.execute(
+                        "SELECT run_id, owner FROM runs WHERE status = 'running' AND fingerprint = ? "
+                        "ORDER BY started",
+                        (run.fingerprint,),
+                    ).fetchall()
+                    for run_id, owner in rows:
+                        if not _owner_alive(owner):
+                            conn.execute("UPDATE runs SET owner = ? WHERE run_id = ?", (this_owner(), run_id))
+                            conn.commit()
+                            return run_id, True
+                conn.execute(
+                    "INSERT INTO runs VALUES (?, ?, ?, '', ?, ?, 'running', ?, ?)",
+                    (run.run_id, run.name, run.started, _dumps(run.config), _dumps(run.environment),
+                     run.fingerprint, this_owner()),
+                )  # fmt: skip
+                conn.commit()
+            except BaseException:
+                conn.rollback()
+                raise
+        return run.run_id, False
+
+    def commit_unit(
+        self,
+        run_id: str,
+        unit: str,
+        records: Sequence[dict[str, Any]] = (),
+        *,
+        checkpoint: Checkpoint | None = None,
+    ) -> None:
+        """Store one finished unit's records (and optionally the run's new checkpoint) atomically; a unit
+        that is already stored is a :class:`StoreError` and changes nothing."""
+        for i, r in enumerate(records):
+            if "kind" not in r:
+                raise ValueError(f"record {i} of unit {unit!r} has no 'kind'")
+        payload = [(r["kind"], _dumps(r)) for r in records]
+        with self._connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                try:
+                    conn.execute("INSERT INTO units VALUES (?, ?)", (run_id, unit))
+                except sqlite3.IntegrityError:
+                    raise StoreError(f"unit {unit!r} of run {run_id} is already stored") from None
+                (top,) = conn.execute(
+                    "SELECT COALESCE(MAX(seq), -1) FROM records WHERE run_id = ?", (run_id,)
+                )
+                rows = [(run_id, top[0] + 1 + i, kind, data, unit) for i, (kind, data) in enumerate(payload)]
+                conn.executemany("INSERT INTO records VALUES (?, ?, ?, ?, ?)", rows)
+                if checkpoint is not None:
+                    conn.execute(
+                        "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?)",
+                        (run_id, checkpoint.unit, checkpoint.tensors, _dumps(checkpoint.state)),
+                    )
+                conn.commit()
+            except BaseException:
+                conn.rollback()
+                raise
+
+    def release(self, run_id: str) -> None:
+        """The owning process gives up an unfinished run (it failed): the next same-config run resumes it."""
+        with self._connect() as conn, conn:
+            conn.execute("UPDATE runs SET owner = NULL WHERE run_id = ? AND status = 'running'", (run_id,))
+
+    def finish_run(self, run_id: str, finished: str, records: Sequence[dict[str, Any]] = ()) -> None:
+        """Commit the last unit (``summary``), mark the run complete and drop its checkpoint, atomically."""
+        payload = [(r["kind"], _dumps(r)) for r in records]
+        with self._connect() as conn, conn:
+            (top,) = conn.execute("SELECT COALESCE(MAX(seq), -1) FROM records WHERE run_id = ?", (run_id,))
+            conn.execute("INSERT INTO units VALUES (?, 'summary')", (run_id,))
+            conn.executemany(
+                "INSERT INTO records VALUES (?, ?, ?, ?, 'summary')",
+                [(run_id, top[0] + 1 + i, kind, data) for i, (kind, data) in enumerate(payload)],
+            )
+            conn.execute(
+                "UPDATE runs SET status = 'complete', finished = ? WHERE run_id = ?", (finished, run_id)
+            )
+            conn.execute("DELETE FROM checkpoints WHERE run_id = ?", (run_id,))
+
     def write_run(self, run: RunRow, records: Sequence[dict[str, Any]]) -> None:
-        """Insert the run and all its records atomically (all or nothing)."""
+        """Insert a whole finished run and its records atomically (all or nothing)."""
         for i, r in enumerate(records):
             if "kind" not in r:
                 raise ValueError(f"record {i} has no 'kind'")
-        rows = [
-            (run.run_id, i, r["kind"], json.dumps(_finite(r), default=_json_default))
-            for i, r in enumerate(records)
-        ]
-        with self._connect() as conn, conn:  # the inner `conn` context commits or rolls back
+        with self._connect() as conn, conn:
             conn.execute(
-                "INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?)",
-                (
-                    run.run_id,
-                    run.name,
-                    run.started,
-                    run.finished,
-                    json.dumps(_finite(run.config), default=_json_default),
-                    json.dumps(run.environment, default=_json_default),
-                ),
+                "INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, 'complete', ?, NULL)",
+                (run.run_id, run.name, run.started, run.finished, _dumps(run.config), _dumps(run.environment),
+                 run.fingerprint),
+            )  # fmt: skip
+            conn.executemany(
+                "INSERT INTO records VALUES (?, ?, ?, ?, NULL)",
+                [(run.run_id, i, r["kind"], _dumps(r)) for i, r in enumerate(records)],
             )
-            conn.executemany("INSERT INTO records VALUES (?, ?, ?, ?)", rows)
 
-    def runs(self) -> list[RunRow]:
+    # -- reading ---------------------------------------------------------------------------------------
+
+    def runs(self, *, include_unfinished: bool = False) -> list[RunRow]:
+        """Complete runs, oldest first (with ``include_unfinished``, running or killed ones too)."""
         if not self.path.exists():
             return []
+        where = "" if include_unfinished else " WHERE status = 'complete'"
         with self._connect() as conn:
-            rows = conn.execute("SELECT * FROM runs ORDER BY started").fetchall()
-        return [RunRow(r[0], r[1], r[2], r[3], json.loads(r[4]), json.loads(r[5])) for r in rows]
+            rows = conn.execute(
+                "SELECT run_id, name, started, finished, config, environment, status, fingerprint FROM runs"
+                + where
+                + " ORDER BY rowid"
+            ).fetchall()
+        return [RunRow(r[0], r[1], r[2], r[3], json.loads(r[4]), json.loads(r[5]), r[6], r[7]) for r in rows]
+
+    def units(self, run_id: str) -> set[str]:
+        if not self.path.exists():
+            return set()
+        with self._connect() as conn:
+            return {r[0] for r in conn.execute("SELECT unit FROM units WHERE run_id = ?", (run_id,))}
+
+    def checkpoint(self, run_id: str) -> Checkpoint | None:
+        if not self.path.exists():
+            return None
+        with self._connect() as conn:
+            row = conn.execute(
+                "SELECT unit, tensors, state FROM checkpoints WHERE run_id = ?", (run_id,)
+            ).fetchone()
+        return None if row is None else Checkpoint(row[0], bytes(row[1]), json.loads(row[2]))
 
     def records(self, run_id: str, kind: str | None = None) -> list[dict[str, Any]]:
         if not self.path.exists():
@@ -121,15 +381,11 @@ class ResultStore:
             return [json.loads(r[0]) for r in conn.execute(query, args).fetchall()]
 
     def export_json(self, run_id: str, path: str | Path) -> Path:
-        run = next((r for r in self.runs() if r.run_id == run_id), None)
+        run = next((r for r in self.runs(include_unfinished=True) if r.run_id == run_id), None)
         if run is None:
             raise KeyError(f"no run {run_id!r} in {self.path}")
         payload = {**run.__dict__, "records": self.records(run_id)}
-        out = Path(path)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(json.dumps(payload, indent=2))
-        tmp.replace(out)
-        return out
+        return atomic_write(Path(path), lambda tmp: tmp.write_text(json.dumps(payload, indent=2)))
 
     def export_csv(self, run_id: str, path: str | Path, kind: str) -> Path:
         """Flat CSV of one record kind; nested values are JSON-encoded into their cell."""
@@ -137,12 +393,12 @@ class ResultStore:
         cols: list[str] = []
         for r in recs:
             cols += [k for k in r if k not in cols]
-        out = Path(path)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        with tmp.open("w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=cols)
-            w.writeheader()
-            for r in recs:
-                w.writerow({k: json.dumps(v) if isinstance(v, dict | list) else v for k, v in r.items()})
-        tmp.replace(out)
-        return out
+
+        def write(tmp: Path) -> None:
+            with tmp.open("w", newline="") as fh:
+                w = csv.DictWriter(fh, fieldnames=cols)
+                w.writeheader()
+                for r in recs:
+                    w.writerow({k: json.dumps(v) if isinstance(v, dict | list) else v for k, v in r.items()})
+
+        return atomic_write(Path(path), write)

@@ -19,6 +19,7 @@ from torch.nn import functional as F
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure
 from gradleak.types import LocalTraining, Update
+from gradleak.validation import InvalidUpdateError, check_update
 
 
 @dataclass
@@ -100,7 +101,8 @@ def train_client(
     client's whole share when the training data is a subset of it, e.g. an audit's ``max_samples``), else
     ``data``. It stays on the client; only the update leaves.
 
-    Fail closed: if a defense raises, the result carries ``update=None`` and the error text.
+    Fail closed: if a defense raises, or the outgoing update is invalid (non-finite after a diverged step),
+    the result carries ``update=None`` and the error text.
     """
     model = copy.deepcopy(global_model)
     model.train()
@@ -112,7 +114,9 @@ def train_client(
         else:
             update, truth = fedavg_update(model, data, training, chain, generator), data
         update = chain.on_update(update)
-    except DefenseFailure as exc:
+        # the client checks what it is about to send: a diverged run (e.g. lr = inf) sends nothing
+        check_update(update, global_model, source=f"client {client_id}")
+    except (DefenseFailure, InvalidUpdateError) as exc:
         return ClientResult(client_id, None, None, error=str(exc))
     meta = {**update.metadata, "client_id": client_id}
     update = Update(update.tensors, update.num_samples, update.kind, meta)

@@ -6,21 +6,49 @@ deltas, and w_{t+1} = w_t - eta_s * sum_k (n_k / n) g_k for FedSGD gradients.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
+from gradleak.fl.client import ClientResult
 from gradleak.types import Update
+from gradleak.validation import InvalidUpdateError, check_update
+
+log = logging.getLogger(__name__)
+
+
+def clients_per_round(num_clients: int, fraction: float) -> int:
+    """How many clients a round samples: ``max(1, round(fraction * num_clients))``."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"client fraction must be in (0, 1], got {fraction}")
+    return max(1, int(round(fraction * num_clients)))
 
 
 def sample_clients(num_clients: int, fraction: float, rng: np.random.Generator) -> list[int]:
-    """``max(1, round(fraction * num_clients))`` distinct clients, uniformly without replacement, sorted."""
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"client fraction must be in (0, 1], got {fraction}")
-    k = max(1, int(round(fraction * num_clients)))
+    """:func:`clients_per_round` distinct clients, uniformly without replacement, sorted."""
+    k = clients_per_round(num_clients, fraction)
     return sorted(int(i) for i in rng.choice(num_clients, size=k, replace=False))
+
+
+def screen(results: Sequence[ClientResult], model: nn.Module, *, round_idx: int) -> list[ClientResult]:
+    """The server's check of every received update against the broadcast ``model``
+    (:func:`gradleak.validation.check_update`): an invalid one is dropped (``update=None``, the reason in
+    ``error``) and the others go on to aggregation or the audit. Results keep their order."""
+    reference = dict(model.named_parameters())
+    out = []
+    for r in results:
+        if r.update is not None:
+            try:
+                check_update(r.update, reference, source=f"client {r.client_id}, round {round_idx}")
+            except InvalidUpdateError as exc:
+                log.warning("rejected: %s", exc)
+                r = dataclasses.replace(r, update=None, truth=None, error=f"rejected by the server: {exc}")
+        out.append(r)
+    return out
 
 
 def _check_same_kind(updates: Sequence[Update]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from tqdm.auto import tqdm
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import Defense
 from gradleak.fl.client import ClientResult, train_client
-from gradleak.fl.server import apply_update, evaluate, sample_clients, secure_sum, weighted_mean
+from gradleak.fl.server import apply_update, evaluate, sample_clients, screen, secure_sum, weighted_mean
 from gradleak.types import LocalTraining, Observation, Update
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,8 @@ class FLConfig:
             raise ValueError(f"rounds must be an int >= 0, got {self.rounds!r}")
         if not 0.0 < self.fraction <= 1.0:
             raise ValueError(f"fraction must be in (0, 1], got {self.fraction!r}")
-        if self.server_lr <= 0:
-            raise ValueError(f"server_lr must be > 0, got {self.server_lr!r}")
+        if not 0 < self.server_lr < math.inf:
+            raise ValueError(f"server_lr must be a positive finite number, got {self.server_lr!r}")
         if not isinstance(self.eval_every, int) or self.eval_every < 1:
             raise ValueError(f"eval_every must be an int >= 1, got {self.eval_every!r}")
 
@@ -111,7 +112,8 @@ class FLConfig:
 class RoundResult:
     """One round: who trained, what the server received, the aggregate it applied, test accuracy.
 
-    ``dropped`` lists the clients that sent nothing (a defense failed closed).
+    ``dropped`` lists the clients whose update did not reach the aggregate: a defense failed closed, the
+    client withheld an invalid update, or the server rejected it; ``errors`` gives each one's reason.
     """
 
     round: int
@@ -121,6 +123,7 @@ class RoundResult:
     accuracy: float | None
     seconds: float
     dropped: list[int] = field(default_factory=list)
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class FederatedSimulation:
@@ -161,6 +164,7 @@ class FederatedSimulation:
         results = self.engine.train_clients(
             self.model, self.tasks(round_idx, ids, self.config.training), self.defenses
         )
+        results = screen(results, self.model, round_idx=round_idx)
         received = [r.update for r in results if r.update is not None]
         for r in results:
             if r.update is None:
@@ -172,10 +176,12 @@ class FederatedSimulation:
         acc = None
         if self.test is not None and (round_idx + 1) % self.config.eval_every == 0:
             acc = evaluate(self.model, self.test.images, self.test.labels)
-        dropped = [r.client_id for r in results if r.update is None]
-        rr = RoundResult(round_idx, ids, results, aggregate, acc, time.perf_counter() - start, dropped)
+        errors = {r.client_id: r.error or "no update" for r in results if r.update is None}
+        rr = RoundResult(
+            round_idx, ids, results, aggregate, acc, time.perf_counter() - start, list(errors), errors
+        )
         # the history keeps no per-client payloads: ~2.75 MB per client update for paper 000's classifier
-        self.history.append(dataclasses.replace(rr, results=[]))
+        self.history.append(dataclasses.replace(rr, results=[], aggregate=None))
         log.info("round %d: %d clients, accuracy %s, %.2fs", round_idx, len(ids), acc, rr.seconds)
         return rr
 
@@ -210,10 +216,29 @@ class FederatedSimulation:
                 for t, k in zip(tasks, keep, strict=True)
             ]
         model = self.model if broadcast is None else broadcast
-        return self.engine.train_clients(model, tasks, self.defenses)
+        return screen(self.engine.train_clients(model, tasks, self.defenses), model, round_idx=r)
 
     def sample(self) -> list[int]:
         return sample_clients(len(self.clients), self.config.fraction, self._rng)
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+        """What resuming needs after the last finished round: the global model's state (parameters and
+        buffers) and the sampler's state with the number of rounds run (JSON-able)."""
+        tensors = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return tensors, {"rounds": len(self.history), "sampler": self._rng.bit_generator.state}
+
+    def restore(
+        self, tensors: Mapping[str, torch.Tensor], state: Mapping[str, object], history: Sequence[RoundResult]
+    ) -> None:
+        """Continue from :meth:`state`: the model, the sampler and the light round history are set so that
+        the next rounds equal those of an uninterrupted run."""
+        if state.get("rounds") != len(history):
+            raise ValueError(
+                f"checkpoint after {state.get('rounds')} rounds, but {len(history)} round records"
+            )
+        self.model.load_state_dict(dict(tensors), strict=True)
+        self._rng.bit_generator.state = state["sampler"]  # type: ignore[assignment]
+        self.history = list(history)
 
 
 def server_view(

@@ -94,6 +94,6 @@ class LeNet(ConvClassifier):
         )
 
 
-MODELS.register("aegis_cnn", AegisCNN, summary="paper 000 classifier: 3 conv + FC-512")
-MODELS.register("sme_cnn", SMECNN, summary="paper 001 victim: 2 conv + 2 FC (SME/NL-SME)")
-MODELS.register("lenet", LeNet, summary="DLG's sigmoid LeNet")
+MODELS.register("aegis_cnn", AegisCNN, summary="paper 000 classifier: 3 conv + FC-512", modality="image")
+MODELS.register("sme_cnn", SMECNN, summary="paper 001 victim: 2 conv + 2 FC (SME/NL-SME)", modality="image")
+MODELS.register("lenet", LeNet, summary="DLG's sigmoid LeNet", modality="image")

@@ -25,6 +25,7 @@ from torch import nn
 from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure
 from gradleak.text.data import TextBatch
 from gradleak.types import Update
+from gradleak.validation import check_update
 
 _DEFAULT_SEED = 0
 
@@ -86,7 +87,7 @@ def fedsgd_text_update(
     work.zero_grad(set_to_none=True)
     work.train(was_training)
     update = Update(grads, len(batch), kind="gradient", metadata={"client_id": client_id})
-    return chain.on_update(update) if defenses else update
+    return _checked(chain.on_update(update) if defenses else update, model, client_id)
 
 
 class LocalTrainer:
@@ -190,4 +191,10 @@ def fedavg_text_update(
     delta = {n: (p.detach() - w0[n].detach()).clone() for n, p in work.named_parameters()}
     n = sum(len(b) for b in batches)
     meta = {"client_id": client_id, "steps": trainer.steps_done}
-    return trainer.chain.on_update(Update(delta, n, kind="delta", metadata=meta))
+    return _checked(trainer.chain.on_update(Update(delta, n, kind="delta", metadata=meta)), model, client_id)
+
+
+def _checked(update: Update, model: nn.Module, client_id: int) -> Update:
+    """The client checks what it is about to send (:func:`gradleak.validation.check_update`)."""
+    check_update(update, model, source=f"client {client_id}")
+    return update

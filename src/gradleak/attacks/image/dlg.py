@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
+from gradleak.attacks.checks import require_image_input
 from gradleak.attacks.image.labels import recover_label_counts, recover_labels
 from gradleak.attacks.image.surrogate import local_steps
 from gradleak.registry import ATTACKS
@@ -81,6 +82,7 @@ class DLG:
         return recover_labels(obs, n)
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
+        require_image_input(obs)
         cfg = self.config
         n = cfg.num_samples or (len(obs.labels) if obs.labels is not None else obs.update.num_samples)
         if n < 1:
@@ -153,4 +155,5 @@ ATTACKS.register(
     DLG,
     config_cls=DLGConfig,
     summary="DLG: Euclidean matching, L-BFGS, joint label optimisation (Zhu 2019); labels='idlg' for iDLG",
+    modality="image",
 )

@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
+from gradleak.attacks.checks import require_image_input
 from gradleak.attacks.image.labels import recover_labels
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
@@ -88,6 +89,7 @@ class InvertingGradients:
         return params, target
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
+        require_image_input(obs)
         cfg = self.config
         if obs.aggregated:
             log.warning("inverting a secure-aggregation sum of %d clients as one batch", obs.num_clients)
@@ -159,4 +161,5 @@ ATTACKS.register(
     InvertingGradients,
     config_cls=IGConfig,
     summary="Inverting Gradients: cosine matching + TV (Geiping 2020)",
+    modality="image",
 )

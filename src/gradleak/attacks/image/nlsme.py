@@ -69,4 +69,5 @@ ATTACKS.register(
     NLSME,
     config_cls=NLSMEConfig,
     summary="NL-SME: Bezier surrogate at one learnable t + calibration d (Xia 2025); FedAvg deltas",
+    modality="image",
 )

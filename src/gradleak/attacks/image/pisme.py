@@ -74,4 +74,5 @@ ATTACKS.register(
     PISME,
     config_cls=PISMEConfig,
     summary="PI-SME: Gauss-Legendre path integral on a Bezier surrogate (paper 001); FedAvg deltas",
+    modality="image",
 )

@@ -62,4 +62,5 @@ ATTACKS.register(
     SME,
     config_cls=SMEConfig,
     summary="SME: line surrogate between w0 and wT (Zhu 2023); FedAvg deltas",
+    modality="image",
 )

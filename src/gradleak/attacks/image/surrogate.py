@@ -50,6 +50,7 @@ from torch.func import functional_call
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
+from gradleak.attacks.checks import require_image_input
 from gradleak.attacks.image.ig import cosine_distance, total_variation
 from gradleak.attacks.image.labels import recover_label_counts
 from gradleak.types import AttackInputError, Observation, Reconstruction
@@ -293,6 +294,7 @@ def run_surrogate(
 
     ``callback(iteration, losses, images)`` (optional) sees every iteration's losses and current images.
     """
+    require_image_input(obs)
     s = settings
     prob = build_problem(obs, attack, num_samples)
     state = SurrogateState(prob, s)

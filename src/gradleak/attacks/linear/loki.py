@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gradleak.attacks.checks import require_image_input
 from gradleak.attacks.linear.imprint import (
     ImprintSecrets,
     calibrate_back_weight,
@@ -137,6 +138,7 @@ class Loki:
         return select_slot(broadcast, slot)
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
+        require_image_input(obs)
         cfg = self.config
         start = time.perf_counter()
         secrets = ImprintSecrets.from_observation(obs)
@@ -180,4 +182,5 @@ ATTACKS.register(
     Loki,
     config_cls=LokiConfig,
     summary="malicious server: per-client conv slots + imprint, recovery from the secure aggregate (LOKI)",
+    modality="image",
 )

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gradleak.attacks.checks import require_image_input
 from gradleak.attacks.linear.imprint import (
     MEASUREMENTS,
     ImprintSecrets,
@@ -135,6 +136,7 @@ class RobbingTheFed:
         return malicious, {"attack": "robbing_the_fed", **secrets.to_mapping()}
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
+        require_image_input(obs)
         cfg = self.config
         start = time.perf_counter()
         secrets = ImprintSecrets.from_observation(obs)
@@ -170,4 +172,5 @@ ATTACKS.register(
     RobbingTheFed,
     config_cls=RobbingTheFedConfig,
     summary="malicious server: imprint block of k bins, analytic recovery (Fowl et al. 2022)",
+    modality="image",
 )

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from gradleak.attacks.checks import require_image_input
 from gradleak.attacks.linear.imprint import (
     ImprintSecrets,
     calibrate_back_weight,
@@ -209,6 +210,7 @@ class ScaleMIA:
                            **secrets.to_mapping()}  # fmt: skip
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
+        require_image_input(obs)
         cfg = self.config
         start = time.perf_counter()
         decoder = obs.secrets.get("decoder")
@@ -245,4 +247,5 @@ ATTACKS.register(
     ScaleMIA,
     config_cls=ScaleMIAConfig,
     summary="malicious server: imprint in an autoencoder's latent space, decoded recovery (Scale-MIA)",
+    modality="image",
 )

@@ -422,10 +422,12 @@ ATTACKS.register(
     Dager,
     config_cls=DagerConfig,
     summary="DAGER: exact text from attention-gradient spans (Petrov 2024)",
+    modality="text",
 )
 ATTACKS.register(
     "dager_fedavg",
     DagerFedAvg,
     config_cls=DagerFedAvgConfig,
     summary="DAGER on a FedAvg pseudo-gradient (-delta, midpoint weights)",
+    modality="text",
 )

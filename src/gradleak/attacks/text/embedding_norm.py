@@ -26,4 +26,5 @@ ATTACKS.register(
     EmbeddingNorm,
     config_cls=RowNormConfig,
     summary="token set from embedding-gradient row norms (paper 002 Channel 2)",
+    modality="text",
 )

@@ -31,4 +31,5 @@ ATTACKS.register(
     LMHeadProbe,
     config_cls=RowNormConfig,
     summary="target-token set from an untied LM head's gradient row norms (paper 002 Sec. VI-C)",
+    modality="text",
 )

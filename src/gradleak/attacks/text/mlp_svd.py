@@ -96,4 +96,5 @@ ATTACKS.register(
     MLPSVD,
     config_cls=MLPSVDConfig,
     summary="adaptive MLP-SVD: span check on block 1's MLP-expansion gradient (paper 002 Channel 3)",
+    modality="text",
 )

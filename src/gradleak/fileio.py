@@ -1,0 +1,25 @@
+"""Writing files so that a reader or a concurrent writer never sees half of one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
+    """``write(tmp_path)`` to a unique temporary file beside ``path``, then rename it over ``path``:
+    readers see the old file or the new one, never a half-written one; concurrent writers never share a
+    temporary name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + path.suffix, dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,74 @@
+"""Tensors and updates on disk: safetensors only (no pickle, so a file cannot run code when loaded).
+
+An update file holds the tensors and, in its safetensors metadata, ``kind`` and ``num_samples`` (and the
+JSON of the update's metadata). :func:`load_update` passes what it read through the same validation as
+every other update (:func:`gradleak.validation.check_update`) before anyone can aggregate or attack it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import nn
+
+from gradleak.fileio import atomic_write
+from gradleak.types import Update
+from gradleak.validation import InvalidUpdateError, check_update
+
+
+def tensors_to_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """safetensors bytes of ``tensors`` (copied contiguous, so views and shared storage are fine)."""
+    plain = {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+    return st_save(plain, metadata=dict(metadata) if metadata else None)
+
+
+def tensors_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
+    try:
+        return st_load(data)
+    except (SafetensorError, ValueError) as exc:
+        raise InvalidUpdateError(f"not a safetensors payload: {exc}") from None
+
+
+def save_update(update: Update, path: str | Path) -> Path:
+    """Write ``update`` to ``path`` (safetensors, atomically: a reader never sees half a file)."""
+    meta = {"kind": update.kind, "num_samples": str(update.num_samples),
+            "metadata": json.dumps(dict(update.metadata), default=str)}  # fmt: skip
+    data = tensors_to_bytes(update.tensors, meta)
+    return atomic_write(Path(path), lambda tmp: tmp.write_bytes(data))
+
+
+def load_update(path: str | Path, model: nn.Module, *, complete: bool = True) -> Update:
+    """Read an update written by :func:`save_update` and validate it against ``model``'s parameters.
+
+    Raises :class:`~gradleak.validation.InvalidUpdateError` naming the file (and the tensor) for anything
+    that is not a valid safetensors update of this model.
+    """
+    p = Path(path)
+    source = f"update file {p}"
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise InvalidUpdateError(f"{source}: cannot be read ({exc.strerror})") from None
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(p), framework="pt") as fh:
+            meta = fh.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise InvalidUpdateError(f"{source}: not a safetensors file ({exc})") from None
+    tensors = tensors_from_bytes(raw)
+    try:
+        kind = meta["kind"]
+        num_samples = int(meta["num_samples"])
+        extra = json.loads(meta.get("metadata", "{}"))
+        update = Update(tensors, num_samples, kind, extra)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise InvalidUpdateError(f"{source}: missing or bad update metadata ({exc})") from None
+    check_update(update, model, source=source, complete=complete)
+    return update
