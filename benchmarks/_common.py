@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from gradleak.update_io import load_tree, save_tree
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
@@ -222,22 +224,13 @@ def write_result(
 
 
 def save_state(path: Path, meta: Mapping[str, Any], state: Mapping[str, Any]) -> Path:
-    """Write a resumable run state atomically: ``meta`` names the run it belongs to, ``state`` is its data.
+    """Write a resumable run state atomically: ``meta`` names the run it belongs to, ``state`` is its data
+    (JSON values and tensors, e.g. round rows and model state dicts; safetensors, no pickle).
 
     Long benchmarks (tens of FL rounds) call this after every round so that a run stopped by the end of a
     session continues where it stopped (:func:`load_state`) instead of starting again.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save({"meta": dict(meta), "state": dict(state)}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return save_tree(path, {"meta": dict(meta), "state": dict(state)})
 
 
 def load_state(path: Path, meta: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -249,7 +242,7 @@ def load_state(path: Path, meta: Mapping[str, Any]) -> dict[str, Any] | None:
     path = Path(path)
     if not path.exists():
         return None
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+    saved: dict[str, Any] = load_tree(path)
     if saved.get("meta") != dict(meta):
         old = saved.get("meta", {})
         diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))

@@ -307,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 write_result(name, args.scale, payload, seeds=args.seeds, out=args.out)
 
             tag = f"_{args.tag}" if args.tag else ""
-            state = STATE_DIR / f"{NAME}_{n}_seed{s}_{'utility' if args.utility_only else 'full'}{tag}.pt"
+            kind = "utility" if args.utility_only else "full"
+            state = STATE_DIR / f"{NAME}_{n}_seed{s}_{kind}{tag}.safetensors"
             results[key] = run(
                 n,
                 s,

@@ -136,15 +136,18 @@ def test_score_regime_records_the_class_mean_prior_of_each_matched_image(
 
 
 def test_run_state_round_trip_and_refuses_another_runs_state(tmp_path: Path) -> None:
-    path = tmp_path / "state" / "run.pt"
+    path = tmp_path / "state" / "run.safetensors"
     assert _common.load_state(path, {"seed": 0}) is None  # nothing saved yet
     model = torch.nn.Linear(3, 2)
-    rows = [{"round": 0, "acc": 0.25}]
-    _common.save_state(path, {"seed": 0, "dataset": "x"}, {"rounds": rows, "model": model.state_dict()})
-    assert [p.name for p in path.parent.iterdir()] == ["run.pt"]  # no temp file left behind
+    rows = [{"round": 0, "acc": 0.25, "clients": [3, 7]}]
+    stats = {17: {"accepted": 2048, "budget": 0.5}}  # int keys (client ids) come back as ints
+    state = {"rounds": rows, "models": {"none": model.state_dict()}, "cache_stats": stats}
+    _common.save_state(path, {"seed": 0, "dataset": "x"}, state)
+    assert [p.name for p in path.parent.iterdir()] == ["run.safetensors"]  # no temp file left behind
+    assert path.read_bytes()[:1] != b"\x80"  # not a pickle
     state = _common.load_state(path, {"seed": 0, "dataset": "x"})
-    assert state is not None and state["rounds"] == rows
-    assert all(torch.equal(state["model"][k], v) for k, v in model.state_dict().items())
+    assert state is not None and state["rounds"] == rows and state["cache_stats"] == stats
+    assert all(torch.equal(state["models"]["none"][k], v) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match=r"\['seed'\]"):  # a state of seed 0 does not resume seed 1
         _common.load_state(path, {"seed": 1, "dataset": "x"})
 

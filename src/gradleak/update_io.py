@@ -3,6 +3,8 @@
 An update file holds the tensors and, in its safetensors metadata, ``kind`` and ``num_samples`` (and the
 JSON of the update's metadata). :func:`load_update` passes what it read through the same validation as
 every other update (:func:`gradleak.validation.check_update`) before anyone can aggregate or attack it.
+:func:`save_tree` / :func:`load_tree` store a nested structure of JSON values and tensors (a resumable
+benchmark state: round rows and model state dicts) the same way.
 """
 
 from __future__ import annotations
@@ -72,3 +74,60 @@ def load_update(path: str | Path, model: nn.Module, *, complete: bool = True) ->
         raise InvalidUpdateError(f"{source}: missing or bad update metadata ({exc})") from None
     check_update(update, model, source=source, complete=complete)
     return update
+
+
+_TENSOR, _PAIRS = "__tensor__", "__pairs__"
+
+
+def _split(value: object, tensors: dict[str, torch.Tensor]) -> object:
+    """``value`` as JSON with every tensor moved to ``tensors`` (a reference left in its place); dicts with
+    keys other than strings become key-value pair lists, so int keys come back as ints."""
+    if isinstance(value, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = value
+        return {_TENSOR: key}
+    if isinstance(value, Mapping):
+        if all(isinstance(k, str) for k in value):
+            return {k: _split(v, tensors) for k, v in value.items()}
+        return {_PAIRS: [[k, _split(v, tensors)] for k, v in value.items()]}
+    if isinstance(value, list | tuple):
+        return [_split(v, tensors) for v in value]
+    return value
+
+
+def _join(value: object, tensors: Mapping[str, torch.Tensor]) -> object:
+    if isinstance(value, dict):
+        if set(value) == {_TENSOR}:
+            return tensors[value[_TENSOR]]
+        if set(value) == {_PAIRS}:
+            return {k: _join(v, tensors) for k, v in value[_PAIRS]}
+        return {k: _join(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_join(v, tensors) for v in value]
+    return value
+
+
+def save_tree(path: str | Path, tree: Mapping[str, object]) -> Path:
+    """Write a nested mapping of JSON values and tensors to ``path`` (safetensors, atomically)."""
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = json.dumps(_split(dict(tree), tensors))
+    data = tensors_to_bytes(tensors, {"tree": skeleton})
+    return atomic_write(Path(path), lambda tmp: tmp.write_bytes(data))
+
+
+def load_tree(path: str | Path) -> dict[str, object]:
+    """The mapping written by :func:`save_tree` (tensors on the CPU)."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    try:
+        with safe_open(str(p), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise InvalidUpdateError(f"{p}: not a safetensors file ({exc})") from None
+    if "tree" not in meta:
+        raise InvalidUpdateError(f"{p}: a safetensors file without a saved tree")
+    out = _join(json.loads(meta["tree"]), tensors)
+    assert isinstance(out, dict)
+    return out
