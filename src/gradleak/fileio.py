@@ -16,6 +16,9 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + path.suffix, dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make exports readable by their owner only
     try:
         write(tmp)
         tmp.replace(path)

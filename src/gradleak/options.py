@@ -8,6 +8,7 @@ refuses is an :class:`OptionError` whose message names the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -35,6 +36,8 @@ def check_value(value: Any, hint: Any, where: str) -> Any:
                 return check_value(value, arm, where)
             except OptionError as exc:
                 errors.append(str(exc))
+        if len(errors) == 1:  # e.g. ``float | None``: the one arm's reason
+            raise OptionError(errors[0])
         raise OptionError(f"{where}: expected {hint}, got {type(value).__name__} {value!r}")
     if origin is typing.Literal:
         if value not in typing.get_args(hint):
@@ -42,6 +45,8 @@ def check_value(value: Any, hint: Any, where: str) -> Any:
         return value
     if hint is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(value):  # no option of gradleak means anything with NaN or Inf
+                raise OptionError(f"{where}: must be a finite number, got {value!r}")
             return float(value)
     elif hint is int:
         if isinstance(value, int) and not isinstance(value, bool):

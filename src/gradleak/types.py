@@ -131,6 +131,19 @@ class Reconstruction:
             )
 
 
+@dataclass(frozen=True)
+class AttackNeeds:
+    """What an attack needs from the audited round; an attack class may declare ``needs = AttackNeeds(...)``
+    and the experiment config is checked against it before any work.
+
+    ``update_kinds``: the update kinds it inverts (FedSGD sends ``"gradient"``, FedAvg ``"delta"``);
+    ``public_recipe``: whether it needs the client's training recipe (``Observation.training``).
+    """
+
+    update_kinds: tuple[UpdateKind, ...] = ("gradient", "delta")
+    public_recipe: bool = False
+
+
 class AttackInputError(ValueError):
     """The Observation lacks what an attack needs (e.g. labels hidden and not recoverable)."""
 

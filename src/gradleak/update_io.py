@@ -129,5 +129,6 @@ def load_tree(path: str | Path) -> dict[str, object]:
     if "tree" not in meta:
         raise InvalidUpdateError(f"{p}: a safetensors file without a saved tree")
     out = _join(json.loads(meta["tree"]), tensors)
-    assert isinstance(out, dict)
+    if not isinstance(out, dict):
+        raise InvalidUpdateError(f"{p}: the saved tree is not a mapping")
     return out

@@ -39,8 +39,9 @@ def check_tensors(
 ) -> None:
     """Raise :class:`InvalidUpdateError` unless ``tensors`` is a valid payload for ``reference``.
 
-    Valid: a mapping from parameter names (str) of ``reference`` to floating-point tensors of the same
-    shape with only finite entries; with ``complete``, every parameter of ``reference`` is present.
+    Valid: a mapping from parameter names (str) of ``reference`` to tensors of the same shape and dtype
+    with only finite entries; with ``complete``, every parameter of ``reference`` is present. (An
+    integration that receives another precision, e.g. a float64 secure aggregate, casts it first.)
     Checks run in that order (cheap structure first, then the values).
     """
     if not isinstance(tensors, Mapping):
@@ -65,9 +66,9 @@ def check_tensors(
             raise InvalidUpdateError(
                 f"{source}: tensor {name!r} has shape {tuple(t.shape)}, the model's is {tuple(ref.shape)}"
             )
-        if not t.is_floating_point():
+        if t.dtype != ref.dtype:  # mixed precisions would sum in the first update's dtype (float16: Inf)
             raise InvalidUpdateError(
-                f"{source}: tensor {name!r} has dtype {t.dtype}, not a floating-point one"
+                f"{source}: tensor {name!r} has dtype {t.dtype}, the model's is {ref.dtype}"
             )
     for name, t in tensors.items():
         if not bool(torch.isfinite(t).all()):

@@ -32,9 +32,9 @@ def organamnist_only(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["fl.training.lr=inf"], r"lr must be a positive finite number, got inf"),
-        (["fl.training.lr=nan"], r"lr must be a positive finite number, got nan"),
-        (["fl.server_lr=inf"], r"server_lr must be a positive finite number"),
+        (["fl.training.lr=inf"], r"config.fl.training.lr: must be a finite number, got inf"),
+        (["fl.training.lr=nan"], r"config.fl.training.lr: must be a finite number, got nan"),
+        (["fl.server_lr=inf"], r"config.fl.server_lr: must be a finite number"),
         (["audit.clients=500"], r"audit.clients = 500 exceeds the 10 clients sampled per round"),
         (["audit.attacks=['dager']"], r"audit.attacks\[0\] works on text tasks, but data.dataset = "
                                       r"'organamnist' holds image data"),

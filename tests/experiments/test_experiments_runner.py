@@ -88,6 +88,36 @@ def test_failure_mid_run_keeps_finished_units_and_the_rerun_resumes(tmp_path, mo
     assert _count(db, "checkpoints") == 0  # dropped once the runs completed
 
 
+def test_a_run_failing_between_fl_rounds_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """Killed after round 0 of 3: the resumed run restores the model and the sampler from the stored
+    checkpoint and gives the rounds and the audit of an uninterrupted run."""
+    from gradleak.fl.simulation import FederatedSimulation
+
+    cfg = demo_cfg(["fl.rounds=3"])
+    reference = run_experiment(cfg, store=ResultStore(tmp_path / "ref.sqlite"))
+    store = ResultStore(tmp_path / "r.sqlite")
+    original = FederatedSimulation.run_round
+
+    def dies_in_round_1(self, round_idx):
+        if round_idx == 1:
+            raise KeyboardInterrupt("killed")
+        return original(self, round_idx)
+
+    with monkeypatch.context() as m:
+        m.setattr(FederatedSimulation, "run_round", dies_in_round_1)
+        with pytest.raises(KeyboardInterrupt):
+            run_experiment(cfg, store=store)
+    (unfinished,) = store.runs(include_unfinished=True)
+    assert store.units(unfinished.run_id) == {"round/0"} and store.checkpoint(unfinished.run_id) is not None
+    calls = []
+    monkeypatch.setattr(
+        FederatedSimulation, "run_round", lambda self, r: calls.append(r) or original(self, r)
+    )
+    resumed = run_experiment(cfg, store=store)
+    assert resumed.resumed and calls == [1, 2]  # round 0 was not trained again
+    assert untimed(resumed.records) == untimed(reference.records)
+
+
 def test_missing_data_file_is_one_clear_error(tmp_path):
     cfg = demo_cfg([f"experiment.data_root='{tmp_path}'"])
     with pytest.raises(FileNotFoundError, match="organamnist.npz"):

@@ -55,6 +55,18 @@ def test_an_unfinished_run_is_resumed_only_when_its_process_is_gone(tmp_path):
     assert store.begin_run(row("fourth")) == ("second", True)
 
 
+def test_only_the_executing_process_writes_a_run(tmp_path):
+    store = ResultStore(tmp_path / "s.sqlite")
+    store.begin_run(row("mine"))
+    with sqlite3.connect(tmp_path / "s.sqlite") as conn:
+        conn.execute("UPDATE runs SET owner = 'otherhost:1' WHERE run_id = 'mine'")
+    with pytest.raises(StoreError, match="not being executed by this process"):
+        store.commit_unit("mine", "round/0", [{"kind": "round"}])
+    store.release("mine")  # not ours: nothing changes
+    assert store.units("mine") == set()
+    assert store.begin_run(row("again")) == ("again", False)  # another host's run is never taken over
+
+
 def _foreign(path):
     with sqlite3.connect(path) as conn:
         conn.execute("CREATE TABLE patients (id INTEGER, name TEXT)")

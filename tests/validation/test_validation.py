@@ -28,7 +28,8 @@ REFERENCE = dict(MODEL.named_parameters())
 NAMES = list(REFERENCE)
 
 # one mutation an attacker or a broken client could send, or none
-MUTATIONS = ("none", "drop", "extra", "shape", "int", "nan", "posinf", "neginf", "not_tensor", "bad_key")
+MUTATIONS = ("none", "drop", "extra", "shape", "int", "half", "double", "nan", "posinf", "neginf",
+             "not_tensor", "bad_key")  # fmt: skip
 
 
 def mutated(kind: str, target: int, seed: int) -> dict[object, object]:
@@ -47,6 +48,10 @@ def mutated(kind: str, target: int, seed: int) -> dict[object, object]:
         tensors[name] = torch.zeros(t.numel() + 1)
     elif kind == "int":
         tensors[name] = t.to(torch.int64)
+    elif kind == "half":  # mixed precision would overflow the aggregate
+        tensors[name] = t.to(torch.float16)
+    elif kind == "double":
+        tensors[name] = t.to(torch.float64)
     elif kind in ("nan", "posinf", "neginf"):
         value = {"nan": math.nan, "posinf": math.inf, "neginf": -math.inf}[kind]
         t.view(-1)[flat_index] = value
@@ -57,7 +62,7 @@ def mutated(kind: str, target: int, seed: int) -> dict[object, object]:
     return tensors
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(MUTATIONS), target=st.integers(0, 100), seed=st.integers(0, 2**31 - 1))
 def test_random_update_dicts_are_accepted_exactly_when_valid(kind, target, seed):
     tensors = mutated(kind, target, seed)
@@ -118,9 +123,16 @@ def test_a_wrong_input_shape_is_an_attack_input_error_not_a_torch_error():
 def test_the_server_drops_an_invalid_update_and_keeps_the_others():
     good = ClientResult(1, _update(client=1))
     bad = ClientResult(2, _update("posinf", client=2))
-    out = screen([good, bad], MODEL, round_idx=5)
+    out = screen([good, bad], MODEL, round_idx=5, kind="delta")
     assert out[0] is good and out[1].update is None and out[1].client_id == 2
     assert out[1].error is not None and "client 2, round 5: tensor '1.bias'" in out[1].error
+    gradient = ClientResult(3, Update(dict(_update().tensors), 4, "gradient"))
+    empty = ClientResult(4, Update(dict(_update().tensors), 0, "delta"))
+    half = ClientResult(5, Update(mutated("half", 0, 1), 4, "delta"))  # type: ignore[arg-type]
+    out = screen([good, gradient, empty, half], MODEL, round_idx=0, kind="delta")
+    assert [r.update is not None for r in out] == [True, False, False, False]
+    assert "a 'gradient' update in a round of 'delta' updates" in str(out[1].error)
+    assert "reports 0 samples" in str(out[2].error) and "dtype torch.float16" in str(out[3].error)
 
 
 def test_a_client_without_defenses_withholds_a_diverged_update(tiny_data):

@@ -18,15 +18,17 @@ def require_image_input(obs: Observation) -> None:
     if len(shape) != 3:
         raise AttackInputError(f"an image attack needs input_shape (C, H, W), got {shape}")
     model = obs.model
-    dtype = next((p.dtype for p in model.parameters()), torch.float32)
+    first = next(model.parameters(), None)
+    dtype = torch.float32 if first is None else first.dtype
+    device = torch.device("cpu") if first is None else first.device
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            out = model(torch.zeros(1, *shape, dtype=dtype))
+            out = model(torch.zeros(1, *shape, dtype=dtype, device=device))
     except (RuntimeError, ValueError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise AttackInputError(f"the model does not accept images of input_shape {shape}: {first}") from None
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise AttackInputError(f"the model does not accept images of input_shape {shape}: {reason}") from None
     finally:
         model.train(was_training)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (1, obs.num_classes):

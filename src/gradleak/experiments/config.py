@@ -27,12 +27,20 @@ from gradleak.data.partition import partition_options
 from gradleak.fl.server import clients_per_round
 from gradleak.fl.simulation import FLConfig
 from gradleak.options import OptionError, check_value
-from gradleak.registry import ATTACKS, DATASETS, DEFENSES, MODELS
-from gradleak.types import LocalTraining
+from gradleak.registry import ATTACKS, DATASETS, DEFENSES, MODELS, Registry
+from gradleak.types import AttackNeeds, LocalTraining
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key."""
+
+
+def _known(registry: Registry[Any], name: str, key: str) -> None:
+    """``name`` is registered in ``registry``; else a ConfigError naming ``key`` and the known names."""
+    try:
+        registry.entry(name)
+    except KeyError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -108,8 +116,8 @@ class AuditSection:
             v = getattr(self, key)
             if v is not None and v < 1:
                 raise ConfigError(f"audit.{key} must be >= 1, got {v}")
-        if self.public_dataset is not None and self.public_dataset not in DATASETS:
-            DATASETS.entry(self.public_dataset)  # raises with the known names
+        if self.public_dataset is not None:
+            _known(DATASETS, self.public_dataset, "audit.public_dataset")
 
 
 @dataclass(frozen=True)
@@ -122,16 +130,24 @@ class ExperimentConfig:
     defenses: tuple[ComponentSpec, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.data.dataset not in DATASETS:
-            DATASETS.entry(self.data.dataset)  # raises with the known names
-        MODELS.entry(self.model.name)
-        valid = partition_options(self.data.partition)  # raises for unknown partitioners
+        _known(DATASETS, self.data.dataset, "data.dataset")
+        _known(MODELS, self.model.name, "model.name")
+        for i, spec in enumerate(self.audit.attacks):
+            _known(ATTACKS, spec.name, f"audit.attacks[{i}].name")
+        for i, spec in enumerate(self.defenses):
+            _known(DEFENSES, spec.name, f"defenses[{i}].name")
+        try:
+            valid = partition_options(self.data.partition)
+        except ValueError as exc:
+            raise ConfigError(f"data.partition: {exc}") from None
         unknown = sorted(set(self.data.partition_options) - set(valid))
         if unknown:
             raise ConfigError(
                 f"unknown option(s) {unknown} in [data.partition_options] for {self.data.partition!r}; "
                 f"valid options: {sorted(valid)}"
             )
+        for name, value in self.data.partition_options.items():  # typed like their defaults
+            _check_type(value, type(valid[name]), f"data.partition_options.{name}")
         for key, registry, specs in (("audit.attacks", ATTACKS, self.audit.attacks),
                                      ("defenses", DEFENSES, self.defenses)):  # fmt: skip
             for i, spec in enumerate(specs):
@@ -140,6 +156,7 @@ class ExperimentConfig:
                 except OptionError as exc:
                     raise ConfigError(f"{key}[{i}]: {exc}") from None
         self._check_modalities()
+        self._check_attack_needs()
         per_round = clients_per_round(self.data.num_clients, self.fl.fraction)
         if self.audit.clients > per_round:
             raise ConfigError(
@@ -147,6 +164,24 @@ class ExperimentConfig:
                 f"(fl.fraction = {self.fl.fraction} of data.num_clients = {self.data.num_clients}); lower "
                 "audit.clients or raise fl.fraction"
             )
+
+    def _check_attack_needs(self) -> None:
+        """Every attack can read what the audited round sends (:class:`~gradleak.types.AttackNeeds`)."""
+        training = self.audit.training
+        kind = "gradient" if training.protocol == "fedsgd" else "delta"
+        for i, spec in enumerate(self.audit.attacks):
+            needs = getattr(ATTACKS.get(spec.name), "needs", AttackNeeds())
+            if kind not in needs.update_kinds:
+                kinds = " or ".join(needs.update_kinds)
+                raise ConfigError(
+                    f"audit.attacks[{i}] {spec.name!r} inverts {kinds} updates, but "
+                    f"audit.training.protocol = {training.protocol!r} sends a {kind}"
+                )
+            if needs.public_recipe and not self.audit.training_public:
+                raise ConfigError(
+                    f"audit.attacks[{i}] {spec.name!r} needs the client's training recipe, but "
+                    "audit.training_public = false hides it"
+                )
 
     def _check_modalities(self) -> None:
         """Every attack, defense and model must work on the data set's modality (an image task today)."""
@@ -215,6 +250,10 @@ def _spec(value: Any, where: str) -> ComponentSpec:
         return ComponentSpec(value)
     if not isinstance(value, Mapping) or "name" not in value:
         raise ConfigError(f"{where}: expected a table with a 'name' key, got {value!r}")
+    if not isinstance(value["name"], str):
+        raise ConfigError(
+            f"{where}.name: expected a string, got {type(value['name']).__name__} {value['name']!r}"
+        )
     opts = {k: v for k, v in value.items() if k != "name"}
     if "options" in opts and isinstance(opts["options"], Mapping) and len(opts) == 1:
         opts = dict(opts["options"])

@@ -35,7 +35,7 @@ from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import Defense
 from gradleak.experiments.config import ConfigError, ExperimentConfig
 from gradleak.experiments.figures import save_reconstruction_grid
-from gradleak.experiments.store import Checkpoint, ResultStore, RunRow
+from gradleak.experiments.store import Checkpoint, ResultStore, RunRow, normalise
 from gradleak.fl import FederatedSimulation, derive_seed, evaluate, server_view
 from gradleak.fl.client import ClientResult
 from gradleak.fl.simulation import RoundResult
@@ -194,9 +194,11 @@ def check_public_images(
         raise ConfigError(f"audit.public_limit leaves {len(public)} public image(s); the attacks need >= 2")
 
 
-def fingerprint(cfg: ExperimentConfig) -> str:
-    """A digest of the whole config: the same command resumes the same run."""
-    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:20]
+def fingerprint(cfg: ExperimentConfig, env: Mapping[str, Any]) -> str:
+    """A digest of the whole config and the code (git commit, torch): the same command on the same code
+    resumes the same run; after a code change it starts a new one rather than mixing two versions."""
+    key = {"config": cfg.to_dict(), "code": {k: env.get(k) for k in ("git_commit", "torch")}}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
 class _Recorder:
@@ -209,11 +211,18 @@ class _Recorder:
         self.stored: list[dict[str, Any]] = store.records(run_id) if store is not None and self.done else []
         self.new: list[dict[str, Any]] = []
 
-    def commit(self, unit: str, records: list[dict[str, Any]], checkpoint: Checkpoint | None = None) -> None:
+    def commit(
+        self,
+        unit: str,
+        records: list[dict[str, Any]],
+        checkpoint: Checkpoint | None = None,
+        also: tuple[str, ...] = (),
+    ) -> None:
+        """Commit ``unit`` (and the units it completes, ``also``) with its records."""
         if self.store is not None:
-            self.store.commit_unit(self.run_id, unit, records, checkpoint=checkpoint)
-        self.done.add(unit)
-        self.new += records
+            self.store.commit_unit(self.run_id, unit, records, checkpoint=checkpoint, also=also)
+        self.done.update((unit, *also))
+        self.new += [normalise(r) for r in records]  # as a resumed run reads them back from the store
 
     def all(self) -> list[dict[str, Any]]:
         return self.stored + self.new
@@ -257,8 +266,8 @@ def run_experiment(
     an attacked update, the summary) is committed as it finishes and the run is marked complete at the
     end; with ``resume``, the same config after a crash or ``kill -9`` continues the unfinished run and
     gives the records an uninterrupted run gives. Figures go to ``out_dir`` (``out_dir/RUN_ID`` with
-    ``per_run_folder``), written atomically under names fixed by the unit, so concurrent runs never share
-    a file.
+    ``per_run_folder``, as the CLI does, so that concurrent runs never share a file), written atomically
+    under names fixed by the unit.
     """
     if store is not None:
         store.check()
@@ -266,8 +275,9 @@ def run_experiment(
     run_id = f"{cfg.experiment.name}-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
     resumed = False
     if store is not None:
-        row = RunRow(run_id, cfg.experiment.name, run.started, "", cfg.to_dict(), environment(),
-                     "running", fingerprint(cfg))  # fmt: skip
+        env = environment()
+        row = RunRow(run_id, cfg.experiment.name, run.started, "", cfg.to_dict(), env,
+                     "running", fingerprint(cfg, env))  # fmt: skip
         run_id, resumed = store.begin_run(row, resume=resume)
     folder = None if out_dir is None else (Path(out_dir) / run_id if per_run_folder else Path(out_dir))
     try:
@@ -292,10 +302,16 @@ class _Run:
         modifying = cfg.audit.clients > 0 and any_model_modifying(cfg)
         self.public = load_public_images(cfg, self.test) if modifying else None
         check_public_images(self.public, self.train.input_shape, cfg)
-        parts = partition(
-            cfg.data.partition, self.train, cfg.data.num_clients, derive_seed(seed, 0x9A27),
-            **cfg.data.partition_options,
-        )  # fmt: skip
+        try:  # data-dependent feasibility (enough samples per class and client): known only with the data
+            parts = partition(
+                cfg.data.partition, self.train, cfg.data.num_clients, derive_seed(seed, 0x9A27),
+                **cfg.data.partition_options,
+            )  # fmt: skip
+        except ValueError as exc:
+            raise ConfigError(
+                f"data.partition = {cfg.data.partition!r} cannot split the {len(self.train)} training "
+                f"samples over data.num_clients = {cfg.data.num_clients}: {exc}"
+            ) from None
         clients = [self.train.subset(p) for p in parts]
         model = build_model(
             cfg.model.name, self.train.input_shape, self.train.num_classes, seed=derive_seed(seed, 0x30DE),
@@ -320,7 +336,7 @@ class _Run:
                 tensors, state = sim.state()
                 ckpt = Checkpoint(f"round/{r}", tensors_to_bytes(tensors), state)
             rec.commit(f"round/{r}", [_round_record(rr)], ckpt)
-        fl_seconds = time.perf_counter() - self.t0
+        fl_seconds = sum(r.seconds for r in sim.history)  # every round's, resumed or not
         last = sim.history[-1].accuracy if sim.history else None  # accuracy of the broadcast audited
         accuracy = last if last is not None else evaluate(sim.model, self.test.images, self.test.labels)
         if cfg.audit.clients > 0:
@@ -382,6 +398,8 @@ class _Run:
                     name = f"reconstructions_{i}_{k}.png"
                     save_reconstruction_grid(orig, recon, folder / name, title=title, captions=caps)
                     record["figure"] = name
-                rec.commit(unit, [record])
+                last = k == len(observations) - 1  # the cell is done with its last attacked update
+                rec.commit(unit, [record], also=(f"attack/{i}",) if last else ())
             salt += len(observations)
-            rec.commit(f"attack/{i}", [])
+            if f"attack/{i}" not in rec.done:  # no update reached the server: nothing to attack
+                rec.commit(f"attack/{i}", [])

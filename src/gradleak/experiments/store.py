@@ -67,6 +67,10 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 # records(run_id, seq, kind, data); its runs are all complete.
 V1_TABLES = {"runs": {"run_id", "name", "started", "finished", "config", "environment"},
              "records": {"run_id", "seq", "kind", "data"}}  # fmt: skip
+STAMP = f"""
+INSERT OR IGNORE INTO meta VALUES ('application', '{APPLICATION}');
+INSERT OR IGNORE INTO meta VALUES ('schema_version', '{SCHEMA_VERSION}');
+"""
 V1_UPGRADE = """
 ALTER TABLE runs ADD COLUMN status TEXT NOT NULL DEFAULT 'complete';
 ALTER TABLE runs ADD COLUMN fingerprint TEXT;
@@ -124,6 +128,12 @@ def _dumps(value: Any) -> str:
     return json.dumps(_finite(value), default=_json_default)
 
 
+def normalise(record: dict[str, Any]) -> dict[str, Any]:
+    """A record as the store gives it back (JSON: tuples become lists, NaN and Inf strings)."""
+    loaded: dict[str, Any] = json.loads(_dumps(record))
+    return loaded
+
+
 def this_owner() -> str:
     """``host:pid`` of this process: who is executing a running run."""
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -170,7 +180,9 @@ class ResultStore:
         with self._connect(create=False):
             pass
 
-    def _inspect(self, conn: sqlite3.Connection) -> None:
+    def _inspect(self, conn: sqlite3.Connection, *, retry: bool = True) -> None:
+        """Check the file (read-only unless it is empty or of schema 1) and create or upgrade the schema in
+        one transaction, so a concurrent opener sees no tables or a complete, stamped store."""
         try:
             ok = conn.execute("PRAGMA quick_check").fetchone()
             tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -180,10 +192,6 @@ class ResultStore:
             raise StoreError(
                 f"results store {self.path} is corrupt (integrity check: {ok[0] if ok else '?'})"
             )
-        if not tables:
-            conn.executescript(SCHEMA)
-            self._stamp(conn)
-            return
         if "meta" in tables:
             meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
             if meta.get("application") != APPLICATION:
@@ -194,28 +202,24 @@ class ResultStore:
                     f"results store {self.path} has schema {version}, newer than this gradleak's "
                     f"{SCHEMA_VERSION}: upgrade gradleak or use another store"
                 )
-            conn.executescript(SCHEMA)
             return
-        columns = {
-            t: {r[1] for r in conn.execute(f"PRAGMA table_info({t})")} for t in V1_TABLES if t in tables
-        }
-        if set(columns) == set(V1_TABLES) and all(columns[t] == V1_TABLES[t] for t in V1_TABLES):
-            with conn:
-                conn.executescript(V1_UPGRADE + SCHEMA)
-                self._stamp(conn)
-            return
-        raise StoreError(
-            f"{self.path} is not a gradleak results store: it holds tables {sorted(tables)}; "
-            "pass another --store path"
-        )
-
-    @staticmethod
-    def _stamp(conn: sqlite3.Connection) -> None:
-        conn.executemany(
-            "INSERT OR REPLACE INTO meta VALUES (?, ?)",
-            [("application", APPLICATION), ("schema_version", str(SCHEMA_VERSION))],
-        )
-        conn.commit()
+        if tables:
+            columns = {
+                t: {r[1] for r in conn.execute(f"PRAGMA table_info({t})")} for t in V1_TABLES if t in tables
+            }
+            if set(columns) != set(V1_TABLES) or any(columns[t] != V1_TABLES[t] for t in V1_TABLES):
+                raise StoreError(
+                    f"{self.path} is not a gradleak results store: it holds tables {sorted(tables)}; "
+                    "pass another --store path"
+                )
+        script = (V1_UPGRADE if tables else "") + SCHEMA + STAMP
+        try:  # DDL is transactional in SQLite: a kill leaves the file as it was
+            conn.executescript("BEGIN IMMEDIATE;" + script + "COMMIT;")
+        except sqlite3.OperationalError:
+            conn.rollback()
+            if not retry:
+                raise
+            self._inspect(conn, retry=False)  # another process created or upgraded it meanwhile
 
     @contextmanager
     def _connect(self, create: bool = True) -> Iterator[sqlite3.Connection]:
@@ -243,30 +247,60 @@ class ResultStore:
 
         Returns ``(run_id, resumed)``. The claim is one immediate transaction, so two processes never
         resume the same run."""
+        with self._write() as conn:
+            if resume and run.fingerprint:
+                rows = conn.execute(
+                    "SELECT run_id, owner FROM runs WHERE status = 'running' AND fingerprint = ? "
+                    "ORDER BY rowid",
+                    (run.fingerprint,),
+                ).fetchall()
+                for run_id, owner in rows:
+                    if not _owner_alive(owner):
+                        conn.execute("UPDATE runs SET owner = ? WHERE run_id = ?", (this_owner(), run_id))
+                        return run_id, True
+            conn.execute(
+                "INSERT INTO runs VALUES (?, ?, ?, '', ?, ?, 'running', ?, ?)",
+                (run.run_id, run.name, run.started, _dumps(run.config), _dumps(run.environment),
+                 run.fingerprint, this_owner()),
+            )  # fmt: skip
+        return run.run_id, False
+
+    def _own(self, conn: sqlite3.Connection, run_id: str) -> None:
+        row = conn.execute("SELECT owner, status FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None:
+            raise StoreError(f"no run {run_id!r} in {self.path}")
+        if row[1] != "running" or row[0] != this_owner():
+            raise StoreError(f"run {run_id} is not being executed by this process (owner {row[0]}, {row[1]})")
+
+    def _insert_unit(
+        self, conn: sqlite3.Connection, run_id: str, units: Sequence[str], records: Sequence[dict[str, Any]]
+    ) -> None:
+        """Inside an open transaction: the unit names (each once) and the records after the run's last."""
+        for i, r in enumerate(records):
+            if "kind" not in r:
+                raise ValueError(f"record {i} of unit {units[0]!r} has no 'kind'")
+        for unit in units:
+            try:
+                conn.execute("INSERT INTO units VALUES (?, ?)", (run_id, unit))
+            except sqlite3.IntegrityError:
+                raise StoreError(f"unit {unit!r} of run {run_id} is already stored") from None
+        (top,) = conn.execute("SELECT COALESCE(MAX(seq), -1) FROM records WHERE run_id = ?", (run_id,))
+        conn.executemany(
+            "INSERT INTO records VALUES (?, ?, ?, ?, ?)",
+            [(run_id, top[0] + 1 + i, r["kind"], _dumps(r), units[0]) for i, r in enumerate(records)],
+        )
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One immediate transaction: committed when the block ends, rolled back on any exception."""
         with self._connect() as conn:
             conn.execute("BEGIN IMMEDIATE")
             try:
-                if resume and run.fingerprint:
-                    rows = conn.execute(
-                        "SELECT run_id, owner FROM runs WHERE status = 'running' AND fingerprint = ? "
-                        "ORDER BY started",
-                        (run.fingerprint,),
-                    ).fetchall()
-                    for run_id, owner in rows:
-                        if not _owner_alive(owner):
-                            conn.execute("UPDATE runs SET owner = ? WHERE run_id = ?", (this_owner(), run_id))
-                            conn.commit()
-                            return run_id, True
-                conn.execute(
-                    "INSERT INTO runs VALUES (?, ?, ?, '', ?, ?, 'running', ?, ?)",
-                    (run.run_id, run.name, run.started, _dumps(run.config), _dumps(run.environment),
-                     run.fingerprint, this_owner()),
-                )  # fmt: skip
+                yield conn
                 conn.commit()
             except BaseException:
                 conn.rollback()
                 raise
-        return run.run_id, False
 
     def commit_unit(
         self,
@@ -275,70 +309,37 @@ class ResultStore:
         records: Sequence[dict[str, Any]] = (),
         *,
         checkpoint: Checkpoint | None = None,
+        also: Sequence[str] = (),
     ) -> None:
-        """Store one finished unit's records (and optionally the run's new checkpoint) atomically; a unit
-        that is already stored is a :class:`StoreError` and changes nothing."""
-        for i, r in enumerate(records):
-            if "kind" not in r:
-                raise ValueError(f"record {i} of unit {unit!r} has no 'kind'")
-        payload = [(r["kind"], _dumps(r)) for r in records]
-        with self._connect() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                try:
-                    conn.execute("INSERT INTO units VALUES (?, ?)", (run_id, unit))
-                except sqlite3.IntegrityError:
-                    raise StoreError(f"unit {unit!r} of run {run_id} is already stored") from None
-                (top,) = conn.execute(
-                    "SELECT COALESCE(MAX(seq), -1) FROM records WHERE run_id = ?", (run_id,)
+        """Store one finished unit's records (and optionally the run's new checkpoint, and the names of
+        units it completes, ``also``) atomically; a unit already stored is a :class:`StoreError` and
+        changes nothing, and only the process executing the run may write to it."""
+        with self._write() as conn:
+            self._own(conn, run_id)
+            self._insert_unit(conn, run_id, [unit, *also], records)
+            if checkpoint is not None:
+                conn.execute(
+                    "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?)",
+                    (run_id, checkpoint.unit, checkpoint.tensors, _dumps(checkpoint.state)),
                 )
-                rows = [(run_id, top[0] + 1 + i, kind, data, unit) for i, (kind, data) in enumerate(payload)]
-                conn.executemany("INSERT INTO records VALUES (?, ?, ?, ?, ?)", rows)
-                if checkpoint is not None:
-                    conn.execute(
-                        "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?)",
-                        (run_id, checkpoint.unit, checkpoint.tensors, _dumps(checkpoint.state)),
-                    )
-                conn.commit()
-            except BaseException:
-                conn.rollback()
-                raise
 
     def release(self, run_id: str) -> None:
         """The owning process gives up an unfinished run (it failed): the next same-config run resumes it."""
-        with self._connect() as conn, conn:
-            conn.execute("UPDATE runs SET owner = NULL WHERE run_id = ? AND status = 'running'", (run_id,))
+        with self._write() as conn:
+            conn.execute(
+                "UPDATE runs SET owner = NULL WHERE run_id = ? AND status = 'running' AND owner = ?",
+                (run_id, this_owner()),
+            )
 
     def finish_run(self, run_id: str, finished: str, records: Sequence[dict[str, Any]] = ()) -> None:
         """Commit the last unit (``summary``), mark the run complete and drop its checkpoint, atomically."""
-        payload = [(r["kind"], _dumps(r)) for r in records]
-        with self._connect() as conn, conn:
-            (top,) = conn.execute("SELECT COALESCE(MAX(seq), -1) FROM records WHERE run_id = ?", (run_id,))
-            conn.execute("INSERT INTO units VALUES (?, 'summary')", (run_id,))
-            conn.executemany(
-                "INSERT INTO records VALUES (?, ?, ?, ?, 'summary')",
-                [(run_id, top[0] + 1 + i, kind, data) for i, (kind, data) in enumerate(payload)],
-            )
+        with self._write() as conn:
+            self._own(conn, run_id)
+            self._insert_unit(conn, run_id, ["summary"], records)
             conn.execute(
                 "UPDATE runs SET status = 'complete', finished = ? WHERE run_id = ?", (finished, run_id)
             )
             conn.execute("DELETE FROM checkpoints WHERE run_id = ?", (run_id,))
-
-    def write_run(self, run: RunRow, records: Sequence[dict[str, Any]]) -> None:
-        """Insert a whole finished run and its records atomically (all or nothing)."""
-        for i, r in enumerate(records):
-            if "kind" not in r:
-                raise ValueError(f"record {i} has no 'kind'")
-        with self._connect() as conn, conn:
-            conn.execute(
-                "INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, 'complete', ?, NULL)",
-                (run.run_id, run.name, run.started, run.finished, _dumps(run.config), _dumps(run.environment),
-                 run.fingerprint),
-            )  # fmt: skip
-            conn.executemany(
-                "INSERT INTO records VALUES (?, ?, ?, ?, NULL)",
-                [(run.run_id, i, r["kind"], _dumps(r)) for i, r in enumerate(records)],
-            )
 
     # -- reading ---------------------------------------------------------------------------------------
 

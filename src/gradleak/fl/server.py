@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from gradleak.fl.client import ClientResult
-from gradleak.types import Update
-from gradleak.validation import InvalidUpdateError, check_update
+from gradleak.types import LocalTraining, Update, UpdateKind
+from gradleak.validation import InvalidUpdateError, check_update, reference_of
 
 log = logging.getLogger(__name__)
 
@@ -34,21 +34,36 @@ def sample_clients(num_clients: int, fraction: float, rng: np.random.Generator) 
     return sorted(int(i) for i in rng.choice(num_clients, size=k, replace=False))
 
 
-def screen(results: Sequence[ClientResult], model: nn.Module, *, round_idx: int) -> list[ClientResult]:
+def screen(
+    results: Sequence[ClientResult], model: nn.Module, *, round_idx: int, kind: UpdateKind
+) -> list[ClientResult]:
     """The server's check of every received update against the broadcast ``model``
-    (:func:`gradleak.validation.check_update`): an invalid one is dropped (``update=None``, the reason in
-    ``error``) and the others go on to aggregation or the audit. Results keep their order."""
-    reference = dict(model.named_parameters())
+    (:func:`gradleak.validation.check_update`), the round's update ``kind`` and a positive sample count:
+    an invalid one is dropped (``update=None``, the reason in ``error``) and the others go on to
+    aggregation or the audit. Results keep their order."""
+    reference = reference_of(model)
     out = []
     for r in results:
         if r.update is not None:
+            source = f"client {r.client_id}, round {round_idx}"
             try:
-                check_update(r.update, reference, source=f"client {r.client_id}, round {round_idx}")
+                check_update(r.update, reference, source=source)
+                if r.update.kind != kind:
+                    raise InvalidUpdateError(
+                        f"{source}: a {r.update.kind!r} update in a round of {kind!r} updates"
+                    )
+                if r.update.num_samples < 1:
+                    raise InvalidUpdateError(f"{source}: reports {r.update.num_samples} samples")
             except InvalidUpdateError as exc:
                 log.warning("rejected: %s", exc)
                 r = dataclasses.replace(r, update=None, truth=None, error=f"rejected by the server: {exc}")
         out.append(r)
     return out
+
+
+def update_kind(training: LocalTraining) -> UpdateKind:
+    """What a client of this recipe sends: FedSGD a gradient, FedAvg a delta."""
+    return "gradient" if training.protocol == "fedsgd" else "delta"
 
 
 def _check_same_kind(updates: Sequence[Update]) -> None:

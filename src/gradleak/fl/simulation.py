@@ -23,7 +23,15 @@ from tqdm.auto import tqdm
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import Defense
 from gradleak.fl.client import ClientResult, train_client
-from gradleak.fl.server import apply_update, evaluate, sample_clients, screen, secure_sum, weighted_mean
+from gradleak.fl.server import (
+    apply_update,
+    evaluate,
+    sample_clients,
+    screen,
+    secure_sum,
+    update_kind,
+    weighted_mean,
+)
 from gradleak.types import LocalTraining, Observation, Update
 
 log = logging.getLogger(__name__)
@@ -164,15 +172,22 @@ class FederatedSimulation:
         results = self.engine.train_clients(
             self.model, self.tasks(round_idx, ids, self.config.training), self.defenses
         )
-        results = screen(results, self.model, round_idx=round_idx)
+        results = screen(results, self.model, round_idx=round_idx, kind=update_kind(self.config.training))
         received = [r.update for r in results if r.update is not None]
         for r in results:
             if r.update is None:
                 log.warning("round %d: client %d sent nothing (%s)", round_idx, r.client_id, r.error)
+        if not received:
+            log.error("round %d: no client's update reached the server; the model is unchanged", round_idx)
         aggregate = None
         if received:
             aggregate = weighted_mean(received)
-            apply_update(self.model, aggregate, self.config.server_lr)
+            bad = [n for n, t in aggregate.tensors.items() if not bool(torch.isfinite(t).all())]
+            if bad:  # finite updates can still overflow in the sum: the model is left as it was
+                log.error("round %d: the aggregate overflowed in %s; not applied", round_idx, bad[:3])
+                aggregate = None
+            else:
+                apply_update(self.model, aggregate, self.config.server_lr)
         acc = None
         if self.test is not None and (round_idx + 1) % self.config.eval_every == 0:
             acc = evaluate(self.model, self.test.images, self.test.labels)
@@ -216,7 +231,8 @@ class FederatedSimulation:
                 for t, k in zip(tasks, keep, strict=True)
             ]
         model = self.model if broadcast is None else broadcast
-        return screen(self.engine.train_clients(model, tasks, self.defenses), model, round_idx=r)
+        results = self.engine.train_clients(model, tasks, self.defenses)
+        return screen(results, model, round_idx=r, kind=update_kind(training))
 
     def sample(self) -> list[int]:
         return sample_clients(len(self.clients), self.config.fraction, self._rng)

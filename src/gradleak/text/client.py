@@ -195,6 +195,8 @@ def fedavg_text_update(
 
 
 def _checked(update: Update, model: nn.Module, client_id: int) -> Update:
-    """The client checks what it is about to send (:func:`gradleak.validation.check_update`)."""
+    """The client checks what it is about to send (:func:`gradleak.validation.check_update`). The text
+    client raises (``InvalidUpdateError``, as it raises ``DefenseFailure``); the image client's
+    :func:`gradleak.fl.client.train_client` returns ``update=None`` with the reason instead."""
     check_update(update, model, source=f"client {client_id}")
     return update

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gradleak.attacks.image.surrogate import SurrogateConfig, SurrogateSettings, run_surrogate
+from gradleak.attacks.image.surrogate import (
+    SURROGATE_NEEDS,
+    SurrogateConfig,
+    SurrogateSettings,
+    run_surrogate,
+)
 from gradleak.registry import ATTACKS
 from gradleak.types import Observation, Reconstruction
 
@@ -33,6 +38,8 @@ class NLSMEConfig(SurrogateConfig):
 
 class NLSME:
     """Bezier surrogate read at one learnable position, with calibration."""
+
+    needs = SURROGATE_NEEDS
 
     def __init__(self, config: NLSMEConfig | None = None) -> None:
         self.config = config or NLSMEConfig()

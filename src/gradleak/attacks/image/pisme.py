@@ -22,7 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gradleak.attacks.image.surrogate import SurrogateConfig, SurrogateSettings, run_surrogate
+from gradleak.attacks.image.surrogate import (
+    SURROGATE_NEEDS,
+    SurrogateConfig,
+    SurrogateSettings,
+    run_surrogate,
+)
 from gradleak.registry import ATTACKS
 from gradleak.types import Observation, Reconstruction
 
@@ -39,6 +44,8 @@ class PISMEConfig(SurrogateConfig):
 
 class PISME:
     """Gauss-Legendre path average along a learnable Bezier curve, with calibration."""
+
+    needs = SURROGATE_NEEDS
 
     def __init__(self, config: PISMEConfig | None = None) -> None:
         self.config = config or PISMEConfig()

@@ -13,7 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gradleak.attacks.image.surrogate import SurrogateConfig, SurrogateSettings, run_surrogate
+from gradleak.attacks.image.surrogate import (
+    SURROGATE_NEEDS,
+    SurrogateConfig,
+    SurrogateSettings,
+    run_surrogate,
+)
 from gradleak.registry import ATTACKS
 from gradleak.types import Observation, Reconstruction
 
@@ -26,6 +31,8 @@ class SMEConfig(SurrogateConfig):
 
 class SME:
     """Straight-line surrogate with a learnable position alpha."""
+
+    needs = SURROGATE_NEEDS
 
     def __init__(self, config: SMEConfig | None = None) -> None:
         self.config = config or SMEConfig()

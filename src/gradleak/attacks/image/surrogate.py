@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 from gradleak.attacks.checks import require_image_input
 from gradleak.attacks.image.ig import cosine_distance, total_variation
 from gradleak.attacks.image.labels import recover_label_counts
-from gradleak.types import AttackInputError, Observation, Reconstruction
+from gradleak.types import AttackInputError, AttackNeeds, Observation, Reconstruction
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,9 @@ class Problem:
         full = {**self.fixed, **dict(zip(self.names, params, strict=True))}
         loss = F.cross_entropy(functional_call(self.model, full, (x,)), self.labels)
         return list(torch.autograd.grad(loss, list(params), create_graph=create_graph))
+
+
+SURROGATE_NEEDS = AttackNeeds(update_kinds=("delta",), public_recipe=True)  # SME, NL-SME, PI-SME
 
 
 def local_steps(obs: Observation, attack: str) -> int:
