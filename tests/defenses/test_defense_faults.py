@@ -40,11 +40,12 @@ IMAGE_DEFENSES = sorted(e.name for e in DEFENSES if e.modality != "text")
 
 
 def _poison(value: float, model: torch.nn.Module, *, grads: bool) -> None:
-    """Set one entry of the first parameter (or of its gradient) to ``value``."""
+    """Fill the first trainable parameter (or its gradient) with ``value``: a whole tensor, so that the
+    forward pass meets it whichever inputs come (one entry of an embedding row no token uses would not)."""
     with torch.no_grad():
         p = next(p for p in model.parameters() if p.requires_grad)
         target = p.grad if grads and p.grad is not None else p
-        target.view(-1)[0] = value
+        target.fill_(value)
 
 
 def inject(defense: Defense, hook: str, fault: str, at_call: int) -> dict[str, int]:
@@ -101,3 +102,41 @@ def test_a_fault_in_any_hook_lets_no_update_out(name):
     clean = train_client(0, model, data, LocalTraining("fedavg", epochs=2, batch_size=8, lr=0.01),
                          [make_defense(name)], torch.Generator().manual_seed(0))  # fmt: skip
     assert clean.update is not None  # without a fault the same client does send
+
+
+# aegis_llm (text only) gets the full 100 trials; the modality-agnostic defenses had theirs on the image
+# client above, here 25 each check the text client's own loops (top-k over a 50k-token embedding is slow)
+TEXT_TRIALS = {"aegis_llm": TRIALS, "compression": 25, "dp_noise": 25, "pruning": 25}
+
+
+@pytest.mark.parametrize("name", sorted(TEXT_TRIALS))
+def test_a_fault_in_any_hook_of_a_text_client_lets_no_update_out(name):
+    """The text client's loops (FedSGD gradient, FedAvg with LocalTrainer) raise instead of sending."""
+    from gradleak.defenses.base import DefenseFailure
+    from gradleak.text.client import fedavg_text_update, fedsgd_text_update
+    from gradleak.text.data import encode
+    from gradleak.text.models import build_gpt2
+    from gradleak.validation import InvalidUpdateError
+
+    tm = build_gpt2("tiny", "classification", seed=0)
+    batches = [encode(["the movie was good", "a dull film ."], tm.tokenizer, labels=[1, 0]) for _ in range(2)]
+    rng = np.random.default_rng(1)
+    calls = {"setup": 1, "on_gradients": 4, "on_epoch_end": 2, "on_update": 1}  # 2 epochs x 2 batches
+    for trial in range(TEXT_TRIALS[name]):
+        hook, fault = HOOKS[rng.integers(len(HOOKS))], FAULTS[rng.integers(len(FAULTS))]
+        sgd = hook != "on_epoch_end" and rng.random() < 0.3
+        at = 0 if sgd else int(rng.integers(calls[hook]))
+        defense: Defense = DEFENSES.create(name)
+        state = inject(defense, hook, fault, at)
+        gen = torch.Generator().manual_seed(trial)
+        with pytest.raises((DefenseFailure, InvalidUpdateError)):
+            if sgd:
+                fedsgd_text_update(tm.model, batches[0], "classification", defenses=[defense], generator=gen)
+            else:
+                fedavg_text_update(tm.model, batches, "classification", lr=0.01, epochs=2,
+                                   defenses=[defense], generator=gen)  # fmt: skip
+        assert state["fired"] == 1, (trial, hook, sgd, at)
+    update = fedavg_text_update(
+        tm.model, batches, "classification", epochs=2, defenses=[DEFENSES.create(name)]
+    )
+    assert update is not None  # without a fault the same client does send
