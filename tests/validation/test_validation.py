@@ -148,26 +148,25 @@ def test_a_client_without_defenses_withholds_a_diverged_update(tiny_data):
     )
 
 
-def test_a_round_with_a_diverging_client_aggregates_the_others(tiny_data, monkeypatch):
-    from gradleak.fl import client as client_module
+def test_a_round_with_an_update_corrupted_in_transit_aggregates_the_others(tiny_data):
+    from gradleak.fl import InProcessEngine
     from gradleak.models import build_model
+
+    class Corrupting(InProcessEngine):
+        """Clients check what they send; client 1's upload is corrupted on the way to the server."""
+
+        def train_clients(self, global_model, tasks, defenses):
+            results = super().train_clients(global_model, tasks, defenses)
+            for r in results:
+                if r.client_id == 1 and r.update is not None:
+                    poisoned = {n: t.clone().fill_(math.nan) for n, t in r.update.tensors.items()}
+                    r.update = r.update.replace(poisoned)
+            return results
 
     model = build_model("lenet", tiny_data.input_shape, tiny_data.num_classes, seed=0)
     clients = [tiny_data.subset(range(i * 8, i * 8 + 8)) for i in range(3)]
     cfg = FLConfig(rounds=1, fraction=1.0, training=LocalTraining("fedavg", epochs=1, batch_size=8, lr=0.01))
-    original = client_module.fedavg_update
-
-    def poisoned(model, data, training, chain, generator):
-        update = original(model, data, training, chain, generator)
-        if data is clients[1]:  # this client's upload is corrupted in transit (after its own check)
-            return Update(
-                {n: t.clone().fill_(math.nan) for n, t in update.tensors.items()}, update.num_samples
-            )
-        return update
-
-    monkeypatch.setattr(client_module, "fedavg_update", poisoned)
-    monkeypatch.setattr(client_module, "check_update", lambda *a, **k: None)  # only the server checks now
-    sim = FederatedSimulation(model, clients, cfg, seed=0)
+    sim = FederatedSimulation(model, clients, cfg, seed=0, engine=Corrupting())
     rr = sim.run_round(0)
     assert rr.dropped == [1] and "rejected by the server" in rr.errors[1] and "round 0" in rr.errors[1]
     assert all(bool(torch.isfinite(p).all()) for p in sim.model.parameters())

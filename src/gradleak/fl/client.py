@@ -17,9 +17,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradleak.data.base import ImageDataset
-from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure
+from gradleak.defenses.base import Defense, DefenseFailure
+from gradleak.defenses.in_loop import DefendedLoop
 from gradleak.types import LocalTraining, Update
-from gradleak.validation import InvalidUpdateError, check_update
 
 
 @dataclass
@@ -45,7 +45,7 @@ def _batches(n: int, batch_size: int, shuffle: bool, generator: torch.Generator)
 
 
 def fedsgd_update(
-    model: nn.Module, data: ImageDataset, chain: DefenseChain, generator: torch.Generator, batch_size: int
+    model: nn.Module, data: ImageDataset, loop: DefendedLoop, generator: torch.Generator, batch_size: int
 ) -> tuple[Update, ImageDataset]:
     """Gradient of the mean cross-entropy on one batch drawn from ``data`` (first batch of a shuffle)."""
     idx = torch.randperm(len(data), generator=generator)[: min(batch_size, len(data))]
@@ -53,36 +53,27 @@ def fedsgd_update(
     model.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(batch.images), batch.labels)
     loss.backward()
-    chain.on_gradients(model, 0)
-    grads = {
-        n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-        for n, p in model.named_parameters()
-    }
-    return Update(grads, len(batch), kind="gradient"), batch
+    return loop.gradient(len(batch)), batch
 
 
 def fedavg_update(
     model: nn.Module,
     data: ImageDataset,
     training: LocalTraining,
-    chain: DefenseChain,
+    loop: DefendedLoop,
     generator: torch.Generator,
 ) -> Update:
-    """E epochs of mini-batch training; returns delta = w_T - w_0 for every parameter."""
-    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], training)
-    step = 0
+    """E epochs of mini-batch training in the defended loop; returns delta = w_T - w_0."""
+    opt = loop.optimizer
+    assert opt is not None
     for _ in range(training.epochs):
         for idx in _batches(len(data), training.batch_size, training.shuffle, generator):
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(data.images[idx]), data.labels[idx])
             loss.backward()
-            chain.on_gradients(model, step)
-            opt.step()
-            step += 1
-        chain.on_epoch_end(model, opt)
-    delta = {n: p.detach() - w0[n] for n, p in model.named_parameters()}
-    return Update(delta, len(data), kind="delta", metadata={"local_steps": step})
+            opt.step()  # the defenses' on_gradients run first (DefendedLoop's step pre-hook)
+        loop.end_epoch()
+    return loop.update(len(data))
 
 
 def train_client(
@@ -95,7 +86,8 @@ def train_client(
     *,
     private: ImageDataset | None = None,
 ) -> ClientResult:
-    """Run one client's local training on a private copy of the broadcast model.
+    """Run one client's local training on a private copy of the broadcast model, through
+    :class:`~gradleak.defenses.in_loop.DefendedLoop` (the same hooks a user's own loop gets).
 
     Defenses whose ``setup`` takes ``data`` receive the client's private data: ``private`` when given (the
     client's whole share when the training data is a subset of it, e.g. an audit's ``max_samples``), else
@@ -106,17 +98,21 @@ def train_client(
     """
     model = copy.deepcopy(global_model)
     model.train()
-    chain = DefenseChain(defenses)
+    fedavg = training.protocol == "fedavg"
     try:
-        chain.setup(model, generator=generator, data=data if private is None else private)
-        if training.protocol == "fedsgd":
-            update, truth = fedsgd_update(model, data, chain, generator, training.batch_size)
+        loop = DefendedLoop(
+            model,
+            (lambda params: make_optimizer(list(params), training)) if fedavg else None,
+            defenses,
+            generator=generator,
+            data=data if private is None else private,
+            source=f"client {client_id}",
+        )
+        if fedavg:
+            update, truth = fedavg_update(model, data, training, loop, generator), data
         else:
-            update, truth = fedavg_update(model, data, training, chain, generator), data
-        update = chain.on_update(update)
-        # the client checks what it is about to send: a diverged run (e.g. lr = inf) sends nothing
-        check_update(update, global_model, source=f"client {client_id}")
-    except (DefenseFailure, InvalidUpdateError) as exc:
+            update, truth = fedsgd_update(model, data, loop, generator, training.batch_size)
+    except DefenseFailure as exc:
         return ClientResult(client_id, None, None, error=str(exc))
     meta = {**update.metadata, "client_id": client_id}
     update = Update(update.tensors, update.num_samples, update.kind, meta)

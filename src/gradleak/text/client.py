@@ -17,15 +17,15 @@ defense skipped (every gradient cleared, e.g. a non-finite gradient under AEGIS)
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 
-from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure
+from gradleak.defenses.base import Defense
+from gradleak.defenses.in_loop import DefendedLoop
 from gradleak.text.data import TextBatch
 from gradleak.types import Update
-from gradleak.validation import check_update
 
 _DEFAULT_SEED = 0
 
@@ -71,23 +71,17 @@ def fedsgd_text_update(
     With ``defenses`` the gradient is taken on a private copy of the model, after ``setup``, and passed
     through ``on_gradients`` and ``on_update``; frozen parameters export a zero gradient.
     """
-    chain = DefenseChain(defenses)
     work = copy.deepcopy(model) if defenses else model
     was_training = work.training
-    if defenses:
-        chain.setup(work, generator=_generator(generator))
+    loop = DefendedLoop(work, None, defenses, generator=_generator(generator), source=f"client {client_id}")
     work.train(dropout)
     work.zero_grad(set_to_none=True)
-    text_loss(work, batch, task).backward()
-    if defenses:
-        chain.on_gradients(work, 0)
-        if all(p.grad is None for p in work.parameters()):
-            raise DefenseFailure("every gradient was cleared by a defense (step skipped); nothing is sent")
-    grads = _grads(work)
-    work.zero_grad(set_to_none=True)
-    work.train(was_training)
-    update = Update(grads, len(batch), kind="gradient", metadata={"client_id": client_id})
-    return _checked(chain.on_update(update) if defenses else update, model, client_id)
+    try:
+        text_loss(work, batch, task).backward()
+        return loop.gradient(len(batch), {"client_id": client_id})
+    finally:  # the model is left as it was, whatever happened
+        work.zero_grad(set_to_none=True)
+        work.train(was_training)
 
 
 class LocalTrainer:
@@ -114,6 +108,7 @@ class LocalTrainer:
         dropout: bool = False,
         defenses: Sequence[Defense] = (),
         generator: torch.Generator | None = None,
+        source: str = "client",
     ) -> None:
         if optimizer not in ("sgd", "adamw"):
             raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
@@ -123,14 +118,15 @@ class LocalTrainer:
         if total_steps is not None and total_steps <= warmup_steps:
             raise ValueError(f"total_steps ({total_steps}) must exceed warmup_steps ({warmup_steps})")
         self.model, self.task, self.dropout = model, task, dropout
-        self.chain = DefenseChain(defenses)
-        self.chain.setup(model, generator=_generator(generator))
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer: torch.optim.Optimizer = (
-            torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
-            if optimizer == "sgd"
-            else torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-        )
+
+        def build(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+            kind = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
+            return kind(params, lr=lr, weight_decay=weight_decay)
+
+        # setup, then the optimiser over what stays trainable; on_gradients before every step
+        self.loop = DefendedLoop(model, build, defenses, generator=_generator(generator), source=source)
+        assert self.loop.optimizer is not None
+        self.optimizer: torch.optim.Optimizer = self.loop.optimizer
         self.base_lr, self.warmup_steps, self.total_steps = lr, warmup_steps, total_steps
         self.steps_done = 0
 
@@ -152,13 +148,12 @@ class LocalTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = text_loss(self.model, batch, self.task)
         loss.backward()
-        self.chain.on_gradients(self.model, self.steps_done)
-        self.optimizer.step()
+        self.optimizer.step()  # the defenses' on_gradients run first (the loop's step pre-hook)
         self.steps_done += 1
         return float(loss.detach())
 
     def end_epoch(self) -> None:
-        self.chain.on_epoch_end(self.model, self.optimizer)
+        self.loop.end_epoch()
 
 
 def fedavg_text_update(
@@ -181,22 +176,14 @@ def fedavg_text_update(
         raise ValueError("need at least one batch and epochs >= 1")
     work = copy.deepcopy(model)
     trainer = LocalTrainer(
-        work, task, lr=lr, optimizer=optimizer, dropout=dropout, defenses=defenses, generator=generator
-    )
+        work, task, lr=lr, optimizer=optimizer, dropout=dropout, defenses=defenses, generator=generator,
+        source=f"client {client_id}",
+    )  # fmt: skip
     for _ in range(epochs):
         for batch in batches:
             trainer.step(batch)
         trainer.end_epoch()
-    w0 = dict(model.named_parameters())
-    delta = {n: (p.detach() - w0[n].detach()).clone() for n, p in work.named_parameters()}
     n = sum(len(b) for b in batches)
-    meta = {"client_id": client_id, "steps": trainer.steps_done}
-    return _checked(trainer.chain.on_update(Update(delta, n, kind="delta", metadata=meta)), model, client_id)
-
-
-def _checked(update: Update, model: nn.Module, client_id: int) -> Update:
-    """The client checks what it is about to send (:func:`gradleak.validation.check_update`). The text
-    client raises (``InvalidUpdateError``, as it raises ``DefenseFailure``); the image client's
-    :func:`gradleak.fl.client.train_client` returns ``update=None`` with the reason instead."""
-    check_update(update, model, source=f"client {client_id}")
-    return update
+    # through on_update and the validation; raises DefenseFailure (send nothing) where the image client's
+    # train_client returns update=None with the reason
+    return trainer.loop.update(n, {"client_id": client_id, "steps": trainer.steps_done})

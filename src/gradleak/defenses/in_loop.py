@@ -1,0 +1,169 @@
+"""Defenses in any PyTorch training loop: the user keeps their loop, gradleak applies every hook at its place.
+
+The shape of Opacus' ``make_private``: :func:`defend` takes the model, an optimizer *factory* (the
+optimizer is built after the defenses' ``setup``, which may freeze parameters, e.g. AEGIS freezes
+attention) and the defenses, and returns a :class:`DefendedLoop`. Then, in the user's own loop::
+
+    loop = defend(model, lambda ps: torch.optim.Adam(ps, lr=1e-3), ["dp_noise"], generator=g)
+    for epoch in range(E):
+        for x, y in batches:
+            loop.optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            loop.optimizer.step()          # the defenses' on_gradients run first, on what backward left
+        loop.end_epoch()                   # on_epoch_end (Aegis' synthetic logical batch)
+    update = loop.update(num_samples=n)    # w_T - w_0 through on_update, validated
+
+or, FedSGD, ``loss.backward(); update = loop.gradient(num_samples=n)``. Anything that goes wrong (a hook
+raises, produces non-finite values, or the update is invalid) raises :class:`DefenseFailure`: the caller
+sends nothing. A failure is sticky: after one, every later step and update raises too, so an unprotected
+update cannot leave by catching the first error and carrying on. This runs unchanged inside a Flower
+``@app.train()`` function. gradleak's own clients (:func:`gradleak.fl.client.train_client`, the text
+:class:`~gradleak.text.client.LocalTrainer`) train through it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure
+from gradleak.registry import DEFENSES
+from gradleak.types import Update
+from gradleak.validation import InvalidUpdateError, check_update
+
+DefenseSpec = Defense | str | tuple[str, Mapping[str, Any]]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def build_defenses(specs: Sequence[DefenseSpec]) -> list[Defense]:
+    """Defense instances from instances, registered names, or ``(name, options)`` pairs."""
+    out: list[Defense] = []
+    for spec in specs:
+        if isinstance(spec, Defense):
+            out.append(spec)
+        elif isinstance(spec, str):
+            out.append(DEFENSES.create(spec))
+        elif isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str):
+            out.append(DEFENSES.create(spec[0], **dict(spec[1])))
+        else:
+            raise TypeError(f"a defense is a Defense, a registered name or (name, options), got {spec!r}")
+    return out
+
+
+class DefendedLoop:
+    """A model, its optimizer and a defense chain; see the module docstring. Use :func:`defend`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerFactory | None,
+        defenses: Sequence[DefenseSpec],
+        *,
+        generator: torch.Generator,
+        data: object | None = None,
+        source: str = "client",
+    ) -> None:
+        self.model, self.source = model, source
+        self.chain = DefenseChain(build_defenses(defenses))
+        self.failure: DefenseFailure | None = None
+        self.steps = 0
+        self._in_epoch_end = False
+        # w_0 for the FedAvg delta (FedSGD needs no copy of the weights)
+        self.w0 = {n: p.detach().clone() for n, p in model.named_parameters()} if optimizer else None
+        self.reference = {n: p.detach() for n, p in model.named_parameters()}  # names, shapes, dtypes
+        self._guard(lambda: self.chain.setup(model, generator=generator, data=data))  # type: ignore[arg-type]
+        self.optimizer: torch.optim.Optimizer | None = None
+        if optimizer is not None:
+            self.optimizer = optimizer([p for p in model.parameters() if p.requires_grad])
+            self.optimizer.register_step_pre_hook(self._before_step)
+
+    def _guard(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn``; any failure becomes (and stays) a :class:`DefenseFailure`."""
+        if self.failure is not None:
+            raise self.failure
+        try:
+            return fn()
+        except DefenseFailure as exc:
+            self.failure = exc
+        except InvalidUpdateError as exc:
+            self.failure = DefenseFailure(str(exc))
+            self.failure.__cause__ = exc
+        raise self.failure
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The optimizer's step pre-hook: the defenses see the gradient first (not inside Aegis' own
+        synthetic step at epoch end, which is the defense's)."""
+        if self._in_epoch_end:
+            return
+        self._guard(lambda: self.chain.on_gradients(self.model, self.steps))
+        self.steps += 1
+
+    def end_epoch(self) -> None:
+        """After each local epoch: the defenses' ``on_epoch_end`` (with this loop's optimizer)."""
+        if self.optimizer is None:
+            raise ValueError("end_epoch needs an optimizer: pass one to defend()")
+        self._in_epoch_end = True
+        try:
+            self._guard(lambda: self.chain.on_epoch_end(self.model, self.optimizer))  # type: ignore[arg-type]
+        finally:
+            self._in_epoch_end = False
+
+    def _send(self, update: Update) -> Update:
+        def finish() -> Update:
+            out = self.chain.on_update(update)
+            check_update(out, self.reference, source=self.source)
+            return out
+
+        result: Update = self._guard(finish)
+        return result
+
+    def update(self, num_samples: int, metadata: Mapping[str, object] | None = None) -> Update:
+        """FedAvg: ``delta = w_T - w_0`` for every parameter, through the defenses' ``on_update``."""
+        if self.w0 is None:
+            raise ValueError("update() needs the optimizer given to defend(); FedSGD sends gradient()")
+        w0 = self.w0
+        delta = {n: p.detach() - w0[n] for n, p in self.model.named_parameters()}
+        meta = {"local_steps": self.steps, **dict(metadata or {})}
+        return self._send(Update(delta, num_samples, kind="delta", metadata=meta))
+
+    def gradient(self, num_samples: int, metadata: Mapping[str, object] | None = None) -> Update:
+        """FedSGD: the gradient of the one backward pass, after ``on_gradients``, through ``on_update``
+        (frozen or unused parameters send zeros; a defense that cleared every gradient, i.e. skipped the
+        step, sends nothing rather than an all-zero "gradient")."""
+        self._guard(lambda: self.chain.on_gradients(self.model, 0))
+        if self.chain.defenses and all(p.grad is None for p in self.model.parameters()):
+            self.failure = DefenseFailure(
+                "every gradient was cleared by a defense (step skipped); nothing is sent"
+            )
+            raise self.failure
+        grads = {
+            n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+            for n, p in self.model.named_parameters()
+        }
+        return self._send(Update(grads, num_samples, kind="gradient", metadata=dict(metadata or {})))
+
+
+def defend(
+    model: nn.Module,
+    optimizer: OptimizerFactory | None,
+    defenses: Sequence[DefenseSpec],
+    *,
+    generator: torch.Generator | None = None,
+    data: object | None = None,
+    copy_model: bool = False,
+    source: str = "client",
+) -> DefendedLoop:
+    """Apply ``defenses`` to training ``model`` in the caller's loop (see the module docstring).
+
+    ``optimizer`` builds the optimizer from the parameters left trainable after ``setup`` (``None`` for
+    FedSGD, which takes no step). ``data`` is the client's private data for data-aware defenses (Aegis);
+    it stays on the client. ``copy_model`` trains a private copy (then use ``loop.model``). ``source``
+    names the client in errors. Raises :class:`DefenseFailure` if a ``setup`` fails.
+    """
+    work = copy.deepcopy(model) if copy_model else model
+    gen = generator if generator is not None else torch.Generator().manual_seed(0)
+    return DefendedLoop(work, optimizer, defenses, generator=gen, data=data, source=source)
