@@ -8,6 +8,7 @@ if/elif factories. Attacks and defenses pair a config dataclass with the class i
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -40,9 +41,17 @@ class Entry(Generic[T]):
 class Registry(Generic[T]):
     """A named collection of factories of one kind ("dataset", "model", "attack", "defense")."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, package: str | None = None) -> None:
         self.kind = kind
+        self.package = package  # imported on first lookup: its modules register the built-in entries
         self._entries: dict[str, Entry[T]] = {}
+        self._populated = package is None
+
+    def _populate(self) -> None:
+        """Complete on first use: ``ATTACKS.create("sme")`` works without importing gradleak.attacks."""
+        if not self._populated:
+            self._populated = True
+            importlib.import_module(self.package)  # type: ignore[arg-type]
 
     def register(
         self,
@@ -66,6 +75,7 @@ class Registry(Generic[T]):
         return factory
 
     def entry(self, name: str) -> Entry[T]:
+        self._populate()
         try:
             return self._entries[name.lower()]
         except KeyError:
@@ -76,12 +86,15 @@ class Registry(Generic[T]):
         return self.entry(name).factory
 
     def names(self) -> list[str]:
+        self._populate()
         return sorted(self._entries)
 
     def __contains__(self, name: object) -> bool:
+        self._populate()
         return isinstance(name, str) and name.lower() in self._entries
 
     def __iter__(self) -> Iterator[Entry[T]]:
+        self._populate()
         return iter(self._entries[k] for k in sorted(self._entries))
 
     def make_config(self, name: str, overrides: Mapping[str, Any] | None = None) -> Any:
@@ -102,7 +115,7 @@ class Registry(Generic[T]):
         return factory(self.make_config(name, overrides))
 
 
-DATASETS: Registry[Callable[..., Any]] = Registry("dataset")
-MODELS: Registry[Callable[..., Any]] = Registry("model")
-ATTACKS: Registry[Callable[..., Any]] = Registry("attack")
-DEFENSES: Registry[Callable[..., Any]] = Registry("defense")
+DATASETS: Registry[Callable[..., Any]] = Registry("dataset", "gradleak.data")
+MODELS: Registry[Callable[..., Any]] = Registry("model", "gradleak.models")
+ATTACKS: Registry[Callable[..., Any]] = Registry("attack", "gradleak.attacks")
+DEFENSES: Registry[Callable[..., Any]] = Registry("defense", "gradleak.defenses")

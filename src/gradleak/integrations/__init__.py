@@ -1,0 +1,1 @@
+"""Integrations with FL frameworks (optional extras)."""

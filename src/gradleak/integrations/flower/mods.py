@@ -1,0 +1,126 @@
+"""gradleak defenses as Flower client mods: ``ClientApp(mods=[DefenseMod(["pruning"])])``.
+
+A mod sees only messages: the model the server sent (``w_0``, the train message's one ``ArrayRecord``) and
+the model the ClientApp replies with (``w_T``). So a mod can run exactly the defenses that act on the
+outgoing update (only an ``on_update`` hook, e.g. ``pruning``, ``update_noise``): it forms the update
+``w_T - w_0`` of the floating-point arrays, passes it through the defenses and the update validation, and
+replies with ``w_0 + defended update`` (Flower's convention: a train reply carries weights). Defenses that
+act on every step's gradient or at epoch end (``dp_noise``, ``compression``, ``soteria``, ``aegis``,
+``aegis_llm``) need the training loop: :class:`DefenseMod` refuses them, naming
+:func:`gradleak.defenses.in_loop.defend` for the ClientApp's ``@app.train()`` function.
+
+Fail closed: a defense error, a non-finite update or a reply that does not match what was sent becomes an
+error reply (``ErrorCode.MOD_FAILED_PRECONDITION``) carrying no arrays. The mod composes with Flower's own
+mods; placed before ``fixedclipping_mod`` in ``mods=[...]`` it acts on the already clipped update (mods
+wrap in list order, so the first one handles the reply last).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from flwr.app import ArrayRecord, Context, Error, Message, MessageType
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.constant import ErrorCode
+from torch import nn
+
+from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure
+from gradleak.defenses.in_loop import DefenseSpec, build_defenses
+from gradleak.fl.simulation import derive_seed
+from gradleak.types import Update
+from gradleak.validation import InvalidUpdateError, check_update
+
+log = logging.getLogger(__name__)
+
+NUM_EXAMPLES = "num-examples"  # the MetricRecord key Flower's strategies weight by
+
+
+class UnsupportedModError(ValueError):
+    """A defense that needs the training loop was asked to run as a mod."""
+
+
+def is_update_level(defense: Defense) -> bool:
+    """Whether ``defense`` acts on the outgoing update only (``on_update``; ``setup`` may keep a seed)."""
+    cls = type(defense)
+    in_loop = cls.on_gradients is not Defense.on_gradients or cls.on_epoch_end is not Defense.on_epoch_end
+    return not in_loop and cls.on_update is not Defense.on_update
+
+
+class DefenseMod:
+    """A Flower ``Mod`` applying gradleak update-level ``defenses`` to a ClientApp's train replies.
+
+    ``seed`` seeds the defenses' randomness per node and round (``derive_seed(seed, node_id, round)``,
+    the round from the message's ``group_id`` as Flower's strategies set it).
+    """
+
+    def __init__(self, defenses: Sequence[DefenseSpec], *, seed: int = 0) -> None:
+        self.specs = list(defenses)
+        self.seed = seed
+        for d in build_defenses(self.specs):  # checked now, when the ClientApp is built
+            if not is_update_level(d):
+                raise UnsupportedModError(
+                    f"defense {d.name!r} acts inside local training (each step's gradient or the epoch end), "
+                    "which a Flower mod cannot see: apply it in the ClientApp's @app.train() function with "
+                    "gradleak.defenses.in_loop.defend(model, optimizer_factory, [...])"
+                )
+
+    def __call__(self, msg: Message, ctx: Context, call_next: ClientAppCallable) -> Message:
+        if msg.metadata.message_type != MessageType.TRAIN:
+            return call_next(msg, ctx)
+        if len(msg.content.array_records) != 1:
+            return _refuse(
+                msg,
+                f"expects one ArrayRecord in the train message, found {len(msg.content.array_records)}",
+            )
+        w0 = next(iter(msg.content.array_records.values())).to_torch_state_dict()
+        reply = call_next(msg, ctx)
+        if reply.has_error():
+            return reply
+        if len(reply.content.array_records) != 1:
+            return _refuse(
+                msg, f"expects exactly one ArrayRecord in the reply, found {len(reply.content.array_records)}"
+            )
+        key, record = next(iter(reply.content.array_records.items()))
+        wt = record.to_torch_state_dict()
+        if list(wt) != list(w0):
+            return _refuse(msg, "the reply's arrays do not carry the names the server sent")
+        try:
+            defended = self._defend(w0, wt, reply, ctx, msg)
+        except (DefenseFailure, InvalidUpdateError) as exc:
+            return _refuse(msg, str(exc))
+        reply.content[key] = ArrayRecord(torch_state_dict=defended)
+        return reply
+
+    def _defend(
+        self,
+        w0: dict[str, torch.Tensor],
+        wt: dict[str, torch.Tensor],
+        reply: Message,
+        ctx: Context,
+        msg: Message,
+    ) -> dict[str, torch.Tensor]:
+        floats = {n: t for n, t in w0.items() if t.is_floating_point()}
+        source = f"node {ctx.node_id}, round {msg.metadata.group_id or '?'}"
+        delta = {n: wt[n].to(t.dtype) - t for n, t in floats.items()}
+        metrics = reply.content.metric_records
+        n = next((int(m[NUM_EXAMPLES]) for m in metrics.values() if NUM_EXAMPLES in m), 1)  # type: ignore[arg-type]
+        update = Update(delta, n, "delta", {"node_id": ctx.node_id})
+        check_update(update, floats, source=source)  # what the ClientApp produced
+        group = msg.metadata.group_id
+        rnd = int(group) if group.isdigit() else 0
+        chain = DefenseChain(build_defenses(self.specs))  # fresh per message: no state across rounds
+        chain.setup(
+            nn.Module(), generator=torch.Generator().manual_seed(derive_seed(self.seed, ctx.node_id, rnd))
+        )
+        out = chain.on_update(update)
+        check_update(out, floats, source=source)
+        return {name: (w0[name] + out.tensors[name]) if name in floats else wt[name] for name in w0}
+
+
+def _refuse(msg: Message, reason: str) -> Message:
+    log.error("gradleak DefenseMod: %s; the update is withheld", reason)
+    return Message(
+        Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=f"gradleak DefenseMod: {reason}"), reply_to=msg
+    )

@@ -1,0 +1,153 @@
+"""gradleak defenses as Flower client mods, on real flwr messages: each mod changes the reply exactly as the
+in-process defense changes the same update, composes with Flower's own mods, and fails closed."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+flwr = pytest.importorskip("flwr")
+
+from flwr.app import (  # noqa: E402
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    Metadata,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.client.mod.utils import make_ffn  # noqa: E402
+from flwr.clientapp.mod import fixedclipping_mod  # noqa: E402
+
+from gradleak.defenses.base import Defense  # noqa: E402
+from gradleak.fl.simulation import derive_seed  # noqa: E402
+from gradleak.integrations.flower import DefenseMod, UnsupportedModError, is_update_level  # noqa: E402
+from gradleak.models import build_model  # noqa: E402
+from gradleak.registry import DEFENSES  # noqa: E402
+from gradleak.types import Update  # noqa: E402
+
+NODE = 7
+
+
+def model_state() -> dict[str, torch.Tensor]:
+    return build_model("sme_cnn", (1, 12, 12), 3, seed=0).state_dict()
+
+
+def train_message(state, config=None, message_type=MessageType.TRAIN) -> Message:
+    metadata = Metadata(
+        run_id=1, message_id="m1", src_node_id=1, dst_node_id=NODE, reply_to_message_id="", group_id="3",
+        created_at=time.time(), ttl=600.0, message_type=message_type,
+    )  # fmt: skip
+    content = RecordDict(
+        {"arrays": ArrayRecord(torch_state_dict=state), "config": ConfigRecord(config or {})}
+    )
+    return Message(content, metadata=metadata)
+
+
+def context() -> Context:
+    return Context(run_id=1, node_id=NODE, node_config={}, state=RecordDict(), run_config={})
+
+
+def client_app(step: float = 0.05, poison: bool = False):
+    """A ClientApp train function: w_T = w_0 + a fixed, seeded 'training' step (NaN when ``poison``)."""
+
+    def train(msg: Message, ctx: Context) -> Message:
+        w = msg.content["arrays"].to_torch_state_dict()
+        g = torch.Generator().manual_seed(1)
+        out = {
+            n: t + step * torch.randn(t.shape, generator=g) if t.is_floating_point() else t
+            for n, t in w.items()
+        }
+        if poison:
+            first = next(iter(out))
+            out[first] = out[first].clone().fill_(math.nan)
+        reply = RecordDict(
+            {"arrays": ArrayRecord(torch_state_dict=out), "metrics": MetricRecord({"num-examples": 16})}
+        )
+        return Message(reply, reply_to=msg)
+
+    return train
+
+
+def in_process(name: str, options: dict, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same defense on the same update, in process, seeded as the mod seeds it."""
+    d: Defense = DEFENSES.create(name, **options)
+    d.setup(torch.nn.Module(), generator=torch.Generator().manual_seed(derive_seed(0, NODE, 3)))
+    return dict(d.on_update(Update(delta, 16)).tensors)
+
+
+@pytest.mark.parametrize(
+    ("name", "options"), [("pruning", {"ratio": 0.7}), ("update_noise", {"clip": 0.5, "sigma": 0.1})]
+)
+def test_the_mod_changes_the_reply_as_the_in_process_defense_changes_the_update(name, options):
+    w0 = model_state()
+    msg = train_message(w0)
+    reply = make_ffn(client_app(), [DefenseMod([(name, options)])])(msg, context())
+    assert not reply.has_error()
+    sent = reply.content["arrays"].to_torch_state_dict()
+    plain = client_app()(msg, context()).content["arrays"].to_torch_state_dict()
+    delta = {n: plain[n] - w0[n] for n in w0}
+    expected = in_process(name, options, delta)
+    for n in w0:
+        torch.testing.assert_close(sent[n] - w0[n], expected[n], rtol=0, atol=1e-6)  # (w0 + u) - w0 rounding
+    assert reply.content["metrics"]["num-examples"] == 16  # the rest of the reply is untouched
+
+
+def test_after_flowers_fixed_clipping_mod_it_prunes_the_clipped_update():
+    w0 = model_state()
+    msg = train_message(w0, {"clipping_norm": 0.3})
+    mods = [DefenseMod([("pruning", {"ratio": 0.5})]), fixedclipping_mod]  # Flower clips first on the way out
+    reply = make_ffn(client_app(), mods)(msg, context())
+    assert not reply.has_error()
+    sent = reply.content["arrays"].to_torch_state_dict()
+    plain = client_app()(msg, context()).content["arrays"].to_torch_state_dict()
+    delta = {n: (plain[n] - w0[n]).double() for n in w0}
+    norm = math.sqrt(sum(float(t.pow(2).sum()) for t in delta.values()))
+    clipped = {n: (t * min(1.0, 0.3 / norm)).float() for n, t in delta.items()}  # the slow obvious way
+    expected = in_process("pruning", {"ratio": 0.5}, clipped)
+    for n in w0:
+        torch.testing.assert_close(sent[n] - w0[n], expected[n], rtol=0, atol=1e-6)
+    sent_norm = math.sqrt(sum(float((sent[n] - w0[n]).double().pow(2).sum()) for n in w0))
+    assert sent_norm <= 0.3 + 1e-5
+
+
+def test_a_defense_that_needs_the_training_loop_is_refused_with_the_in_loop_api_named():
+    for name in ("dp_noise", "compression", "soteria", "aegis", "aegis_llm"):
+        assert not is_update_level(DEFENSES.create(name)), name
+        with pytest.raises(UnsupportedModError, match=r"in_loop\.defend"):
+            DefenseMod([name])
+    assert is_update_level(DEFENSES.create("pruning")) and is_update_level(DEFENSES.create("update_noise"))
+
+
+class Broken(Defense):
+    name = "broken"
+
+    def on_update(self, update):
+        raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("case", ["defense_raises", "non_finite_reply"])
+def test_the_mod_fails_closed_with_an_error_reply_and_no_arrays(case):
+    msg = train_message(model_state())
+    mod = DefenseMod([Broken()]) if case == "defense_raises" else DefenseMod(["pruning"])
+    reply = make_ffn(client_app(poison=case == "non_finite_reply"), [mod])(msg, context())
+    assert reply.has_error() and not reply.has_content()
+    assert "gradleak DefenseMod" in reply.error.reason
+    assert ("boom" if case == "defense_raises" else "non-finite") in reply.error.reason
+
+
+def test_other_messages_pass_through_untouched():
+    msg = train_message(model_state(), message_type=MessageType.EVALUATE)
+    calls = []
+
+    def evaluate(m, c):
+        calls.append(m)
+        return Message(RecordDict({"metrics": MetricRecord({"acc": 0.5})}), reply_to=m)
+
+    reply = make_ffn(evaluate, [DefenseMod(["pruning"])])(msg, context())
+    assert calls == [msg] and reply.content["metrics"]["acc"] == 0.5
