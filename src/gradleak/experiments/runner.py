@@ -4,7 +4,7 @@ Everything that can be checked without training is checked before work starts. E
 round, an attacked update, the summary) is committed to the store as one transaction, so a killed run
 loses at most the unit in progress and the same command resumes it (:mod:`gradleak.experiments.store`).
 Attacks receive only Observations built by :func:`gradleak.fl.server_view`; ground truth meets the
-reconstructions only in :func:`_score`.
+reconstructions only in :func:`score_reconstruction`.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def _label_accuracy(recovered: torch.Tensor | None, truth: torch.Tensor) -> floa
     return sum(hit.values()) / max(1, len(truth))
 
 
-def _score(rec: Reconstruction, truth: ImageDataset) -> dict[str, Any]:
+def score_reconstruction(rec: Reconstruction, truth: ImageDataset) -> dict[str, Any]:
+    """Label accuracy and (for images) every image score of ``rec`` against the true ``truth``."""
     out: dict[str, Any] = {"label_accuracy": _label_accuracy(rec.labels, truth.labels)}
     if rec.images is not None:
         out.update(score_images(rec.images, truth.images).to_dict())
@@ -386,7 +387,7 @@ class _Run:
                 gen = torch.Generator().manual_seed(derive_seed(seed, 0xA77C, k))
                 reconstruction = attack.reconstruct(obs, generator=gen)
                 truth = _truth_for(obs, results)
-                scores = _score(reconstruction, truth)
+                scores = score_reconstruction(reconstruction, truth)
                 record = {"kind": "attack", "attack": spec.name, "cell": i, "options": dict(spec.options),
                           "client_id": obs.update.metadata.get("client_id"), "aggregated": obs.aggregated,
                           "num_clients": obs.num_clients, "batch_size": len(truth), **reconstruction.stats,

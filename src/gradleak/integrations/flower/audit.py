@@ -1,0 +1,212 @@
+"""Auditing a Flower server: a strategy wrapper that hands what the server receives to gradleak's attacks.
+
+``AuditStrategy(FedAvg(...), model=..., attacks=["ig"], store=ResultStore(...))`` behaves as the wrapped
+strategy (sampling, aggregation, evaluation are its own) and, in the rounds it audits, turns every train
+reply into a named update ``w_T - w_0`` of the model's parameters (the arrays the strategy sent that round
+are ``w_0``), validates it like every other update (a bad one is recorded as rejected, never attacked) and
+runs each attack on the :class:`~gradleak.types.Observation` an honest-but-curious server has: the model at
+``w_0``, that update, and the public recipe if given. Each attacked update is one unit in gradleak's results
+store, with Flower's round and node ids, committed as it finishes; the run is completed when ``start``
+returns. Under secure aggregation (``secure_aggregation=True``, e.g. beside Flower's SecAgg+) the server
+sees only the sum, so the wrapper attacks the aggregate of the round's replies as one observation.
+
+A real server has no ground truth: records carry the attack's statistics and the reconstruction's size.
+``truth`` (node id -> the client's data, for simulations and tests) adds the same scores the in-process
+runner computes.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import logging
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from torch import nn
+
+from gradleak.attacks import create_attack
+from gradleak.data.base import ImageDataset
+from gradleak.experiments.runner import environment, score_reconstruction
+from gradleak.experiments.store import ResultStore, RunRow
+from gradleak.fl.server import secure_sum
+from gradleak.fl.simulation import derive_seed
+from gradleak.integrations.flower.mods import NUM_EXAMPLES
+from gradleak.types import LocalTraining, Observation, Update
+from gradleak.validation import InvalidUpdateError, check_update
+
+log = logging.getLogger(__name__)
+
+AttackSpec = str | tuple[str, Mapping[str, Any]]
+
+
+class AuditStrategy(Strategy):
+    """Wrap ``strategy``; audit its train replies with ``attacks`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        *,
+        model: nn.Module,
+        attacks: Sequence[AttackSpec],
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        store: ResultStore | None = None,
+        training: LocalTraining | None = None,
+        rounds: Iterable[int] | None = None,
+        secure_aggregation: bool = False,
+        seed: int = 0,
+        name: str = "flower",
+        truth: Callable[[int], ImageDataset | None] | None = None,
+    ) -> None:
+        self.strategy, self.model = strategy, model
+        self.attacks = [(a, {}) if isinstance(a, str) else (a[0], dict(a[1])) for a in attacks]
+        for attack_name, options in self.attacks:  # unknown names and options fail now, not mid-run
+            create_attack(attack_name, **options)
+        self.input_shape, self.num_classes = tuple(input_shape), num_classes
+        self.store, self.training, self.seed, self.name, self.truth = store, training, seed, name, truth
+        self.rounds = None if rounds is None else set(rounds)
+        self.secure_aggregation = secure_aggregation
+        self.records: list[dict[str, Any]] = []
+        self._broadcast: dict[int, dict[str, torch.Tensor]] = {}
+        self.run_id: str | None = None
+        if store is not None:
+            store.check()
+
+    # -- the wrapped strategy -------------------------------------------------------------------------
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self._broadcast[server_round] = {k: v.clone() for k, v in arrays.to_torch_state_dict().items()}
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Every reply is validated (a bad one is recorded and left out of the aggregate, in every round);
+        in audited rounds the valid ones are attacked; then the wrapped strategy aggregates them."""
+        replies = list(replies)
+        checked = self.updates(server_round, replies)
+        self._begin()
+        for node, bad in [(n, u) for n, u in checked if isinstance(u, str)]:
+            log.warning("audit: rejected %s", bad)
+            rejected = {"kind": "rejected", "round": server_round, "node_id": node, "error": bad}
+            self._commit(f"round/{server_round}/node/{node}/rejected", rejected)
+        valid = {n for n, u in checked if isinstance(u, Update)}
+        if self._audits(server_round):
+            self._audit(server_round, [(n, u) for n, u in checked if isinstance(u, Update)])
+        self._broadcast.pop(server_round, None)
+        kept = [r for r in replies if r.has_error() or int(r.metadata.src_node_id) in valid]
+        return self.strategy.aggregate_train(server_round, kept)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return self.strategy.aggregate_evaluate(server_round, replies)
+
+    def summary(self) -> None:
+        self.strategy.summary()
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, *args: Any, **kwargs: Any) -> Result:
+        """The wrapped strategy's rounds; the audit's run is marked complete when they are done."""
+        result = Strategy.start(self, grid, initial_arrays, *args, **kwargs)
+        if self.store is not None and self.run_id is not None:
+            finished = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+            self.store.finish_run(self.run_id, finished, [{"kind": "summary", "audited": len(self.records)}])
+        return result
+
+    # -- the audit ------------------------------------------------------------------------------------
+
+    def _audits(self, server_round: int) -> bool:
+        return self.rounds is None or server_round in self.rounds
+
+    def _begin(self) -> str:
+        if self.run_id is None:
+            started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+            run_id = f"{self.name}-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+            config = {"engine": "flower", "strategy": type(self.strategy).__name__,
+                      "attacks": [{"name": n, **o} for n, o in self.attacks],
+                      "secure_aggregation": self.secure_aggregation, "seed": self.seed}  # fmt: skip
+            if self.store is not None:
+                run_id, _ = self.store.begin_run(
+                    RunRow(run_id, self.name, started, "", config, environment(), "running", None),
+                    resume=False,
+                )
+            self.run_id = run_id
+        return self.run_id
+
+    def updates(self, server_round: int, replies: Sequence[Message]) -> list[tuple[int, Update | str]]:
+        """``(node id, update or the reason it was rejected)`` per train reply without error."""
+        w0 = self._broadcast[server_round]
+        params = dict(self.model.named_parameters())
+        out: list[tuple[int, Update | str]] = []
+        for reply in replies:
+            if reply.has_error():
+                continue
+            node = int(reply.metadata.src_node_id)
+            source = f"node {node}, round {server_round}"
+            try:
+                if len(reply.content.array_records) != 1:
+                    raise InvalidUpdateError(f"{source}: expected one ArrayRecord in the reply")
+                wt = next(iter(reply.content.array_records.values())).to_torch_state_dict()
+                missing = sorted(set(params) - set(wt) - set(w0))
+                if missing:
+                    raise InvalidUpdateError(f"{source}: the reply lacks parameters {missing[:5]}")
+                delta = {n: wt[n].to(w0[n].dtype) - w0[n] for n in params if n in wt and n in w0}
+                metrics = reply.content.metric_records.values()
+                n_samples = next((int(m[NUM_EXAMPLES]) for m in metrics if NUM_EXAMPLES in m), 1)  # type: ignore[arg-type]
+                update = Update(delta, n_samples, "delta", {"client_id": node, "round": server_round})
+                check_update(update, params, source=source)
+            except (InvalidUpdateError, ValueError, TypeError, KeyError) as exc:
+                out.append((node, str(exc)))
+                continue
+            out.append((node, update))
+        return out
+
+    def broadcast_model(self, server_round: int) -> nn.Module:
+        """The model at the weights the strategy sent in ``server_round``."""
+        model = copy.deepcopy(self.model)
+        model.load_state_dict(self._broadcast[server_round], strict=False)
+        return model.eval()
+
+    def _audit(self, server_round: int, good: Sequence[tuple[int, Update]]) -> None:
+        if not good:
+            return
+        w0 = self.broadcast_model(server_round)
+        observed: list[tuple[int | None, Update, int]]
+        if self.secure_aggregation:  # only the sum is visible
+            observed = [(None, secure_sum([u for _, u in good]), len(good))]
+        else:
+            observed = [(n, u, 1) for n, u in good]
+        for node, update, count in observed:
+            obs = Observation(w0, update, self.input_shape, self.num_classes, self.training,
+                              aggregated=count > 1 or self.secure_aggregation, num_clients=count)  # fmt: skip
+            for i, (attack_name, options) in enumerate(self.attacks):
+                gen = torch.Generator().manual_seed(derive_seed(self.seed, server_round, node or 0, i))
+                rec = create_attack(attack_name, **options).reconstruct(obs, generator=gen)
+                record: dict[str, Any] = {
+                    "kind": "attack", "attack": attack_name, "options": options, "round": server_round,
+                    "node_id": node, "aggregated": obs.aggregated, "num_clients": count,
+                    "num_samples": update.num_samples,
+                    "reconstructed": 0 if rec.images is None else len(rec.images), **rec.stats,
+                }  # fmt: skip
+                data = self.truth(node) if (self.truth is not None and node is not None) else None
+                if data is not None:
+                    record.update(score_reconstruction(rec, data))
+                self._commit(
+                    f"round/{server_round}/node/{node if node is not None else 'sum'}/attack/{i}", record
+                )
+
+    def _commit(self, unit: str, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if self.store is not None and self.run_id is not None:
+            self.store.commit_unit(self.run_id, unit, [record])

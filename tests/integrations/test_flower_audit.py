@@ -1,0 +1,170 @@
+"""AuditStrategy around Flower's own FedAvg, driven by Flower's own round loop (``Strategy.start``) over an
+in-process grid of ClientApp train functions that train with gradleak's ``defend``: the records equal the
+in-process attack on the same update, a bad reply is rejected and left out of the aggregate, and under
+secure aggregation only the sum is attacked."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+flwr = pytest.importorskip("flwr")
+
+from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
+from flwr.serverapp import Grid  # noqa: E402
+from flwr.serverapp.strategy import FedAvg  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+
+from gradleak.attacks import create_attack  # noqa: E402
+from gradleak.defenses.in_loop import defend  # noqa: E402
+from gradleak.experiments.runner import score_reconstruction  # noqa: E402
+from gradleak.experiments.store import ResultStore  # noqa: E402
+from gradleak.fl.simulation import derive_seed  # noqa: E402
+from gradleak.integrations.flower import AuditStrategy  # noqa: E402
+from gradleak.models import build_model  # noqa: E402
+from gradleak.types import Observation, Update  # noqa: E402
+
+from conftest import synthetic_dataset  # noqa: E402
+
+SHAPE, CLASSES = (1, 12, 12), 3
+DATA = {node: synthetic_dataset(n=4, shape=SHAPE, classes=CLASSES, seed=node) for node in (11, 12, 13)}
+IG = ("ig", {"max_iterations": 5, "lr": 0.1, "tv_weight": 1e-4})
+
+
+def new_model() -> torch.nn.Module:
+    return build_model("sme_cnn", SHAPE, CLASSES, seed=0)
+
+
+def client_train(node: int, arrays: ArrayRecord, server_round: int, poison: bool = False) -> RecordDict:
+    """A ClientApp's @app.train(): one local epoch with gradleak's in-loop API, weights back."""
+    model = new_model()
+    model.load_state_dict(arrays.to_torch_state_dict())
+    gen = torch.Generator().manual_seed(derive_seed(node, server_round))
+    loop = defend(model, lambda ps: torch.optim.SGD(ps, lr=0.1), [], generator=gen)
+    data = DATA[node]
+    for idx in torch.randperm(len(data), generator=gen).split(2):
+        loop.optimizer.zero_grad()
+        F.cross_entropy(model(data.images[idx]), data.labels[idx]).backward()
+        loop.optimizer.step()
+    state = model.state_dict()
+    if poison:
+        state = {k: v.clone().fill_(math.nan) if v.is_floating_point() else v for k, v in state.items()}
+    return RecordDict(
+        {"arrays": ArrayRecord(torch_state_dict=state), "metrics": MetricRecord({"num-examples": 4})}
+    )
+
+
+class InProcessGrid(Grid):
+    """Flower's Grid interface over in-process ClientApp train functions (no SuperLink, no Ray)."""
+
+    def __init__(self, poison: set[tuple[int, int]] = frozenset()) -> None:
+        self.poison = poison
+        self.sent: list[Message] = []
+
+    @property
+    def run(self):  # type: ignore[override]
+        raise NotImplementedError
+
+    def set_run(self, run):  # noqa: D102
+        raise NotImplementedError
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return Message(
+            content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id, ttl=ttl
+        )
+
+    def get_node_ids(self):
+        return sorted(DATA)
+
+    def push_messages(self, messages):
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):
+        raise NotImplementedError
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for msg in messages:
+            self.sent.append(msg)
+            assert msg.metadata.message_type == MessageType.TRAIN
+            node, rnd = msg.metadata.dst_node_id, int(msg.content["config"]["server-round"])
+            content = client_train(node, msg.content["arrays"], rnd, poison=(rnd, node) in self.poison)
+            replies.append(Message(content, reply_to=msg))
+        return replies
+
+
+@pytest.fixture(autouse=True)
+def server_identity():
+    """What Flower's ServerApp process sets before a strategy builds messages."""
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    random.seed(0)  # FedAvg samples nodes with Python's global random
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def audited(tmp_path, **options):
+    store = ResultStore(tmp_path / "audit.sqlite")
+    strategy = AuditStrategy(
+        FedAvg(fraction_evaluate=0.0, min_available_nodes=3, min_train_nodes=3),
+        model=new_model(), attacks=[IG], input_shape=SHAPE, num_classes=CLASSES, store=store,
+        truth=DATA.get, **options,
+    )  # fmt: skip
+    return strategy, store
+
+
+def test_the_wrapper_records_what_the_in_process_attack_gives_on_the_same_update(tmp_path):
+    strategy, store = audited(tmp_path)
+    initial = ArrayRecord(torch_state_dict=new_model().state_dict())
+    result = strategy.start(InProcessGrid(), initial, num_rounds=2, timeout=60)
+    (run,) = store.runs()
+    records = store.records(run.run_id, "attack")
+    assert sorted((r["round"], r["node_id"]) for r in records) == [
+        (r, n) for r in (1, 2) for n in (11, 12, 13)
+    ]
+    assert run.config["strategy"] == "FedAvg" and store.records(run.run_id)[-1]["kind"] == "summary"
+    # round 1, node 12, recomputed in process from the same broadcast: the same update, the same attack
+    w0 = new_model().state_dict()
+    wt = client_train(12, ArrayRecord(torch_state_dict=w0), 1)["arrays"].to_torch_state_dict()
+    model = new_model().eval()
+    update = Update({n: wt[n] - w0[n] for n, _ in model.named_parameters()}, 4, "delta", {"client_id": 12})
+    rec = create_attack(IG[0], **IG[1]).reconstruct(
+        Observation(model, update, SHAPE, CLASSES),
+        generator=torch.Generator().manual_seed(derive_seed(0, 1, 12, 0)),
+    )
+    expected = score_reconstruction(rec, DATA[12])
+    got = next(r for r in records if (r["round"], r["node_id"]) == (1, 12))
+    assert got["matching_loss"] == pytest.approx(rec.stats["matching_loss"], rel=1e-6)
+    assert got["psnr"] == pytest.approx(expected["psnr"], rel=1e-5) and got["reconstructed"] == 4
+    assert result.arrays is not None  # the wrapped strategy still aggregated
+
+
+def test_a_bad_reply_is_rejected_recorded_and_left_out_of_the_aggregate(tmp_path):
+    strategy, store = audited(tmp_path, rounds=[2])
+    initial = ArrayRecord(torch_state_dict=new_model().state_dict())
+    result = strategy.start(InProcessGrid(poison={(1, 13)}), initial, num_rounds=2, timeout=60)
+    (run,) = store.runs()
+    (rejected,) = store.records(run.run_id, "rejected")
+    assert (rejected["round"], rejected["node_id"]) == (1, 13) and "non-finite" in rejected["error"]
+    attacks = store.records(run.run_id, "attack")
+    assert sorted(r["node_id"] for r in attacks) == [11, 12, 13] and {r["round"] for r in attacks} == {2}
+    final = result.arrays.to_torch_state_dict()
+    assert all(bool(torch.isfinite(t).all()) for t in final.values())  # the NaN never reached the model
+
+
+def test_under_secure_aggregation_only_the_sum_is_attacked(tmp_path):
+    strategy, store = audited(tmp_path, secure_aggregation=True)
+    strategy.start(InProcessGrid(), ArrayRecord(torch_state_dict=new_model().state_dict()), num_rounds=1)
+    (run,) = store.runs()
+    (record,) = store.records(run.run_id, "attack")
+    assert record["node_id"] is None and record["aggregated"] and record["num_clients"] == 3
+    assert record["num_samples"] == 12 and "psnr" not in record  # no per-client truth for a sum
+
+
+def test_unknown_attacks_fail_when_the_wrapper_is_built(tmp_path):
+    with pytest.raises(KeyError, match="unknown attack"):
+        AuditStrategy(FedAvg(), model=new_model(), attacks=["nope"], input_shape=SHAPE, num_classes=CLASSES)
