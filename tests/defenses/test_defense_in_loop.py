@@ -140,3 +140,38 @@ def test_defense_specs_and_their_errors():
         build_defenses([42])
     with pytest.raises(KeyError, match="unknown defense"):
         build_defenses(["nope"])
+
+
+def test_weights_for_a_flower_reply_are_w0_plus_the_defended_update():
+    model = build_model("lenet", SHAPE, 3, seed=0)
+    w0 = {n: t.clone() for n, t in model.state_dict().items()}
+    loop = defend(model, lambda ps: torch.optim.SGD(ps, lr=0.5), [("pruning", {"ratio": 0.9})])
+    loop.optimizer.zero_grad()
+    F.cross_entropy(model(DATA.images[:8]), DATA.labels[:8]).backward()
+    loop.optimizer.step()
+    raw = {n: t.clone() for n, t in model.state_dict().items()}
+    sent = loop.weights(num_samples=8)
+    for n, t in sent.items():
+        delta = t - w0[n]
+        assert int((delta == 0).sum()) >= int(0.9 * t.numel()) - 1, n  # pruned, unlike the raw weights
+    assert any(int(((raw[n] - w0[n]) == 0).sum()) < int(0.9 * raw[n].numel()) for n in raw)
+
+
+def test_closures_and_fused_optimizers_are_refused():
+    model = build_model("lenet", SHAPE, 3, seed=0)
+    loop = defend(model, lambda ps: torch.optim.SGD(ps, lr=0.1), [])
+
+    def closure():
+        loop.optimizer.zero_grad()
+        loss = F.cross_entropy(model(DATA.images[:4]), DATA.labels[:4])
+        loss.backward()
+        return loss
+
+    with pytest.raises(DefenseFailure, match="closure"):
+        loop.optimizer.step(closure)
+    with pytest.raises(DefenseFailure):
+        loop.update(num_samples=4)  # sticky
+    with pytest.raises(ValueError, match="fused"):
+        defend(
+            build_model("lenet", SHAPE, 3, seed=0), lambda ps: torch.optim.Adam(ps, lr=0.1, fused=True), []
+        )

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 flwr = pytest.importorskip("flwr")
 
-from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
@@ -168,3 +168,63 @@ def test_under_secure_aggregation_only_the_sum_is_attacked(tmp_path):
 def test_unknown_attacks_fail_when_the_wrapper_is_built(tmp_path):
     with pytest.raises(KeyError, match="unknown attack"):
         AuditStrategy(FedAvg(), model=new_model(), attacks=["nope"], input_shape=SHAPE, num_classes=CLASSES)
+
+
+class BNNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 2, 3)
+        self.bn = torch.nn.BatchNorm2d(2)
+        self.fc = torch.nn.Linear(2 * 10 * 10, CLASSES)
+
+    def forward(self, x):
+        return self.fc(self.bn(self.conv(x)).flatten(1))
+
+
+class Capture(FedAvg):
+    """FedAvg that keeps what it was asked to aggregate."""
+
+    def aggregate_train(self, server_round, replies):
+        self.got = list(replies)
+        return super().aggregate_train(server_round, self.got)
+
+
+def test_every_array_is_checked_and_bad_replies_are_dropped_by_reply_not_by_node(tmp_path):
+    torch.manual_seed(0)
+    model = BNNet()
+    inner = Capture(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1)
+    strategy = AuditStrategy(inner, model=model, attacks=[], input_shape=SHAPE, num_classes=CLASSES,
+                             store=ResultStore(tmp_path / "a.sqlite"))  # fmt: skip
+    w0 = {k: v.clone() for k, v in model.state_dict().items()}
+    sent = list(
+        strategy.configure_train(1, ArrayRecord(torch_state_dict=w0), ConfigRecord(), InProcessGrid())
+    )
+
+    def reply(to, change):
+        state = {k: v.clone() for k, v in w0.items()}
+        change(state)
+        content = RecordDict(
+            {"arrays": ArrayRecord(torch_state_dict=state), "metrics": MetricRecord({"num-examples": 4})}
+        )
+        return Message(content, reply_to=to)
+
+    def nan_buffer(s):
+        s["bn.running_var"].fill_(math.nan)
+
+    def step(s):
+        s["fc.bias"] += 0.1
+
+    def extra(s):
+        s["backdoor"] = torch.zeros(2)
+
+    node11 = next(m for m in sent if m.metadata.dst_node_id == 11)
+    replies = [
+        reply(node11, nan_buffer),
+        reply(node11, step),
+        reply(node11, extra),
+    ]  # one node, three replies
+    strategy.aggregate_train(1, replies)
+    assert inner.got == [replies[1]]  # the valid reply of node 11 only
+    reasons = [r["error"] for r in strategy.records if r["kind"] == "rejected"]
+    assert len(reasons) == 2 and "bn.running_var" in reasons[0] and "non-finite" in reasons[0]
+    assert "backdoor" in reasons[1]

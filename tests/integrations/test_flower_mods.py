@@ -87,7 +87,7 @@ def in_process(name: str, options: dict, delta: dict[str, torch.Tensor]) -> dict
 def test_the_mod_changes_the_reply_as_the_in_process_defense_changes_the_update(name, options):
     w0 = model_state()
     msg = train_message(w0)
-    reply = make_ffn(client_app(), [DefenseMod([(name, options)])])(msg, context())
+    reply = make_ffn(client_app(), [DefenseMod([(name, options)], seed=0)])(msg, context())
     assert not reply.has_error()
     sent = reply.content["arrays"].to_torch_state_dict()
     plain = client_app()(msg, context()).content["arrays"].to_torch_state_dict()
@@ -151,3 +151,54 @@ def test_other_messages_pass_through_untouched():
 
     reply = make_ffn(evaluate, [DefenseMod(["pruning"])])(msg, context())
     assert calls == [msg] and reply.content["metrics"]["acc"] == 0.5
+
+
+def test_without_a_seed_the_noise_cannot_be_regenerated():
+    """The default draws from the operating system: two identical messages get different noise."""
+    w0 = model_state()
+    app = make_ffn(client_app(), [DefenseMod([("update_noise", {"clip": 0.5, "sigma": 0.1})])])
+    first = app(train_message(w0), context()).content["arrays"].to_torch_state_dict()
+    second = app(train_message(w0), context()).content["arrays"].to_torch_state_dict()
+    assert all(not torch.equal(first[n], second[n]) for n in w0 if w0[n].is_floating_point())
+
+
+def test_train_actions_are_defended_too():
+    w0 = model_state()
+    msg = train_message(w0, message_type="train.finetune")  # routed to @app.train("finetune")
+    reply = make_ffn(client_app(), [DefenseMod([("pruning", {"ratio": 0.9})])])(msg, context())
+    sent = reply.content["arrays"].to_torch_state_dict()
+    zeros = sum(int(((sent[n] - w0[n]) == 0).sum()) for n in w0)
+    assert zeros >= 0.9 * sum(t.numel() for t in w0.values()) - len(w0)
+
+
+class BNNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 2, 3)
+        self.bn = torch.nn.BatchNorm2d(2)
+
+
+@pytest.mark.parametrize("poison_buffer", [False, True])
+def test_batchnorm_buffers_pass_through_checked_not_clipped(poison_buffer):
+    torch.manual_seed(0)
+    w0 = BNNet().state_dict()
+
+    def train(msg, ctx):
+        w = msg.content["arrays"].to_torch_state_dict()
+        out = {n: t + 0.5 if t.is_floating_point() else t + 1 for n, t in w.items()}
+        if poison_buffer:
+            out["bn.running_var"] = torch.full_like(out["bn.running_var"], math.nan)
+        return Message(RecordDict({"arrays": ArrayRecord(torch_state_dict=out)}), reply_to=msg)
+
+    reply = make_ffn(train, [DefenseMod([("update_noise", {"clip": 0.01, "sigma": 0.0})])])(
+        train_message(w0), context()
+    )
+    if poison_buffer:
+        assert reply.has_error() and "bn.running_var" in reply.error.reason
+        return
+    sent = reply.content["arrays"].to_torch_state_dict()
+    for n in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+        assert torch.equal(sent[n], w0[n] + (0.5 if w0[n].is_floating_point() else 1))  # as trained
+    weights = ("conv.weight", "conv.bias", "bn.weight", "bn.bias")
+    norm = math.sqrt(sum(float((sent[n] - w0[n]).double().pow(2).sum()) for n in weights))
+    assert norm == pytest.approx(0.01, rel=1e-4)  # only the weights were clipped to C

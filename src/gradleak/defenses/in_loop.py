@@ -16,14 +16,18 @@ attention) and the defenses, and returns a :class:`DefendedLoop`. Then, in the u
 or, FedSGD, ``loss.backward(); update = loop.gradient(num_samples=n)``. Anything that goes wrong (a hook
 raises, produces non-finite values, or the update is invalid) raises :class:`DefenseFailure`: the caller
 sends nothing. A failure is sticky: after one, every later step and update raises too, so an unprotected
-update cannot leave by catching the first error and carrying on. This runs unchanged inside a Flower
-``@app.train()`` function. gradleak's own clients (:func:`gradleak.fl.client.train_client`, the text
-:class:`~gradleak.text.client.LocalTrainer`) train through it.
+update cannot leave by catching the first error and carrying on. Inside a Flower ``@app.train()`` function,
+reply with :meth:`DefendedLoop.weights` (``w_0`` + the defended update), never the raw ``state_dict()``.
+Not supported (refused): ``optimizer.step(closure)`` (the closure recomputes the gradient after the
+defenses ran) and fused optimizers (they step on AMP-scaled gradients). gradleak's own clients
+(:func:`gradleak.fl.client.train_client`, the text :class:`~gradleak.text.client.LocalTrainer`) train
+through it.
 """
 
 from __future__ import annotations
 
 import copy
+import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -79,7 +83,12 @@ class DefendedLoop:
         self.optimizer: torch.optim.Optimizer | None = None
         if optimizer is not None:
             self.optimizer = optimizer([p for p in model.parameters() if p.requires_grad])
-            self.optimizer.register_step_pre_hook(self._before_step)
+            if any(g.get("fused") for g in self.optimizer.param_groups):
+                raise ValueError(
+                    "fused optimizers step on loss-scaled gradients under AMP before any hook can unscale "
+                    "them: build the optimizer with fused=False"
+                )
+            self._hook = self.optimizer.register_step_pre_hook(self._before_step)
 
     def _guard(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn``; any failure becomes (and stays) a :class:`DefenseFailure`."""
@@ -99,6 +108,12 @@ class DefendedLoop:
         synthetic step at epoch end, which is the defense's)."""
         if self._in_epoch_end:
             return
+        if len(args) > 1 or kwargs.get("closure") is not None:  # args[0] is the optimizer; a closure
+            self.failure = self.failure or DefenseFailure(
+                "optimizer.step(closure) recomputes gradients after the defenses ran; use a closure-free "
+                "optimizer in a defended loop"
+            )
+            raise self.failure
         self._guard(lambda: self.chain.on_gradients(self.model, self.steps))
         self.steps += 1
 
@@ -130,6 +145,16 @@ class DefendedLoop:
         meta = {"local_steps": self.steps, **dict(metadata or {})}
         return self._send(Update(delta, num_samples, kind="delta", metadata=meta))
 
+    def weights(self, num_samples: int) -> dict[str, torch.Tensor]:
+        """What a Flower ClientApp replies with: ``w_0 +`` the defended update (so ``on_update`` and the
+        validation run, as for :meth:`update`) for every parameter, and the model's buffers as trained."""
+        defended = self.update(num_samples)
+        w0 = self.w0 or {}
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        for name, delta in defended.tensors.items():
+            state[name] = w0[name] + delta
+        return state
+
     def gradient(self, num_samples: int, metadata: Mapping[str, object] | None = None) -> Update:
         """FedSGD: the gradient of the one backward pass, after ``on_gradients``, through ``on_update``
         (frozen or unused parameters send zeros; a defense that cleared every gradient, i.e. skipped the
@@ -160,10 +185,18 @@ def defend(
     """Apply ``defenses`` to training ``model`` in the caller's loop (see the module docstring).
 
     ``optimizer`` builds the optimizer from the parameters left trainable after ``setup`` (``None`` for
-    FedSGD, which takes no step). ``data`` is the client's private data for data-aware defenses (Aegis);
+    FedSGD, which takes no step). ``generator`` drives the defenses' randomness (noise); by default it is
+    seeded from the operating system (:func:`private_generator`), since noise drawn from a seed the server
+    can guess can be subtracted. ``data`` is the client's private data for data-aware defenses (Aegis);
     it stays on the client. ``copy_model`` trains a private copy (then use ``loop.model``). ``source``
     names the client in errors. Raises :class:`DefenseFailure` if a ``setup`` fails.
     """
     work = copy.deepcopy(model) if copy_model else model
-    gen = generator if generator is not None else torch.Generator().manual_seed(0)
-    return DefendedLoop(work, optimizer, defenses, generator=gen, data=data, source=source)
+    return DefendedLoop(work, optimizer, defenses, generator=generator or private_generator(), data=data,
+                        source=source)  # fmt: skip
+
+
+def private_generator() -> torch.Generator:
+    """A generator seeded from the operating system's randomness: a defense's noise that nobody, the
+    server included, can regenerate. Pass a seeded generator only for reproducible experiments."""
+    return torch.Generator().manual_seed(secrets.randbits(63))

@@ -52,8 +52,9 @@ class UpdateNoise(Defense):
         scale = min(1.0, c / norm) if norm > 0 else 1.0
         out = {}
         for name, t in update.tensors.items():
-            noise = torch.randn(t.shape, generator=self._generator, dtype=torch.float64) * (sigma * c)
-            out[name] = (t.double() * scale + noise).to(t.dtype)
+            noise = torch.randn(t.shape, generator=self._generator, dtype=torch.float64,
+                                device=self._generator.device) * (sigma * c)  # fmt: skip
+            out[name] = (t.double() * scale + noise.to(t.device)).to(t.dtype)
         return update.replace(out)
 
 

@@ -38,7 +38,7 @@ from gradleak.fl.server import secure_sum
 from gradleak.fl.simulation import derive_seed
 from gradleak.integrations.flower.mods import NUM_EXAMPLES
 from gradleak.types import LocalTraining, Observation, Update
-from gradleak.validation import InvalidUpdateError, check_update
+from gradleak.validation import InvalidUpdateError, check_tensors, check_update
 
 log = logging.getLogger(__name__)
 
@@ -92,17 +92,26 @@ class AuditStrategy(Strategy):
         """Every reply is validated (a bad one is recorded and left out of the aggregate, in every round);
         in audited rounds the valid ones are attacked; then the wrapped strategy aggregates them."""
         replies = list(replies)
+        if server_round not in self._broadcast:
+            raise RuntimeError(
+                f"AuditStrategy: no arrays were sent through configure_train for round {server_round}; "
+                "drive the wrapper itself (its start or configure_train), not the wrapped strategy"
+            )
         checked = self.updates(server_round, replies)
         self._begin()
-        for node, bad in [(n, u) for n, u in checked if isinstance(u, str)]:
-            log.warning("audit: rejected %s", bad)
-            rejected = {"kind": "rejected", "round": server_round, "node_id": node, "error": bad}
-            self._commit(f"round/{server_round}/node/{node}/rejected", rejected)
-        valid = {n for n, u in checked if isinstance(u, Update)}
+        for j, (node, bad) in enumerate(checked):
+            if isinstance(bad, str):
+                log.warning("audit: rejected %s", bad)
+                rejected = {"kind": "rejected", "round": server_round, "node_id": node, "error": bad}
+                self._commit(f"round/{server_round}/reply/{j}/rejected", rejected)
         if self._audits(server_round):
-            self._audit(server_round, [(n, u) for n, u in checked if isinstance(u, Update)])
+            self._audit(
+                server_round, [(j, n, u) for j, (n, u) in enumerate(checked) if isinstance(u, Update)]
+            )
         self._broadcast.pop(server_round, None)
-        kept = [r for r in replies if r.has_error() or int(r.metadata.src_node_id) in valid]
+        good = [j for j, (_, u) in enumerate(checked) if isinstance(u, Update)]
+        answered = [r for r in replies if not r.has_error()]
+        kept = [r for r in replies if r.has_error()] + [answered[j] for j in good]  # by reply, not node id
         return self.strategy.aggregate_train(server_round, kept)
 
     def configure_evaluate(
@@ -117,12 +126,24 @@ class AuditStrategy(Strategy):
         self.strategy.summary()
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, *args: Any, **kwargs: Any) -> Result:
-        """The wrapped strategy's rounds; the audit's run is marked complete when they are done."""
-        result = Strategy.start(self, grid, initial_arrays, *args, **kwargs)
+        """The wrapped strategy's rounds, as one audit run: completed when they are done, released (left
+        unfinished, nothing lost) if they fail."""
+        self.run_id, self.records = None, []  # a second start is a new run
+        try:
+            result = Strategy.start(self, grid, initial_arrays, *args, **kwargs)
+        except BaseException:
+            if self.store is not None and self.run_id is not None:
+                self.store.release(self.run_id)
+            raise
+        self.close()
+        return result
+
+    def close(self) -> None:
+        """Mark the audit run complete (``start`` does it; call it when driving the rounds yourself)."""
         if self.store is not None and self.run_id is not None:
             finished = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
             self.store.finish_run(self.run_id, finished, [{"kind": "summary", "audited": len(self.records)}])
-        return result
+        self.run_id = None
 
     # -- the audit ------------------------------------------------------------------------------------
 
@@ -145,7 +166,9 @@ class AuditStrategy(Strategy):
         return self.run_id
 
     def updates(self, server_round: int, replies: Sequence[Message]) -> list[tuple[int, Update | str]]:
-        """``(node id, update or the reason it was rejected)`` per train reply without error."""
+        """``(node id, update or the reason it was rejected)`` per train reply without error. Every array
+        of a reply is checked against what was sent (names, shapes, dtypes, finite values: a NaN BatchNorm
+        buffer would be aggregated too); the update is the model's parameters' ``w_T - w_0``."""
         w0 = self._broadcast[server_round]
         params = dict(self.model.named_parameters())
         out: list[tuple[int, Update | str]] = []
@@ -158,10 +181,18 @@ class AuditStrategy(Strategy):
                 if len(reply.content.array_records) != 1:
                     raise InvalidUpdateError(f"{source}: expected one ArrayRecord in the reply")
                 wt = next(iter(reply.content.array_records.values())).to_torch_state_dict()
-                missing = sorted(set(params) - set(wt) - set(w0))
+                check_tensors(
+                    {k: v for k, v in wt.items() if v.is_floating_point()},
+                    {k: v for k, v in w0.items() if v.is_floating_point()}, source=source,
+                )  # fmt: skip
+                if set(wt) != set(w0):
+                    raise InvalidUpdateError(f"{source}: the reply's arrays differ from those sent")
+                missing = sorted(set(params) - set(w0))
                 if missing:
-                    raise InvalidUpdateError(f"{source}: the reply lacks parameters {missing[:5]}")
-                delta = {n: wt[n].to(w0[n].dtype) - w0[n] for n in params if n in wt and n in w0}
+                    raise InvalidUpdateError(
+                        f"{source}: the sent arrays lack the model's parameters {missing[:5]}"
+                    )
+                delta = {n: wt[n] - w0[n] for n in params}
                 metrics = reply.content.metric_records.values()
                 n_samples = next((int(m[NUM_EXAMPLES]) for m in metrics if NUM_EXAMPLES in m), 1)  # type: ignore[arg-type]
                 update = Update(delta, n_samples, "delta", {"client_id": node, "round": server_round})
@@ -175,24 +206,35 @@ class AuditStrategy(Strategy):
     def broadcast_model(self, server_round: int) -> nn.Module:
         """The model at the weights the strategy sent in ``server_round``."""
         model = copy.deepcopy(self.model)
-        model.load_state_dict(self._broadcast[server_round], strict=False)
+        model.load_state_dict(self._broadcast[server_round], strict=True)
         return model.eval()
 
-    def _audit(self, server_round: int, good: Sequence[tuple[int, Update]]) -> None:
+    def _audit(self, server_round: int, good: Sequence[tuple[int, int, Update]]) -> None:
+        """``good``: (reply index, node id, update) of the valid replies."""
         if not good:
             return
         w0 = self.broadcast_model(server_round)
-        observed: list[tuple[int | None, Update, int]]
+        observed: list[tuple[str, int | None, Update, int]]
         if self.secure_aggregation:  # only the sum is visible
-            observed = [(None, secure_sum([u for _, u in good]), len(good))]
+            observed = [("sum", None, secure_sum([u for _, _, u in good]), len(good))]
         else:
-            observed = [(n, u, 1) for n, u in good]
-        for node, update, count in observed:
+            observed = [(f"reply/{j}", n, u, 1) for j, n, u in good]
+        for where, node, update, count in observed:
             obs = Observation(w0, update, self.input_shape, self.num_classes, self.training,
                               aggregated=count > 1 or self.secure_aggregation, num_clients=count)  # fmt: skip
             for i, (attack_name, options) in enumerate(self.attacks):
                 gen = torch.Generator().manual_seed(derive_seed(self.seed, server_round, node or 0, i))
-                rec = create_attack(attack_name, **options).reconstruct(obs, generator=gen)
+                unit = f"round/{server_round}/{where}/attack/{i}"
+                try:
+                    rec = create_attack(attack_name, **options).reconstruct(obs, generator=gen)
+                except Exception as exc:  # one attack failing must not stop the federation
+                    log.error(
+                        "audit: %s on node %s, round %d failed: %s", attack_name, node, server_round, exc
+                    )
+                    failed = {"kind": "attack_error", "attack": attack_name, "round": server_round,
+                              "node_id": node, "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
+                    self._commit(unit, failed)
+                    continue
                 record: dict[str, Any] = {
                     "kind": "attack", "attack": attack_name, "options": options, "round": server_round,
                     "node_id": node, "aggregated": obs.aggregated, "num_clients": count,
@@ -202,9 +244,7 @@ class AuditStrategy(Strategy):
                 data = self.truth(node) if (self.truth is not None and node is not None) else None
                 if data is not None:
                     record.update(score_reconstruction(rec, data))
-                self._commit(
-                    f"round/{server_round}/node/{node if node is not None else 'sum'}/attack/{i}", record
-                )
+                self._commit(unit, record)
 
     def _commit(self, unit: str, record: dict[str, Any]) -> None:
         self.records.append(record)

@@ -27,7 +27,7 @@ from flwr.common.constant import ErrorCode
 from torch import nn
 
 from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure
-from gradleak.defenses.in_loop import DefenseSpec, build_defenses
+from gradleak.defenses.in_loop import DefenseSpec, build_defenses, private_generator
 from gradleak.fl.simulation import derive_seed
 from gradleak.types import Update
 from gradleak.validation import InvalidUpdateError, check_update
@@ -35,6 +35,7 @@ from gradleak.validation import InvalidUpdateError, check_update
 log = logging.getLogger(__name__)
 
 NUM_EXAMPLES = "num-examples"  # the MetricRecord key Flower's strategies weight by
+BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")  # BatchNorm statistics
 
 
 class UnsupportedModError(ValueError):
@@ -51,13 +52,21 @@ def is_update_level(defense: Defense) -> bool:
 class DefenseMod:
     """A Flower ``Mod`` applying gradleak update-level ``defenses`` to a ClientApp's train replies.
 
-    ``seed`` seeds the defenses' randomness per node and round (``derive_seed(seed, node_id, round)``,
-    the round from the message's ``group_id`` as Flower's strategies set it).
+    ``seed=None`` (the default) draws the defenses' randomness from the operating system for every
+    message: a server that knows gradleak, the node id and the round cannot regenerate the noise. An
+    explicit ``seed`` makes it reproducible per node and round (``derive_seed(seed, node_id, round)``, the
+    round from the message's ``group_id``) for experiments only: such noise can be subtracted.
+    BatchNorm buffers (``running_mean``, ``running_var``, ``num_batches_tracked``) are statistics, not
+    weights: they are checked (finite, as sent) and passed through, not clipped or noised.
     """
 
-    def __init__(self, defenses: Sequence[DefenseSpec], *, seed: int = 0) -> None:
+    def __init__(self, defenses: Sequence[DefenseSpec], *, seed: int | None = None) -> None:
         self.specs = list(defenses)
         self.seed = seed
+        if seed is not None:
+            log.warning(
+                "DefenseMod(seed=%d): reproducible noise is predictable noise; experiments only", seed
+            )
         for d in build_defenses(self.specs):  # checked now, when the ClientApp is built
             if not is_update_level(d):
                 raise UnsupportedModError(
@@ -67,7 +76,7 @@ class DefenseMod:
                 )
 
     def __call__(self, msg: Message, ctx: Context, call_next: ClientAppCallable) -> Message:
-        if msg.metadata.message_type != MessageType.TRAIN:
+        if msg.metadata.message_type.split(".")[0] != MessageType.TRAIN:  # also "train.<action>"
             return call_next(msg, ctx)
         if len(msg.content.array_records) != 1:
             return _refuse(
@@ -101,22 +110,29 @@ class DefenseMod:
         ctx: Context,
         msg: Message,
     ) -> dict[str, torch.Tensor]:
-        floats = {n: t for n, t in w0.items() if t.is_floating_point()}
+        floats = {n: t for n, t in w0.items() if t.is_floating_point() and not n.endswith(BUFFER_SUFFIXES)}
+        buffers = {n: wt[n] for n in w0 if n not in floats}
+        bad = [n for n, t in buffers.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            raise InvalidUpdateError(f"node {ctx.node_id}: buffers {bad[:3]} hold non-finite values")
         source = f"node {ctx.node_id}, round {msg.metadata.group_id or '?'}"
         delta = {n: wt[n].to(t.dtype) - t for n, t in floats.items()}
         metrics = reply.content.metric_records
         n = next((int(m[NUM_EXAMPLES]) for m in metrics.values() if NUM_EXAMPLES in m), 1)  # type: ignore[arg-type]
         update = Update(delta, n, "delta", {"node_id": ctx.node_id})
         check_update(update, floats, source=source)  # what the ClientApp produced
-        group = msg.metadata.group_id
-        rnd = int(group) if group.isdigit() else 0
         chain = DefenseChain(build_defenses(self.specs))  # fresh per message: no state across rounds
-        chain.setup(
-            nn.Module(), generator=torch.Generator().manual_seed(derive_seed(self.seed, ctx.node_id, rnd))
-        )
+        chain.setup(nn.Module(), generator=self._generator(ctx, msg))
         out = chain.on_update(update)
         check_update(out, floats, source=source)
         return {name: (w0[name] + out.tensors[name]) if name in floats else wt[name] for name in w0}
+
+    def _generator(self, ctx: Context, msg: Message) -> torch.Generator:
+        if self.seed is None:
+            return private_generator()
+        group = msg.metadata.group_id
+        rnd = int(group) if group.isdigit() else 0
+        return torch.Generator().manual_seed(derive_seed(self.seed, ctx.node_id, rnd))
 
 
 def _refuse(msg: Message, reason: str) -> Message:
