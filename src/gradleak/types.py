@@ -69,6 +69,11 @@ class Update:
     metadata: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tensors, Mapping):
+            raise TypeError(
+                f"Update.tensors must map parameter names to tensors (e.g. {{n: p.grad for n, p in "
+                f"model.named_parameters()}}), got a {type(self.tensors).__name__}"
+            )
         if self.kind not in ("gradient", "delta"):
             raise ValueError(f"Update.kind must be 'gradient' or 'delta', got {self.kind!r}")
         if self.num_samples < 0:

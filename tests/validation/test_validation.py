@@ -189,3 +189,8 @@ def test_updates_round_trip_through_safetensors_files_and_foreign_files_are_refu
     other = nn.Linear(2, 2)
     with pytest.raises(InvalidUpdateError, match="parameters the model lacks"):
         load_update(path, other)
+
+
+def test_an_update_built_from_a_list_of_tensors_is_refused_with_a_clear_message():
+    with pytest.raises(TypeError, match="map parameter names to tensors"):
+        Update([p.detach() for p in MODEL.parameters()], 4)  # type: ignore[arg-type]
