@@ -11,8 +11,9 @@ returns. Under secure aggregation (``secure_aggregation=True``, e.g. beside Flow
 sees only the sum, so the wrapper attacks the aggregate of the round's replies as one observation.
 
 A real server has no ground truth: records carry the attack's statistics and the reconstruction's size.
-``truth`` (node id -> the client's data, for simulations and tests) adds the same scores the in-process
-runner computes.
+``truth`` (for simulations and tests: the client's data by its ``partition-id`` when the reply's metrics
+carry one, as :func:`gradleak.integrations.flower.apps.client_app` sends, else by node id) adds the same
+scores the in-process runner computes.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from gradleak.experiments.runner import environment, score_reconstruction
 from gradleak.experiments.store import ResultStore, RunRow
 from gradleak.fl.server import secure_sum
 from gradleak.fl.simulation import derive_seed
+from gradleak.integrations.flower.apps import PARTITION_ID
 from gradleak.integrations.flower.mods import NUM_EXAMPLES
 from gradleak.types import LocalTraining, Observation, Update
 from gradleak.validation import InvalidUpdateError, check_tensors, check_update
@@ -99,6 +101,12 @@ class AuditStrategy(Strategy):
             )
         checked = self.updates(server_round, replies)
         self._begin()
+        errors = [r for r in replies if r.has_error()]  # a ClientApp that raised, a node that was lost
+        for j, reply in enumerate(errors):
+            node = int(reply.metadata.src_node_id)
+            failed = {"kind": "client_error", "round": server_round, "node_id": node,
+                      "code": int(reply.error.code), "error": str(reply.error.reason)}  # fmt: skip
+            self._commit(f"round/{server_round}/error/{j}", failed)
         for j, (node, bad) in enumerate(checked):
             if isinstance(bad, str):
                 log.warning("audit: rejected %s", bad)
@@ -193,9 +201,11 @@ class AuditStrategy(Strategy):
                         f"{source}: the sent arrays lack the model's parameters {missing[:5]}"
                     )
                 delta = {n: wt[n] - w0[n] for n in params}
-                metrics = reply.content.metric_records.values()
+                metrics = list(reply.content.metric_records.values())
                 n_samples = next((int(m[NUM_EXAMPLES]) for m in metrics if NUM_EXAMPLES in m), 1)  # type: ignore[arg-type]
-                update = Update(delta, n_samples, "delta", {"client_id": node, "round": server_round})
+                part = next((int(m[PARTITION_ID]) for m in metrics if PARTITION_ID in m), None)  # type: ignore[arg-type]
+                meta = {"client_id": node, "round": server_round, "partition_id": part}
+                update = Update(delta, n_samples, "delta", meta)
                 check_update(update, params, source=source)
             except (InvalidUpdateError, ValueError, TypeError, KeyError) as exc:
                 out.append((node, str(exc)))
@@ -241,7 +251,10 @@ class AuditStrategy(Strategy):
                     "num_samples": update.num_samples,
                     "reconstructed": 0 if rec.images is None else len(rec.images), **rec.stats,
                 }  # fmt: skip
-                data = self.truth(node) if (self.truth is not None and node is not None) else None
+                part = update.metadata.get("partition_id")
+                key = part if isinstance(part, int) else node
+                data = self.truth(key) if (self.truth is not None and key is not None) else None
+                record["partition_id"] = part
                 if data is not None:
                     record.update(score_reconstruction(rec, data))
                 self._commit(unit, record)
