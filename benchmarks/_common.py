@@ -22,13 +22,13 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gradleak.fileio import atomic_write
 from gradleak.update_io import load_tree, save_tree
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -209,18 +209,7 @@ def write_result(
     }
     text = compact_number_lists(json.dumps(record, indent=2, allow_nan=False)) + "\n"
     target = folder / f"{name}_{scale}.json"
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide results from other users
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return atomic_write(target, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def save_state(path: Path, meta: Mapping[str, Any], state: Mapping[str, Any]) -> Path:

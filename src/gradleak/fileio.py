@@ -21,6 +21,11 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
     os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make exports readable by their owner only
     try:
         write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # on disk before the rename makes it visible
+        finally:
+            os.close(fd)
         tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)

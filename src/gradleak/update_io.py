@@ -12,15 +12,16 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 
 from gradleak.fileio import atomic_write
-from gradleak.types import Update
+from gradleak.types import Update, UpdateKind
 from gradleak.validation import InvalidUpdateError, check_update
 
 
@@ -51,22 +52,10 @@ def load_update(path: str | Path, model: nn.Module, *, complete: bool = True) ->
     Raises :class:`~gradleak.validation.InvalidUpdateError` naming the file (and the tensor) for anything
     that is not a valid safetensors update of this model.
     """
-    p = Path(path)
-    source = f"update file {p}"
+    source = f"update file {path}"
+    tensors, meta = _read(Path(path), source)
     try:
-        raw = p.read_bytes()
-    except OSError as exc:
-        raise InvalidUpdateError(f"{source}: cannot be read ({exc.strerror})") from None
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(p), framework="pt") as fh:
-            meta = fh.metadata() or {}
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise InvalidUpdateError(f"{source}: not a safetensors file ({exc})") from None
-    tensors = tensors_from_bytes(raw)
-    try:
-        kind = meta["kind"]
+        kind = cast(UpdateKind, meta["kind"])  # Update checks it
         num_samples = int(meta["num_samples"])
         extra = json.loads(meta.get("metadata", "{}"))
         update = Update(tensors, num_samples, kind, extra)
@@ -115,17 +104,24 @@ def save_tree(path: str | Path, tree: Mapping[str, object]) -> Path:
     return atomic_write(Path(path), lambda tmp: tmp.write_bytes(data))
 
 
-def load_tree(path: str | Path) -> dict[str, object]:
-    """The mapping written by :func:`save_tree` (tensors on the CPU)."""
-    from safetensors import safe_open
-
-    p = Path(path)
+def _read(path: Path, source: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A safetensors file's tensors (on the CPU) and metadata, in one read; ``InvalidUpdateError`` naming
+    ``source`` for a file that is missing, unreadable or not safetensors (a pickle, say)."""
+    if not path.is_file():
+        raise InvalidUpdateError(f"{source}: no such file")
     try:
-        with safe_open(str(p), framework="pt") as fh:
+        with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 (safe_open has no __iter__)
     except (SafetensorError, OSError, ValueError) as exc:
-        raise InvalidUpdateError(f"{p}: not a safetensors file ({exc})") from None
+        raise InvalidUpdateError(f"{source}: not a safetensors file ({exc})") from None
+    return tensors, meta
+
+
+def load_tree(path: str | Path) -> dict[str, object]:
+    """The mapping written by :func:`save_tree` (tensors on the CPU)."""
+    p = Path(path)
+    tensors, meta = _read(p, str(p))
     if "tree" not in meta:
         raise InvalidUpdateError(f"{p}: a safetensors file without a saved tree")
     out = _join(json.loads(meta["tree"]), tensors)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from gradleak.types import Update
+from gradleak.validation import InvalidUpdateError, check_tensors
 
 if TYPE_CHECKING:
     from gradleak.data.base import ImageDataset
@@ -105,8 +106,9 @@ class DefenseChain:
                 raise DefenseFailure(f"defense {d.name!r} failed in on_update: {exc}") from exc
             if not isinstance(out, Update):
                 raise DefenseFailure(f"defense {d.name!r} returned {type(out).__name__}, not an Update")
-            bad = [n for n, t in out.tensors.items() if not torch.isfinite(t).all()]
-            if bad:
-                raise DefenseFailure(f"defense {d.name!r} produced non-finite values in {bad[:3]}")
+            try:  # what a defense returns must still be an update of these tensors: names, shapes, finite
+                check_tensors(out.tensors, update.tensors, source=f"defense {d.name!r} on_update")
+            except InvalidUpdateError as exc:
+                raise DefenseFailure(str(exc)) from exc
             update = out
         return update

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gradleak.data.partition import partition_options
-from gradleak.fl.server import clients_per_round
+from gradleak.fl.server import clients_per_round, update_kind
 from gradleak.fl.simulation import FLConfig
 from gradleak.options import OptionError, check_value
 from gradleak.registry import ATTACKS, DATASETS, DEFENSES, MODELS, Registry
@@ -168,7 +168,7 @@ class ExperimentConfig:
     def _check_attack_needs(self) -> None:
         """Every attack can read what the audited round sends (:class:`~gradleak.types.AttackNeeds`)."""
         training = self.audit.training
-        kind = "gradient" if training.protocol == "fedsgd" else "delta"
+        kind = update_kind(training)
         for i, spec in enumerate(self.audit.attacks):
             needs = getattr(ATTACKS.get(spec.name), "needs", AttackNeeds())
             if kind not in needs.update_kinds:

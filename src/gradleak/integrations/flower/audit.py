@@ -38,9 +38,9 @@ from gradleak.experiments.store import ResultStore, RunRow
 from gradleak.fl.server import secure_sum
 from gradleak.fl.simulation import derive_seed
 from gradleak.integrations.flower.apps import PARTITION_ID
-from gradleak.integrations.flower.mods import NUM_EXAMPLES
+from gradleak.integrations.flower.mods import NUM_EXAMPLES, reply_metric
 from gradleak.types import LocalTraining, Observation, Update
-from gradleak.validation import InvalidUpdateError, check_tensors, check_update
+from gradleak.validation import InvalidUpdateError, check_tensors, check_update, reference_of
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class AuditStrategy(Strategy):
         of a reply is checked against what was sent (names, shapes, dtypes, finite values: a NaN BatchNorm
         buffer would be aggregated too); the update is the model's parameters' ``w_T - w_0``."""
         w0 = self._broadcast[server_round]
-        params = dict(self.model.named_parameters())
+        params = reference_of(self.model)
         out: list[tuple[int, Update | str]] = []
         for reply in replies:
             if reply.has_error():
@@ -201,11 +201,12 @@ class AuditStrategy(Strategy):
                         f"{source}: the sent arrays lack the model's parameters {missing[:5]}"
                     )
                 delta = {n: wt[n] - w0[n] for n in params}
-                metrics = list(reply.content.metric_records.values())
-                n_samples = next((int(m[NUM_EXAMPLES]) for m in metrics if NUM_EXAMPLES in m), 1)  # type: ignore[arg-type]
-                part = next((int(m[PARTITION_ID]) for m in metrics if PARTITION_ID in m), None)  # type: ignore[arg-type]
-                meta = {"client_id": node, "round": server_round, "partition_id": part}
-                update = Update(delta, n_samples, "delta", meta)
+                meta = {
+                    "client_id": node,
+                    "round": server_round,
+                    "partition_id": reply_metric(reply, PARTITION_ID),
+                }
+                update = Update(delta, reply_metric(reply, NUM_EXAMPLES) or 1, "delta", meta)
                 check_update(update, params, source=source)
             except (InvalidUpdateError, ValueError, TypeError, KeyError) as exc:
                 out.append((node, str(exc)))

@@ -38,6 +38,11 @@ NUM_EXAMPLES = "num-examples"  # the MetricRecord key Flower's strategies weight
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")  # BatchNorm statistics
 
 
+def reply_metric(reply: Message, key: str) -> int | None:
+    """An int metric of a ClientApp's reply (``num-examples``, ``partition-id``), from any MetricRecord."""
+    return next((int(m[key]) for m in reply.content.metric_records.values() if key in m), None)  # type: ignore[arg-type]
+
+
 class UnsupportedModError(ValueError):
     """A defense that needs the training loop was asked to run as a mod."""
 
@@ -117,9 +122,7 @@ class DefenseMod:
             raise InvalidUpdateError(f"node {ctx.node_id}: buffers {bad[:3]} hold non-finite values")
         source = f"node {ctx.node_id}, round {msg.metadata.group_id or '?'}"
         delta = {n: wt[n].to(t.dtype) - t for n, t in floats.items()}
-        metrics = reply.content.metric_records
-        n = next((int(m[NUM_EXAMPLES]) for m in metrics.values() if NUM_EXAMPLES in m), 1)  # type: ignore[arg-type]
-        update = Update(delta, n, "delta", {"node_id": ctx.node_id})
+        update = Update(delta, reply_metric(reply, NUM_EXAMPLES) or 1, "delta", {"node_id": ctx.node_id})
         check_update(update, floats, source=source)  # what the ClientApp produced
         chain = DefenseChain(build_defenses(self.specs))  # fresh per message: no state across rounds
         chain.setup(nn.Module(), generator=self._generator(ctx, msg))
