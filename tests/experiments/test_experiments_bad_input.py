@@ -43,6 +43,11 @@ def organamnist_only(tmp_path):
          r"audit.attacks\[0\]: attack 'robbing_the_fed' option num_bins: expected int, got str 'many'"),
         (["audit.public_dataset='cifar10'"], r"audit.public_dataset = 'cifar10' gives images of shape "
                                              r"\(3, 32, 32\), but the task's images are \(1, 28, 28\)"),
+        (["engine.name='spark'"], r"engine.name: unknown engine 'spark'; known engines: flower, inprocess"),
+        (["engine.name='flower'", "engine.options.timeout=0"],
+         r"engine: engine 'flower': timeout must be a positive finite number, got 0.0"),
+        (["engine.name='flower'", "engine.options.client_cpus=4"], r"client_cpus = 4.0 exceeds cpus = 2"),
+        (["engine.options.timeout=5"], r"engine: engine 'inprocess' takes no options, got \['timeout'\]"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_clear_error_before_any_work(tmp_path, capsys, overrides, message):

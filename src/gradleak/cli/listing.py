@@ -1,4 +1,4 @@
-"""``gradleak list``: the registered datasets, models, attacks and defenses."""
+"""``gradleak list``: the registered datasets, models, attacks, defenses and engines."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import gradleak.data  # noqa: F401
 import gradleak.defenses  # noqa: F401
 import gradleak.models  # noqa: F401
 from gradleak.data.partition import PARTITIONERS
-from gradleak.registry import ATTACKS, DATASETS, DEFENSES, MODELS
+from gradleak.registry import ATTACKS, DATASETS, DEFENSES, ENGINES, MODELS
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("list", help="show registered datasets, models, attacks, defenses")
+    p = sub.add_parser("list", help="show registered datasets, models, attacks, defenses, engines")
     p.set_defaults(handler=handle)
 
 
@@ -24,6 +24,7 @@ def handle(args: argparse.Namespace) -> int:
         ("models", MODELS),
         ("attacks", ATTACKS),
         ("defenses", DEFENSES),
+        ("engines", ENGINES),
     ):
         print(f"{title}:")
         for e in reg:

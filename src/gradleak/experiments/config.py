@@ -7,6 +7,7 @@ Layout (every section optional except where noted; see ``examples/`` and the emb
                   [data.partition_options]
     [model]       name, [model.options]
     [fl]          rounds, fraction, server_lr, secure_aggregation, eval_every, [fl.training]
+    [engine]      name ("inprocess" or "flower": Flower's simulation engine on Ray), [engine.options]
     [audit]       clients, grant_labels, training_public, [audit.training], [[audit.attacks]] (name + options)
     [[defenses]]  name + options
 
@@ -27,7 +28,7 @@ from gradleak.data.partition import partition_options
 from gradleak.fl.server import clients_per_round, update_kind
 from gradleak.fl.simulation import FLConfig
 from gradleak.options import OptionError, check_value
-from gradleak.registry import ATTACKS, DATASETS, DEFENSES, MODELS, Registry
+from gradleak.registry import ATTACKS, DATASETS, DEFENSES, ENGINES, MODELS, Registry
 from gradleak.types import AttackNeeds, LocalTraining
 
 
@@ -88,6 +89,14 @@ class ModelSection:
 
 
 @dataclass(frozen=True)
+class EngineSection:
+    """Where the clients train (:mod:`gradleak.fl.engines`); the results do not depend on it."""
+
+    name: str = "inprocess"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class AuditSection:
     """Which updates get attacked and what the attacker is granted.
 
@@ -128,10 +137,16 @@ class ExperimentConfig:
     fl: FLConfig = field(default_factory=FLConfig)
     audit: AuditSection = field(default_factory=AuditSection)
     defenses: tuple[ComponentSpec, ...] = ()
+    engine: EngineSection = field(default_factory=EngineSection)
 
     def __post_init__(self) -> None:
         _known(DATASETS, self.data.dataset, "data.dataset")
         _known(MODELS, self.model.name, "model.name")
+        _known(ENGINES, self.engine.name, "engine.name")
+        try:
+            ENGINES.make_config(self.engine.name, self.engine.options)
+        except OptionError as exc:
+            raise ConfigError(f"engine: {exc}") from None
         for i, spec in enumerate(self.audit.attacks):
             _known(ATTACKS, spec.name, f"audit.attacks[{i}].name")
         for i, spec in enumerate(self.defenses):

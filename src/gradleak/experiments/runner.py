@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
+import functools
 import hashlib
 import json
 import logging
@@ -32,16 +33,17 @@ from tqdm.auto import tqdm
 from gradleak.attacks import create_attack
 from gradleak.data import load_dataset, partition, resolve_data_root
 from gradleak.data.base import ImageDataset
-from gradleak.defenses.base import Defense
+from gradleak.defenses.in_loop import build_defenses
 from gradleak.experiments.config import ConfigError, ExperimentConfig
 from gradleak.experiments.figures import save_reconstruction_grid
 from gradleak.experiments.store import Checkpoint, ResultStore, RunRow, normalise
 from gradleak.fl import FederatedSimulation, derive_seed, evaluate, server_view
 from gradleak.fl.client import ClientResult
-from gradleak.fl.simulation import RoundResult
+from gradleak.fl.engines import EngineRunner
+from gradleak.fl.simulation import Engine, RoundResult
 from gradleak.metrics import score_images
 from gradleak.models import build_model
-from gradleak.registry import DEFENSES
+from gradleak.registry import ENGINES
 from gradleak.types import ClientCustomizingAttack, ModelModifyingAttack, Observation, Reconstruction
 from gradleak.update_io import tensors_from_bytes, tensors_to_bytes
 
@@ -281,8 +283,11 @@ def run_experiment(
                      "running", fingerprint(cfg, env))  # fmt: skip
         run_id, resumed = store.begin_run(row, resume=resume)
     folder = None if out_dir is None else (Path(out_dir) / run_id if per_run_folder else Path(out_dir))
-    try:
-        records = run.execute(run_id, resumed, folder)
+    try:  # the engine (in this process, or Flower's simulation on Ray) runs the clients of every round
+        records = run.engine.run(
+            run.sim.clients, run.sim.defenses, functools.partial(run.execute, run_id, resumed, folder),
+            progress=progress,
+        )  # fmt: skip
     except BaseException:
         if store is not None:  # the finished units stay; the same command resumes from them
             store.release(run_id)
@@ -319,14 +324,18 @@ class _Run:
             **cfg.model.options,
         )  # fmt: skip
 
-        def defenses() -> list[Defense]:
-            return [DEFENSES.create(s.name, **s.options) for s in cfg.defenses]
-
+        # a fresh list of defenses per client task; a partial of a library function, importable by name
+        # where an engine runs the clients in other processes (Ray actors)
+        defenses = functools.partial(build_defenses, [(s.name, dict(s.options)) for s in cfg.defenses])
         self.sim = FederatedSimulation(model, clients, cfg.fl, seed=seed, test=self.test, defenses=defenses)
+        self.engine: EngineRunner = ENGINES.create(cfg.engine.name, **cfg.engine.options)
 
-    def execute(self, run_id: str, resumed: bool, folder: Path | None) -> list[dict[str, Any]]:
-        """The run's work, unit by unit: FL rounds, the audit, the summary; returns all its records."""
+    def execute(
+        self, run_id: str, resumed: bool, folder: Path | None, engine: Engine
+    ) -> list[dict[str, Any]]:
+        """The run's work on ``engine``, unit by unit: FL rounds, the audit, the summary; all its records."""
         cfg, sim, store = self.cfg, self.sim, self.store
+        sim.engine = engine
         rec = _Recorder(store, run_id)
         if resumed and store is not None:
             _resume(sim, store, rec)

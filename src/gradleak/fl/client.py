@@ -31,6 +31,9 @@ class ClientResult:
     truth: ImageDataset | None = None  # FedSGD: the batch; FedAvg: the client's data (metrics only)
     error: str | None = None
     stats: dict[str, float] = field(default_factory=dict)
+    # which samples of the client's training data the update was computed on (None: all of them); an
+    # engine that runs the client elsewhere sends these indices back so the simulation can score the attacks
+    sample_index: tuple[int, ...] | None = None
 
 
 def make_optimizer(params: Sequence[nn.Parameter], training: LocalTraining) -> torch.optim.Optimizer:
@@ -46,14 +49,15 @@ def _batches(n: int, batch_size: int, shuffle: bool, generator: torch.Generator)
 
 def fedsgd_update(
     model: nn.Module, data: ImageDataset, loop: DefendedLoop, generator: torch.Generator, batch_size: int
-) -> tuple[Update, ImageDataset]:
-    """Gradient of the mean cross-entropy on one batch drawn from ``data`` (first batch of a shuffle)."""
-    idx = torch.randperm(len(data), generator=generator)[: min(batch_size, len(data))]
-    batch = data.subset(idx.sort().values)
+) -> tuple[Update, torch.Tensor]:
+    """Gradient of the mean cross-entropy on one batch drawn from ``data`` (first batch of a shuffle);
+    returns it with the batch's (sorted) indices into ``data``."""
+    idx = torch.randperm(len(data), generator=generator)[: min(batch_size, len(data))].sort().values
+    batch = data.subset(idx)
     model.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(batch.images), batch.labels)
     loss.backward()
-    return loop.gradient(len(batch)), batch
+    return loop.gradient(len(batch)), idx
 
 
 def fedavg_update(
@@ -108,12 +112,14 @@ def train_client(
             data=data if private is None else private,
             source=f"client {client_id}",
         )
+        index: tuple[int, ...] | None = None
         if fedavg:
             update, truth = fedavg_update(model, data, training, loop, generator), data
         else:
-            update, truth = fedsgd_update(model, data, loop, generator, training.batch_size)
+            update, idx = fedsgd_update(model, data, loop, generator, training.batch_size)
+            truth, index = data.subset(idx), tuple(int(i) for i in idx)
     except DefenseFailure as exc:
         return ClientResult(client_id, None, None, error=str(exc))
     meta = {**update.metadata, "client_id": client_id}
     update = Update(update.tensors, update.num_samples, update.kind, meta)
-    return ClientResult(client_id, update, truth)
+    return ClientResult(client_id, update, truth, sample_index=index)

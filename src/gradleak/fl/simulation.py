@@ -1,7 +1,8 @@
 """The FL simulation: server loop (sample, broadcast, aggregate, evaluate) over a pluggable client engine.
 
-The :class:`Engine` decides *where* client training runs (in this process today; Flower/Ray later). The
-server logic, the defenses and the attacks do not change with the engine.
+The :class:`Engine` decides *where* client training runs (in this process, or on Flower's simulation engine
+with Ray: :mod:`gradleak.fl.engines`). The server logic, the defenses and the attacks do not change with
+the engine.
 """
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ class Engine(Protocol):
 
 
 class InProcessEngine:
-    """Sequential client training in this process (deterministic, no extra dependencies)."""
+    """Sequential client training in this process (deterministic, no extra dependencies).
+
+    A client whose training raises is one failed client, as a ClientApp that raises is on Flower: its
+    result carries no update and the error, the round goes on with the others (logged with the traceback).
+    """
 
     name = "inprocess"
 
@@ -80,17 +85,15 @@ class InProcessEngine:
         results = []
         for task in tqdm(tasks, desc="clients", leave=False, disable=not self.progress):
             gen = torch.Generator().manual_seed(task.seed)
-            results.append(
-                train_client(
-                    task.client_id,
-                    global_model,
-                    task.data,
-                    task.training,
-                    defenses(),
-                    gen,
+            try:
+                result = train_client(
+                    task.client_id, global_model, task.data, task.training, defenses(), gen,
                     private=task.private,
                 )  # fmt: skip
-            )
+            except Exception as exc:  # noqa: BLE001 - one client's crash is that client's failure
+                log.exception("client %d raised during local training", task.client_id)
+                result = ClientResult(task.client_id, None, None, error=f"{type(exc).__name__}: {exc}")
+            results.append(result)
         return results
 
 
