@@ -8,7 +8,7 @@ PIP_VERSION := 26.3
 # where the default index would give a CUDA build (docs/development.md).
 TORCH_PIP_ARGS ?=
 
-.PHONY: demo test test-kernels lint typecheck bench-smoke lock clean
+.PHONY: demo test test-kernels lint typecheck bench-smoke flower-example lock clean
 
 # Bootstrap (docs/development.md): every package but torch comes from the hashed requirements.lock, without
 # resolution; then torch, pinned by version in constraints.txt (its dependencies are already there); then the
@@ -49,6 +49,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
+
+# The Flower example app under Flower's own CLI (examples/flower/README.md): 10 simulated SuperNodes on Ray,
+# gradleak's audit in ~/.flwr/gradleak-flower.sqlite (FLWR_HOME), then the audit's table.
+flower-example: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 \
+		$(BIN)/flwr run examples/flower --stream --federation-config "num-supernodes=10"
+	$(BIN)/gradleak results "$${FLWR_HOME:-$$HOME/.flwr}/gradleak-flower.sqlite" latest
 
 bench-smoke: $(STAMP)
 	$(BIN)/python benchmarks/fl_overhead.py --scale smoke

@@ -1,4 +1,4 @@
-"""The ``gradleak`` command: one module per subcommand (run, list, demo)."""
+"""The ``gradleak`` command: one module per subcommand (run, list, demo, results)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from gradleak.cli import demo, listing, run
+from gradleak.cli import demo, listing, results, run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gradleak", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (run, listing, demo):
+    for module in (run, listing, demo, results):
         module.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
