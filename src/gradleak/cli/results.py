@@ -52,7 +52,9 @@ def attacks_table(store: ResultStore, run_id: str) -> str:
     for r in (r for r in records if r["kind"] in FAILURES):
         who = r.get("node_id", r.get("client_id", "?"))
         lines.append(f"{r['kind']}: round {r.get('round', '-')}, client/node {who}: {r.get('error', '')}")
-    lines.append("PSNR, SSIM, rec. rate and label acc need the clients' data: a real server's audit has none.")
+    lines.append(
+        "PSNR, SSIM, rec. rate and label acc need the clients' data: a real server's audit has none."
+    )
     return "\n".join(lines)
 
 

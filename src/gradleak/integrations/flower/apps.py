@@ -8,20 +8,45 @@ defense fails closed, or whose training raises, sends no arrays: Flower turns th
 reply and the round goes on with the others (:class:`~gradleak.integrations.flower.AuditStrategy` records
 it). The reply carries ``w_0 + update`` (Flower's convention) and the metrics ``num-examples`` and
 ``partition-id``.
+
+A train message that carries a ``gradleak.architecture`` record (the server's own module, as the wrapper's
+malicious-server option sends: an architecture the server chose, e.g. an imprint layer in front) is
+trained on that module instead of ``build_model()``: the threat model in which the server ships the model.
+A ClientApp that builds its own architecture and loads weights strictly refuses such a message (its
+``load_state_dict`` raises), which the audit records as that node's error.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Sequence
 
+import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from torch import nn
 
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import Defense, DefenseFailure
 from gradleak.types import LocalTraining
 
 PARTITION_ID = "partition-id"
+ARCHITECTURE = "gradleak.architecture"  # a ConfigRecord whose "module" is torch.save of the server's module
+
+
+def module_bytes(model: nn.Module) -> bytes:
+    """The whole module (architecture and weights), for a simulation's server to send."""
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    return buffer.getvalue()
+
+
+def module_from(blob: bytes) -> nn.Module:
+    """The module :func:`module_bytes` sent (unpickled: only for a server whose code you run yourself)."""
+    model = torch.load(io.BytesIO(blob), weights_only=False)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"the message's module is a {type(model).__name__}, not a torch module")
+    return model
 
 
 def client_app(
@@ -44,13 +69,14 @@ def client_app(
 
     @app.train()
     def train(msg: Message, ctx: Context) -> Message:
-        import torch  # the Ray actor imports this module alone: torch must be imported for ArrayRecord
-
         from gradleak.fl.client import train_client
         from gradleak.fl.simulation import derive_seed
 
         k = int(ctx.node_config[PARTITION_ID])
-        model = build_model()
+        if ARCHITECTURE in msg.content.config_records:  # the server chose the architecture
+            model: object = module_from(msg.content.config_records[ARCHITECTURE]["module"])  # type: ignore[arg-type]
+        else:
+            model = build_model()
         assert isinstance(model, torch.nn.Module)
         w0 = msg.content.array_records["arrays"].to_torch_state_dict()
         model.load_state_dict(w0)

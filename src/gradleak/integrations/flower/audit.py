@@ -10,6 +10,16 @@ store, with Flower's round and node ids, committed as it finishes; the run is co
 returns. Under secure aggregation (``secure_aggregation=True``, e.g. beside Flower's SecAgg+) the server
 sees only the sum, so the wrapper attacks the aggregate of the round's replies as one observation.
 
+The malicious-server option (``malicious=("robbing_the_fed", {...})``, ``public_images=``): in each audited
+round the wrapper lets the attack build its modified model from the round's weights and the server's
+public images, and sends it to the first ``malicious_nodes`` of the nodes the strategy sampled (each its
+own variant for a client-customising attack such as LOKI): the arrays of the modified model and, in a
+``gradleak.architecture`` record, the module itself (the threat model where the server ships the model).
+Their replies are attacked with that attack only, against the modified model and its secrets, and never
+reach the wrapped strategy's aggregate (they were trained from other weights). A ClientApp that builds
+its own architecture and loads weights strictly cannot run such a model: its error reply is recorded as
+``client_error``, which is the audit's answer for that deployment.
+
 A real server has no ground truth: records carry the attack's statistics and the reconstruction's size.
 ``truth`` (for simulations and tests: the client's data by its ``partition-id`` when the reply's metrics
 carry one, as :func:`gradleak.integrations.flower.apps.client_app` sends, else by node id) adds the same
@@ -26,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from torch import nn
@@ -37,14 +47,34 @@ from gradleak.experiments.runner import environment, score_reconstruction
 from gradleak.experiments.store import ResultStore, RunRow
 from gradleak.fl.server import secure_sum
 from gradleak.fl.simulation import derive_seed
-from gradleak.integrations.flower.apps import PARTITION_ID
+from gradleak.integrations.flower.apps import ARCHITECTURE, PARTITION_ID, module_bytes
 from gradleak.integrations.flower.mods import NUM_EXAMPLES, reply_metric
-from gradleak.types import LocalTraining, Observation, Update
+from gradleak.types import (
+    ClientCustomizingAttack,
+    LocalTraining,
+    ModelModifyingAttack,
+    Observation,
+    Update,
+)
 from gradleak.validation import InvalidUpdateError, check_tensors, check_update, reference_of
 
 log = logging.getLogger(__name__)
 
 AttackSpec = str | tuple[str, Mapping[str, Any]]
+
+
+def _spec(a: AttackSpec) -> tuple[str, dict[str, Any]]:
+    return (a, {}) if isinstance(a, str) else (a[0], dict(a[1]))
+
+
+class _Planted:
+    """What the malicious server sent one node in one round: the model (for the observation: before any
+    per-client customisation), the weights that node received, and the attack's secrets."""
+
+    def __init__(
+        self, model: nn.Module, sent: dict[str, torch.Tensor], secrets: Mapping[str, object]
+    ) -> None:
+        self.model, self.sent, self.secrets = model, sent, secrets
 
 
 class AuditStrategy(Strategy):
@@ -65,11 +95,35 @@ class AuditStrategy(Strategy):
         seed: int = 0,
         name: str = "flower",
         truth: Callable[[int], ImageDataset | None] | None = None,
+        malicious: AttackSpec | None = None,
+        malicious_nodes: int | None = None,
+        public_images: torch.Tensor | None = None,
     ) -> None:
         self.strategy, self.model = strategy, model
-        self.attacks = [(a, {}) if isinstance(a, str) else (a[0], dict(a[1])) for a in attacks]
+        self.attacks = [_spec(a) for a in attacks]
         for attack_name, options in self.attacks:  # unknown names and options fail now, not mid-run
             create_attack(attack_name, **options)
+        self.malicious = None if malicious is None else _spec(malicious)
+        if self.malicious is not None:
+            if not isinstance(create_attack(self.malicious[0], **self.malicious[1]), ModelModifyingAttack):
+                raise ValueError(
+                    f"malicious={self.malicious[0]!r} does not modify the model; pass it in attacks= instead"
+                )
+            if (
+                public_images is None
+                or len(public_images) < 2
+                or tuple(public_images.shape[1:]) != tuple(input_shape)
+            ):
+                raise ValueError(
+                    f"malicious={self.malicious[0]!r} needs public_images: >= 2 server-side images of shape "
+                    f"{tuple(input_shape)} (never client data)"
+                )
+        if malicious_nodes is not None and malicious_nodes < 1:
+            raise ValueError(
+                f"malicious_nodes must be >= 1 (None: every sampled node), got {malicious_nodes}"
+            )
+        self.malicious_nodes, self.public_images = malicious_nodes, public_images
+        self._planted: dict[int, dict[int, _Planted]] = {}
         self.input_shape, self.num_classes = tuple(input_shape), num_classes
         self.store, self.training, self.seed, self.name, self.truth = store, training, seed, name, truth
         self.rounds = None if rounds is None else set(rounds)
@@ -86,7 +140,48 @@ class AuditStrategy(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self._broadcast[server_round] = {k: v.clone() for k, v in arrays.to_torch_state_dict().items()}
-        return self.strategy.configure_train(server_round, arrays, config, grid)
+        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        if self.malicious is not None and self._audits(server_round):
+            messages = self._plant(server_round, messages)
+        return messages
+
+    def _plant(self, server_round: int, messages: list[Message]) -> list[Message]:
+        """Send the malicious attack's model to the first ``malicious_nodes`` sampled nodes."""
+        assert self.malicious is not None
+        name, options = self.malicious
+        attack = create_attack(name, **options)
+        assert isinstance(attack, ModelModifyingAttack)  # checked in __init__
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, 0xBAD, server_round))
+        broadcast, secrets = attack.prepare(
+            self.broadcast_model(server_round), self.public_images, generator=gen
+        )
+        broadcast.eval()
+        count = len(messages) if self.malicious_nodes is None else min(self.malicious_nodes, len(messages))
+        planted: dict[int, _Planted] = {}
+        out = []
+        for slot, msg in enumerate(messages):
+            if slot >= count:
+                out.append(msg)
+                continue
+            sent_model = (
+                attack.customize(broadcast, slot)
+                if isinstance(attack, ClientCustomizingAttack)
+                else broadcast
+            )
+            sent = {k: v.detach().clone() for k, v in sent_model.state_dict().items()}
+            keys = [k for k, r in msg.content.items() if isinstance(r, ArrayRecord)]
+            if len(keys) != 1:
+                raise ValueError(f"the strategy's train message holds {len(keys)} ArrayRecords; expected one")
+            content = RecordDict({k: r for k, r in msg.content.items() if k != keys[0]})
+            content[keys[0]] = ArrayRecord(torch_state_dict=sent)
+            content[ARCHITECTURE] = ConfigRecord({"module": module_bytes(sent_model)})
+            meta = msg.metadata
+            out.append(Message(content, dst_node_id=meta.dst_node_id, message_type=meta.message_type,
+                               group_id=meta.group_id, ttl=meta.ttl))  # fmt: skip
+            planted[int(meta.dst_node_id)] = _Planted(broadcast, sent, secrets)
+        self._planted[server_round] = planted
+        log.warning("audit: round %d: %s's model sent to nodes %s", server_round, name, sorted(planted))
+        return out
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -112,14 +207,22 @@ class AuditStrategy(Strategy):
                 log.warning("audit: rejected %s", bad)
                 rejected = {"kind": "rejected", "round": server_round, "node_id": node, "error": bad}
                 self._commit(f"round/{server_round}/reply/{j}/rejected", rejected)
+        planted = self._planted.pop(server_round, {})
+        valid = [(j, n, u) for j, (n, u) in enumerate(checked) if isinstance(u, Update)]
         if self._audits(server_round):
-            self._audit(
-                server_round, [(j, n, u) for j, (n, u) in enumerate(checked) if isinstance(u, Update)]
-            )
+            honest = [v for v in valid if v[1] not in planted]
+            self._audit(server_round, honest, self.broadcast_model(server_round), self.attacks, {}, "")
+            if planted and self.malicious is not None:
+                model, secrets = next(iter(planted.values())).model, next(iter(planted.values())).secrets
+                self._audit(server_round, [v for v in valid if v[1] in planted], model, [self.malicious],
+                            secrets, "malicious/")  # fmt: skip
         self._broadcast.pop(server_round, None)
-        good = [j for j, (_, u) in enumerate(checked) if isinstance(u, Update)]
         answered = [r for r in replies if not r.has_error()]
-        kept = [r for r in replies if r.has_error()] + [answered[j] for j in good]  # by reply, not node id
+        kept = [r for r in replies if r.has_error()] + [
+            answered[j]
+            for j, node, _ in valid
+            if node not in planted  # by reply, not node id
+        ]  # the planted nodes trained other weights: never in the aggregate
         return self.strategy.aggregate_train(server_round, kept)
 
     def configure_evaluate(
@@ -164,7 +267,9 @@ class AuditStrategy(Strategy):
             run_id = f"{self.name}-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
             config = {"engine": "flower", "strategy": type(self.strategy).__name__,
                       "attacks": [{"name": n, **o} for n, o in self.attacks],
-                      "secure_aggregation": self.secure_aggregation, "seed": self.seed}  # fmt: skip
+                      "secure_aggregation": self.secure_aggregation, "seed": self.seed,
+                      "malicious": None if self.malicious is None else [self.malicious[0], self.malicious[1]],
+                      "malicious_nodes": self.malicious_nodes}  # fmt: skip
             if self.store is not None:
                 run_id, _ = self.store.begin_run(
                     RunRow(run_id, self.name, started, "", config, environment(), "running", None),
@@ -177,14 +282,17 @@ class AuditStrategy(Strategy):
         """``(node id, update or the reason it was rejected)`` per train reply without error. Every array
         of a reply is checked against what was sent (names, shapes, dtypes, finite values: a NaN BatchNorm
         buffer would be aggregated too); the update is the model's parameters' ``w_T - w_0``."""
-        w0 = self._broadcast[server_round]
-        params = reference_of(self.model)
+        planted = self._planted.get(server_round, {})
         out: list[tuple[int, Update | str]] = []
         for reply in replies:
             if reply.has_error():
                 continue
             node = int(reply.metadata.src_node_id)
             source = f"node {node}, round {server_round}"
+            if node in planted:  # the malicious model's weights and parameters
+                w0, params = planted[node].sent, reference_of(planted[node].model)
+            else:
+                w0, params = self._broadcast[server_round], reference_of(self.model)
             try:
                 if len(reply.content.array_records) != 1:
                     raise InvalidUpdateError(f"{source}: expected one ArrayRecord in the reply")
@@ -220,20 +328,27 @@ class AuditStrategy(Strategy):
         model.load_state_dict(self._broadcast[server_round], strict=True)
         return model.eval()
 
-    def _audit(self, server_round: int, good: Sequence[tuple[int, int, Update]]) -> None:
-        """``good``: (reply index, node id, update) of the valid replies."""
+    def _audit(
+        self,
+        server_round: int,
+        good: Sequence[tuple[int, int, Update]],
+        w0: nn.Module,
+        attacks: Sequence[tuple[str, dict[str, Any]]],
+        secrets: Mapping[str, object],
+        prefix: str,
+    ) -> None:
+        """``good``: (reply index, node id, update) of the valid replies, sent the model ``w0``."""
         if not good:
             return
-        w0 = self.broadcast_model(server_round)
         observed: list[tuple[str, int | None, Update, int]]
         if self.secure_aggregation:  # only the sum is visible
-            observed = [("sum", None, secure_sum([u for _, _, u in good]), len(good))]
+            observed = [(f"{prefix}sum", None, secure_sum([u for _, _, u in good]), len(good))]
         else:
             observed = [(f"reply/{j}", n, u, 1) for j, n, u in good]
         for where, node, update, count in observed:
-            obs = Observation(w0, update, self.input_shape, self.num_classes, self.training,
+            obs = Observation(w0, update, self.input_shape, self.num_classes, self.training, secrets=secrets,
                               aggregated=count > 1 or self.secure_aggregation, num_clients=count)  # fmt: skip
-            for i, (attack_name, options) in enumerate(self.attacks):
+            for i, (attack_name, options) in enumerate(attacks):
                 gen = torch.Generator().manual_seed(derive_seed(self.seed, server_round, node or 0, i))
                 unit = f"round/{server_round}/{where}/attack/{i}"
                 try:
@@ -249,6 +364,7 @@ class AuditStrategy(Strategy):
                 record: dict[str, Any] = {
                     "kind": "attack", "attack": attack_name, "options": options, "round": server_round,
                     "node_id": node, "aggregated": obs.aggregated, "num_clients": count,
+                    "malicious": bool(prefix),
                     "num_samples": update.num_samples,
                     "reconstructed": 0 if rec.images is None else len(rec.images), **rec.stats,
                 }  # fmt: skip

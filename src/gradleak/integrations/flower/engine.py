@@ -24,7 +24,6 @@ A node that raises becomes an error reply, a node that does not answer in time i
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import logging
 import time
@@ -42,26 +41,13 @@ from gradleak.data.base import ImageDataset
 from gradleak.fl.client import ClientResult, train_client
 from gradleak.fl.engines import FlowerEngineConfig
 from gradleak.fl.simulation import ClientTask, DefenseFactory, Engine
-from gradleak.integrations.flower.apps import PARTITION_ID
+from gradleak.integrations.flower.apps import PARTITION_ID, module_bytes, module_from
 from gradleak.types import LocalTraining, Update
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MODEL, TASK, RESULT, UPDATE, NODE = "model", "task", "result", "update", "node"
-
-
-def module_bytes(model: nn.Module) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    return buffer.getvalue()
-
-
-def module_from(blob: bytes) -> nn.Module:
-    model = torch.load(io.BytesIO(blob), weights_only=False)  # the simulation's own server sent it
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"the task's model is a {type(model).__name__}, not a torch module")
-    return model
 
 
 def samples_of(task: ClientTask) -> int:
