@@ -32,9 +32,14 @@ def free_port() -> int:
 def test_flwr_run_of_the_example_app_is_audited_into_the_store(tmp_path, capsys):
     store = tmp_path / "flower.sqlite"
     http, control = free_port(), free_port()
-    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr"),
-           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http), "FLWR_LOCAL_CONTROL_API_PORT": str(control)}  # fmt: skip
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(tmp_path / "flwr"),
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(control),
+    }
     overrides = ["num-server-rounds=1", f'store="{store}"', "attack.max_iterations=3"]
     command = [str(BIN / "flwr"), "run", str(ROOT / "examples" / "flower"), "--stream",
                "--federation-config", "num-supernodes=10"]  # fmt: skip
