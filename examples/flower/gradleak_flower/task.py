@@ -31,9 +31,9 @@ def component(run_config: dict[str, Any], key: str) -> tuple[str, dict[str, Any]
     """``(name, options)`` of the ``[tool.flwr.app.config]`` table ``key`` (Flower flattens it to
     ``key.name``, ``key.<option>``; override one with ``--run-config 'attack.max_iterations=3'``)."""
     prefix = f"{key}."
-    values = {k[len(prefix):]: v for k, v in run_config.items() if k.startswith(prefix)}
+    values = {k[len(prefix) :]: v for k, v in run_config.items() if k.startswith(prefix)}
     if "name" not in values:
-        raise ValueError(f"the run config has no {key}.name (e.g. {key}.name = \"...\" in pyproject.toml)")
+        raise ValueError(f'the run config has no {key}.name (e.g. {key}.name = "..." in pyproject.toml)')
     name = str(values.pop("name"))
     return name, values
 
