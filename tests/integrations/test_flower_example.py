@@ -4,7 +4,6 @@ simulation mode, 10 SuperNodes on Ray), its ServerApp's audit lands in gradleak'
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -62,4 +61,4 @@ def test_flwr_run_of_the_example_app_is_audited_into_the_store(tmp_path, capsys)
     assert main(["results", str(store), "latest"]) == 0
     shown = capsys.readouterr().out
     assert run.run_id in shown and shown.count("| sme |") + shown.count("|    sme |") == 2, shown
-    assert json.loads(json.dumps(run.config))["attacks"] == [{"name": "sme", "max_iterations": 3}]
+    assert run.config["attacks"] == [{"name": "sme", "max_iterations": 3}]

@@ -68,13 +68,12 @@ def _spec(a: AttackSpec) -> tuple[str, dict[str, Any]]:
 
 
 class _Planted:
-    """What the malicious server sent one node in one round: the model (for the observation: before any
-    per-client customisation), the weights that node received, and the attack's secrets."""
+    """What the malicious server sent in one round: the attack's model (for the observations: before any
+    per-client customisation), its secrets, and the weights each planted node received."""
 
-    def __init__(
-        self, model: nn.Module, sent: dict[str, torch.Tensor], secrets: Mapping[str, object]
-    ) -> None:
-        self.model, self.sent, self.secrets = model, sent, secrets
+    def __init__(self, model: nn.Module, secrets: Mapping[str, object]) -> None:
+        self.model, self.secrets = model, secrets
+        self.sent: dict[int, dict[str, torch.Tensor]] = {}
 
 
 class AuditStrategy(Strategy):
@@ -123,7 +122,7 @@ class AuditStrategy(Strategy):
                 f"malicious_nodes must be >= 1 (None: every sampled node), got {malicious_nodes}"
             )
         self.malicious_nodes, self.public_images = malicious_nodes, public_images
-        self._planted: dict[int, dict[int, _Planted]] = {}
+        self._planted: dict[int, _Planted] = {}
         self.input_shape, self.num_classes = tuple(input_shape), num_classes
         self.store, self.training, self.seed, self.name, self.truth = store, training, seed, name, truth
         self.rounds = None if rounds is None else set(rounds)
@@ -157,7 +156,7 @@ class AuditStrategy(Strategy):
         )
         broadcast.eval()
         count = len(messages) if self.malicious_nodes is None else min(self.malicious_nodes, len(messages))
-        planted: dict[int, _Planted] = {}
+        planted = _Planted(broadcast, secrets)
         out = []
         for slot, msg in enumerate(messages):
             if slot >= count:
@@ -178,9 +177,9 @@ class AuditStrategy(Strategy):
             meta = msg.metadata
             out.append(Message(content, dst_node_id=meta.dst_node_id, message_type=meta.message_type,
                                group_id=meta.group_id, ttl=meta.ttl))  # fmt: skip
-            planted[int(meta.dst_node_id)] = _Planted(broadcast, sent, secrets)
+            planted.sent[int(meta.dst_node_id)] = sent
         self._planted[server_round] = planted
-        log.warning("audit: round %d: %s's model sent to nodes %s", server_round, name, sorted(planted))
+        log.warning("audit: round %d: %s's model sent to nodes %s", server_round, name, sorted(planted.sent))
         return out
 
     def aggregate_train(
@@ -207,13 +206,14 @@ class AuditStrategy(Strategy):
                 log.warning("audit: rejected %s", bad)
                 rejected = {"kind": "rejected", "round": server_round, "node_id": node, "error": bad}
                 self._commit(f"round/{server_round}/reply/{j}/rejected", rejected)
-        planted = self._planted.pop(server_round, {})
+        round_plant = self._planted.pop(server_round, None)
+        planted = {} if round_plant is None else round_plant.sent
         valid = [(j, n, u) for j, (n, u) in enumerate(checked) if isinstance(u, Update)]
         if self._audits(server_round):
             honest = [v for v in valid if v[1] not in planted]
             self._audit(server_round, honest, self.broadcast_model(server_round), self.attacks, {}, "")
-            if planted and self.malicious is not None:
-                model, secrets = next(iter(planted.values())).model, next(iter(planted.values())).secrets
+            if round_plant is not None and self.malicious is not None:
+                model, secrets = round_plant.model, round_plant.secrets
                 self._audit(server_round, [v for v in valid if v[1] in planted], model, [self.malicious],
                             secrets, "malicious/")  # fmt: skip
         self._broadcast.pop(server_round, None)
@@ -282,15 +282,15 @@ class AuditStrategy(Strategy):
         """``(node id, update or the reason it was rejected)`` per train reply without error. Every array
         of a reply is checked against what was sent (names, shapes, dtypes, finite values: a NaN BatchNorm
         buffer would be aggregated too); the update is the model's parameters' ``w_T - w_0``."""
-        planted = self._planted.get(server_round, {})
+        planted = self._planted.get(server_round)
         out: list[tuple[int, Update | str]] = []
         for reply in replies:
             if reply.has_error():
                 continue
             node = int(reply.metadata.src_node_id)
             source = f"node {node}, round {server_round}"
-            if node in planted:  # the malicious model's weights and parameters
-                w0, params = planted[node].sent, reference_of(planted[node].model)
+            if planted is not None and node in planted.sent:  # the malicious model's weights, parameters
+                w0, params = planted.sent[node], reference_of(planted.model)
             else:
                 w0, params = self._broadcast[server_round], reference_of(self.model)
             try:
