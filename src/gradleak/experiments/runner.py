@@ -40,7 +40,7 @@ from gradleak.experiments.store import Checkpoint, ResultStore, RunRow, normalis
 from gradleak.fl import FederatedSimulation, derive_seed, evaluate, server_view
 from gradleak.fl.client import ClientResult
 from gradleak.fl.engines import EngineRunner
-from gradleak.fl.simulation import Engine, RoundResult
+from gradleak.fl.simulation import Engine, RoundResult, secure_observation
 from gradleak.metrics import score_images
 from gradleak.models import build_model
 from gradleak.registry import ENGINES
@@ -119,16 +119,18 @@ def score_reconstruction(rec: Reconstruction, truth: ImageDataset) -> dict[str, 
 
 
 def _truth_for(obs: Observation, results: list[ClientResult]) -> ImageDataset:
-    received = [r for r in results if r.update is not None and r.truth is not None]
+    """The data behind an observation: the client's, or under secure aggregation the union of the data of
+    ``results`` (the clients in the aggregate; a real protocol's results carry no update)."""
     if not obs.aggregated:
         cid = obs.update.metadata.get("client_id")
+        received = [r for r in results if r.update is not None and r.truth is not None]
         return next(r.truth for r in received if r.update.metadata.get("client_id") == cid)  # type: ignore
-    parts = [r.truth for r in received]
+    parts = [r.truth for r in results if r.truth is not None]
     return ImageDataset(
-        parts[0].name,  # type: ignore[union-attr]
-        torch.cat([p.images for p in parts]),  # type: ignore[union-attr]
-        torch.cat([p.labels for p in parts]),  # type: ignore[union-attr]
-        parts[0].num_classes,  # type: ignore[union-attr]
+        parts[0].name,
+        torch.cat([p.images for p in parts]),
+        torch.cat([p.labels for p in parts]),
+        parts[0].num_classes,
     )
 
 
@@ -144,6 +146,14 @@ def _figure(
     caps = [f"{scores['psnr'][m]:.1f} dB" for m in range(len(matched))]
     title = f"{name} on client {obs.update.metadata.get('client_id', 'sum')}"
     return truth[matched], recon, title, caps
+
+
+def served_models(attack: ModelModifyingAttack, broadcast: nn.Module, count: int) -> list[nn.Module]:
+    """The model each of ``count`` audited clients is sent: its own variant for a client-customising
+    attack (LOKI), else the one modified model."""
+    if isinstance(attack, ClientCustomizingAttack):
+        return [attack.customize(broadcast, slot) for slot in range(count)]
+    return [broadcast] * count
 
 
 def collect_malicious(
@@ -359,12 +369,53 @@ class _Run:
         rec.new.append(summary)
         return rec.all()
 
+    def _observe(
+        self, attack: object, ids: list[int], salt: int, honest: dict[str, Any]
+    ) -> tuple[list[Observation], list[ClientResult]]:
+        """What the server observes for ``attack`` in the audited round, and the results behind it (for
+        scoring): each client's update, or under secure aggregation one aggregate of those that made it.
+        A model-modifying attack first builds the model the server broadcasts (seeded by ``salt``)."""
+        cfg, sim, audit = self.cfg, self.sim, self.cfg.audit
+        broadcast: nn.Module = sim.model
+        secrets: Mapping[str, object] = {}
+        if isinstance(attack, ModelModifyingAttack):  # the server broadcasts its own model this round
+            gen = torch.Generator().manual_seed(derive_seed(cfg.experiment.seed, 0xBAD, salt))
+            broadcast, secrets = attack.prepare(copy.deepcopy(sim.model), self.public, generator=gen)
+        recipe = audit.training if audit.training_public else None
+        shape, classes = self.train.input_shape, self.train.num_classes
+        if not cfg.fl.secure_aggregation:
+            if isinstance(attack, ModelModifyingAttack):
+                results = collect_malicious(sim, attack, broadcast, ids, cfg)
+            else:
+                if "updates" not in honest:
+                    honest["updates"] = sim.collect(ids, audit.training, max_samples=audit.max_samples)
+                results = honest["updates"]
+            observations = server_view(
+                broadcast, results, input_shape=shape, num_classes=classes, secure_aggregation=False,
+                training=recipe, grant_labels=audit.grant_labels, secrets=secrets,
+            )  # fmt: skip
+            return observations, results
+        if isinstance(attack, ModelModifyingAttack):
+            models = served_models(attack, broadcast, len(ids))
+            secure = sim.collect_secure(ids, audit.training, models=models, max_samples=audit.max_samples)
+        else:
+            if "secure" not in honest:
+                honest["secure"] = sim.collect_secure(ids, audit.training, max_samples=audit.max_samples)
+            secure = honest["secure"]
+        results = [r for r in secure.results if r.client_id in secure.contributors]
+        if secure.aggregate is None:
+            return [], results
+        w0 = copy.deepcopy(broadcast).eval()
+        obs = secure_observation(w0, secure.aggregate, len(secure.contributors), input_shape=shape,
+                                 num_classes=classes, training=recipe, secrets=secrets)  # fmt: skip
+        return [obs], results
+
     def audit(self, rec: _Recorder, folder: Path | None) -> None:
         """The audited round: every attack on the updates of the same sampled clients, a unit per update."""
         cfg, sim = self.cfg, self.sim
         seed, audit = cfg.experiment.seed, cfg.audit
         ids = sim.sample()[: audit.clients]
-        honest: list[ClientResult] | None = None
+        honest: dict[str, Any] = {}  # the honest clients' training, shared by every honest-server attack
         salt = cfg.fl.rounds  # records before this attack's (rounds, earlier attacks): seeds its prepare
         for i, spec in enumerate(tqdm(audit.attacks, desc="attacks", disable=not self.progress)):
             if f"attack/{i}" in rec.done:
@@ -372,22 +423,7 @@ class _Run:
                 log.info("attack %d (%s) already stored: skipped", i, spec.name)
                 continue
             attack = create_attack(spec.name, **spec.options)
-            broadcast: nn.Module = sim.model
-            secrets: Mapping[str, object] = {}
-            if isinstance(attack, ModelModifyingAttack):  # the server broadcasts its own model this round
-                gen = torch.Generator().manual_seed(derive_seed(seed, 0xBAD, salt))
-                broadcast, secrets = attack.prepare(copy.deepcopy(sim.model), self.public, generator=gen)
-                results = collect_malicious(sim, attack, broadcast, ids, cfg)
-            else:
-                if honest is None:
-                    honest = sim.collect(ids, audit.training, max_samples=audit.max_samples)
-                results = honest
-            observations = server_view(
-                broadcast, results, input_shape=self.train.input_shape, num_classes=self.train.num_classes,
-                secure_aggregation=cfg.fl.secure_aggregation,
-                training=audit.training if audit.training_public else None, grant_labels=audit.grant_labels,
-                secrets=secrets,
-            )  # fmt: skip
+            observations, results = self._observe(attack, ids, salt, honest)
             for k, obs in enumerate(observations):
                 unit = f"attack/{i}/{k}"
                 if unit in rec.done:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -65,6 +66,37 @@ class Engine(Protocol):
     def train_clients(
         self, global_model: nn.Module, tasks: Sequence[ClientTask], defenses: DefenseFactory
     ) -> list[ClientResult]: ...
+
+
+@dataclass
+class SecureRound:
+    """What a server learns from a round under secure aggregation: one aggregate, and who is in it.
+
+    ``aggregate``: the sample-weighted mean ``sum_k n_k u_k / sum_k n_k`` (``weighted``, what FedAvg
+    applies) or the sum ``sum_k u_k`` (what an audit attacks, as :func:`gradleak.fl.server.secure_sum`) of
+    the ``contributors``' updates; None when none arrived. ``results``: one per task, in task order, for the
+    simulation's records and scoring only (each client's error, and for contributors the data their update
+    used); an engine that runs the real protocol returns no update in them.
+    """
+
+    aggregate: Update | None
+    results: list[ClientResult]
+    contributors: list[int]
+
+
+@runtime_checkable
+class SecureAggregator(Protocol):
+    """An engine that runs a secure-aggregation protocol itself (Flower's SecAgg+): it returns only the
+    aggregate. Task ``k`` trains on ``models[k]`` (a malicious server's per-client variants)."""
+
+    def aggregate_clients(
+        self,
+        models: Sequence[nn.Module],
+        tasks: Sequence[ClientTask],
+        defenses: DefenseFactory,
+        *,
+        weighted: bool,
+    ) -> SecureRound: ...
 
 
 class InProcessEngine:
@@ -172,19 +204,22 @@ class FederatedSimulation:
     def run_round(self, round_idx: int) -> RoundResult:
         start = time.perf_counter()
         ids = sample_clients(len(self.clients), self.config.fraction, self._rng)
-        results = self.engine.train_clients(
-            self.model, self.tasks(round_idx, ids, self.config.training), self.defenses
-        )
-        results = screen(results, self.model, round_idx=round_idx, kind=update_kind(self.config.training))
-        received = [r.update for r in results if r.update is not None]
+        tasks = self.tasks(round_idx, ids, self.config.training)
+        if self.config.secure_aggregation:
+            secure = self.secure_round([self.model] * len(tasks), tasks, round_idx=round_idx, weighted=True)
+            results, aggregate, arrived = secure.results, secure.aggregate, set(secure.contributors)
+        else:
+            results = self.engine.train_clients(self.model, tasks, self.defenses)
+            results = screen(results, self.model, round_idx=round_idx, kind=update_kind(self.config.training))
+            received = [r.update for r in results if r.update is not None]
+            aggregate = weighted_mean(received) if received else None
+            arrived = {r.client_id for r in results if r.update is not None}
         for r in results:
-            if r.update is None:
+            if r.client_id not in arrived:
                 log.warning("round %d: client %d sent nothing (%s)", round_idx, r.client_id, r.error)
-        if not received:
+        if aggregate is None:
             log.error("round %d: no client's update reached the server; the model is unchanged", round_idx)
-        aggregate = None
-        if received:
-            aggregate = weighted_mean(received)
+        else:
             bad = [n for n, t in aggregate.tensors.items() if not bool(torch.isfinite(t).all())]
             if bad:  # finite updates can still overflow in the sum: the model is left as it was
                 log.error("round %d: the aggregate overflowed in %s; not applied", round_idx, bad[:3])
@@ -194,7 +229,7 @@ class FederatedSimulation:
         acc = None
         if self.test is not None and (round_idx + 1) % self.config.eval_every == 0:
             acc = evaluate(self.model, self.test.images, self.test.labels)
-        errors = {r.client_id: r.error or "no update" for r in results if r.update is None}
+        errors = {r.client_id: r.error or "no update" for r in results if r.client_id not in arrived}
         rr = RoundResult(
             round_idx, ids, results, aggregate, acc, time.perf_counter() - start, list(errors), errors
         )
@@ -226,16 +261,67 @@ class FederatedSimulation:
         ``round_idx`` defaults to the next round index, so the clients' randomness is that round's.
         """
         r = len(self.history) if round_idx is None else round_idx
-        tasks = self.tasks(r, client_ids, training)
-        if max_samples is not None:
-            keep = [np.arange(min(max_samples, len(t.data))) for t in tasks]
-            tasks = [
-                dataclasses.replace(t, data=t.data.subset(k), private=t.data)
-                for t, k in zip(tasks, keep, strict=True)
-            ]
+        tasks = self.audit_tasks(r, client_ids, training, max_samples)
         model = self.model if broadcast is None else broadcast
         results = self.engine.train_clients(model, tasks, self.defenses)
         return screen(results, model, round_idx=r, kind=update_kind(training))
+
+    def audit_tasks(
+        self, round_idx: int, client_ids: Sequence[int], training: LocalTraining, max_samples: int | None
+    ) -> list[ClientTask]:
+        """The round's tasks for ``client_ids``, each on its first ``max_samples`` samples if given."""
+        tasks = self.tasks(round_idx, client_ids, training)
+        if max_samples is None:
+            return tasks
+        keep = [np.arange(min(max_samples, len(t.data))) for t in tasks]
+        pairs = zip(tasks, keep, strict=True)
+        return [dataclasses.replace(t, data=t.data.subset(k), private=t.data) for t, k in pairs]
+
+    def collect_secure(
+        self,
+        client_ids: Sequence[int],
+        training: LocalTraining,
+        *,
+        models: Sequence[nn.Module] | None = None,
+        max_samples: int | None = None,
+    ) -> SecureRound:
+        """:meth:`collect` under secure aggregation: the sum of the clients' updates is all the server gets
+        (client ``client_ids[k]`` trains ``models[k]``, default the global model)."""
+        r = len(self.history)
+        tasks = self.audit_tasks(r, client_ids, training, max_samples)
+        models = [self.model] * len(tasks) if models is None else list(models)
+        return self.secure_round(models, tasks, round_idx=r, weighted=False)
+
+    def secure_round(
+        self, models: Sequence[nn.Module], tasks: Sequence[ClientTask], *, round_idx: int, weighted: bool
+    ) -> SecureRound:
+        """``tasks`` (task ``k`` on ``models[k]``) under secure aggregation (:class:`SecureRound`). An engine
+        that runs the protocol itself does (its aggregate is checked like any update: an invalid one is
+        None); otherwise the clients train here and the server is shown only their sum or weighted mean."""
+        if len(models) != len(tasks):
+            raise ValueError(f"{len(models)} models for {len(tasks)} tasks")
+        kind = update_kind(tasks[0].training) if tasks else "delta"
+        if isinstance(self.engine, SecureAggregator):
+            secure = self.engine.aggregate_clients(models, tasks, self.defenses, weighted=weighted)
+            if secure.aggregate is not None:
+                agg = Update(secure.aggregate.tensors, max(secure.aggregate.num_samples, 1),
+                             secure.aggregate.kind, secure.aggregate.metadata)  # fmt: skip
+                (checked,) = screen([ClientResult(-1, agg, None)], models[0], round_idx=round_idx, kind=kind)
+                if checked.update is None:
+                    log.error("round %d: the secure aggregate was rejected: %s", round_idx, checked.error)
+                    secure = SecureRound(None, secure.results, [])
+            return secure
+        results: list[ClientResult] = []
+        for _, group in itertools.groupby(zip(models, tasks, strict=True), key=lambda mt: id(mt[0])):
+            pairs = list(group)
+            model = pairs[0][0]
+            trained = self.engine.train_clients(model, [t for _, t in pairs], self.defenses)
+            results += screen(trained, model, round_idx=round_idx, kind=kind)
+        received = [r.update for r in results if r.update is not None]
+        aggregate = None
+        if received:
+            aggregate = weighted_mean(received) if weighted else secure_sum(received)
+        return SecureRound(aggregate, results, [r.client_id for r in results if r.update is not None])
 
     def sample(self) -> list[int]:
         return sample_clients(len(self.clients), self.config.fraction, self._rng)
@@ -284,20 +370,26 @@ def server_view(
     w0 = copy.deepcopy(broadcast).eval()
     if secure_aggregation:
         agg = secure_sum([r.update for r in received])  # type: ignore[misc]
-        return [
-            Observation(
-                w0,
-                agg,
-                input_shape,
-                num_classes,
-                training,
-                secrets=secrets,
-                aggregated=True,
-                num_clients=len(received),
-            )
-        ]
+        return [secure_observation(w0, agg, len(received), input_shape=input_shape, num_classes=num_classes,
+                                   training=training, secrets=secrets)]  # fmt: skip
     out = []
     for r in received:
         labels = r.truth.labels.clone() if (grant_labels and r.truth is not None) else None
         out.append(Observation(w0, r.update, input_shape, num_classes, training, labels, secrets))  # type: ignore[arg-type]
     return out
+
+
+def secure_observation(
+    broadcast: nn.Module,
+    aggregate: Update,
+    num_clients: int,
+    *,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    training: LocalTraining | None,
+    secrets: Mapping[str, object] | None = None,
+) -> Observation:
+    """What the server observes under secure aggregation: the aggregate of ``num_clients`` clients, no
+    labels (they would be a union across clients)."""
+    return Observation(broadcast, aggregate, input_shape, num_classes, training, secrets=dict(secrets or {}),
+                       aggregated=True, num_clients=num_clients)  # fmt: skip

@@ -2,9 +2,12 @@
 
 - :class:`DefenseMod`: gradleak's update-level defenses as a Flower client mod.
 - :class:`AuditStrategy`: any Flower strategy, with gradleak's attacks on the updates its server receives.
+- :class:`LegacyAuditStrategy`: the same for a legacy Flower strategy, as Flower's SecAgg+ workflow drives
+  (under SecAgg+ only the unmasked aggregate is attacked).
 """
 
 from gradleak.integrations.flower.audit import AuditStrategy
+from gradleak.integrations.flower.legacy import LegacyAuditStrategy
 from gradleak.integrations.flower.mods import DefenseMod, UnsupportedModError, is_update_level
 
-__all__ = ["AuditStrategy", "DefenseMod", "UnsupportedModError", "is_update_level"]
+__all__ = ["AuditStrategy", "LegacyAuditStrategy", "DefenseMod", "UnsupportedModError", "is_update_level"]

@@ -9,6 +9,13 @@ reply and the round goes on with the others (:class:`~gradleak.integrations.flow
 it). The reply carries ``w_0 + update`` (Flower's convention) and the metrics ``num-examples`` and
 ``partition-id``.
 
+The same ClientApp serves Flower's legacy workflows, whose train messages carry ``FitIns`` (``fitins.
+parameters``, ``fitins.config``; the round from the config's ``server-round`` if the strategy sets it, else
+the message's ``group_id``): it then replies with a ``FitRes`` of the weights in ``state_dict`` order and
+``num_examples``. That is what Flower's SecAgg+ workflow sends and ``secaggplus_mod`` masks:
+``client_app(..., mods=[secaggplus_mod])`` beside a ServerApp running ``SecAggPlusWorkflow`` over
+:class:`~gradleak.integrations.flower.LegacyAuditStrategy`.
+
 A train message that carries a ``gradleak.architecture`` record (the server's own module, as the wrapper's
 malicious-server option sends: an architecture the server chose, e.g. an imprint layer in front) is
 trained on that module instead of ``build_model()``: the threat model in which the server ships the model.
@@ -21,9 +28,13 @@ from __future__ import annotations
 import io
 from collections.abc import Callable, Sequence
 
+import flwr.compat.common.recorddict_compat as compat
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import Mod
+from flwr.common import Code, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from torch import nn
 
 from gradleak.data.base import ImageDataset
@@ -32,6 +43,30 @@ from gradleak.types import LocalTraining
 
 PARTITION_ID = "partition-id"
 ARCHITECTURE = "gradleak.architecture"  # a ConfigRecord whose "module" is torch.save of the server's module
+
+
+LEGACY_PARAMETERS = "fitins.parameters"  # the ArrayRecord of a legacy workflow's train message
+
+
+def named_arrays(model: nn.Module, parameters: Parameters, source: str) -> dict[str, torch.Tensor]:
+    """Legacy ``Parameters`` as ``model.state_dict()``'s named tensors: same order (the NumPyClient
+    convention), the same shapes (checked), cast to the model's dtypes (SecAgg+ aggregates are float64)."""
+    from gradleak.validation import InvalidUpdateError
+
+    arrays = parameters_to_ndarrays(parameters)
+    reference = model.state_dict()
+    if len(arrays) != len(reference):
+        raise InvalidUpdateError(
+            f"{source}: {len(arrays)} arrays, but the model's state_dict has {len(reference)} entries"
+        )
+    out = {}
+    for (name, ref), array in zip(reference.items(), arrays, strict=True):
+        if tuple(array.shape) != tuple(ref.shape):
+            raise InvalidUpdateError(
+                f"{source}: array {name!r} has shape {tuple(array.shape)}, the model's {tuple(ref.shape)}"
+            )
+        out[name] = torch.from_numpy(np.ascontiguousarray(array)).to(ref.dtype)
+    return out
 
 
 def module_bytes(model: nn.Module) -> bytes:
@@ -56,6 +91,7 @@ def client_app(
     *,
     defenses: Callable[[], Sequence[Defense]] = tuple,
     seed: int = 0,
+    mods: Sequence[Mod] = (),
 ) -> ClientApp:
     """A ClientApp whose node ``partition-id = k`` trains ``clients[k]`` (see the module docstring).
 
@@ -63,9 +99,10 @@ def client_app(
     ``defenses()`` a fresh list of defenses per round, as the in-process engine builds them. Both travel
     to the Ray actors: pass functions importable by name there (``functools.partial(
     gradleak.models.build_model, "aegis_cnn", shape, classes, seed=0)``), not a test's or notebook's own.
+    ``mods``: Flower mods around it (e.g. ``[secaggplus_mod]``, ``[DefenseMod([...])]``).
     """
     data = list(clients)
-    app = ClientApp()
+    app = ClientApp(mods=list(mods))
 
     @app.train()
     def train(msg: Message, ctx: Context) -> Message:
@@ -78,9 +115,15 @@ def client_app(
         else:
             model = build_model()
         assert isinstance(model, torch.nn.Module)
-        w0 = msg.content.array_records["arrays"].to_torch_state_dict()
+        legacy = LEGACY_PARAMETERS in msg.content.array_records
+        if legacy:  # a legacy workflow's FitIns (e.g. SecAgg+)
+            fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+            w0 = named_arrays(model, fitins.parameters, f"partition {k}'s train message")
+            rnd = int(fitins.config.get("server-round", msg.metadata.group_id))
+        else:
+            w0 = msg.content.array_records["arrays"].to_torch_state_dict()
+            rnd = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
         model.load_state_dict(w0)
-        rnd = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
         gen = torch.Generator().manual_seed(derive_seed(seed, rnd - 1, k))
         result = train_client(k, model, data[k], training, list(defenses()), gen)
         if result.update is None:
@@ -89,7 +132,12 @@ def client_app(
         weights = {n: t.clone() for n, t in w0.items()}
         for name, u in result.update.tensors.items():
             weights[name] = w0[name] + sign * u
-        metrics = MetricRecord({"num-examples": result.update.num_samples, PARTITION_ID: k})
+        n = result.update.num_samples
+        if legacy:
+            arrays = ndarrays_to_parameters([t.detach().numpy() for t in weights.values()])
+            fitres = FitRes(Status(Code.OK, ""), arrays, n, {PARTITION_ID: k})
+            return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
+        metrics = MetricRecord({"num-examples": n, PARTITION_ID: k})
         return Message(RecordDict({"arrays": ArrayRecord(torch_state_dict=weights), "metrics": metrics}),
                        reply_to=msg)  # fmt: skip
 

@@ -29,9 +29,7 @@ scores the in-process runner computes.
 from __future__ import annotations
 
 import copy
-import datetime as dt
 import logging
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -43,28 +41,15 @@ from torch import nn
 
 from gradleak.attacks import create_attack
 from gradleak.data.base import ImageDataset
-from gradleak.experiments.runner import environment, score_reconstruction
-from gradleak.experiments.store import ResultStore, RunRow
-from gradleak.fl.server import secure_sum
+from gradleak.experiments.store import ResultStore
 from gradleak.fl.simulation import derive_seed
 from gradleak.integrations.flower.apps import ARCHITECTURE, PARTITION_ID, module_bytes
+from gradleak.integrations.flower.auditing import AttackSpec, Auditing, attack_spec
 from gradleak.integrations.flower.mods import NUM_EXAMPLES, reply_metric
-from gradleak.types import (
-    ClientCustomizingAttack,
-    LocalTraining,
-    ModelModifyingAttack,
-    Observation,
-    Update,
-)
+from gradleak.types import ClientCustomizingAttack, LocalTraining, ModelModifyingAttack, Update
 from gradleak.validation import InvalidUpdateError, check_tensors, check_update, reference_of
 
 log = logging.getLogger(__name__)
-
-AttackSpec = str | tuple[str, Mapping[str, Any]]
-
-
-def _spec(a: AttackSpec) -> tuple[str, dict[str, Any]]:
-    return (a, {}) if isinstance(a, str) else (a[0], dict(a[1]))
 
 
 class _Planted:
@@ -76,7 +61,7 @@ class _Planted:
         self.sent: dict[int, dict[str, torch.Tensor]] = {}
 
 
-class AuditStrategy(Strategy):
+class AuditStrategy(Auditing, Strategy):
     """Wrap ``strategy``; audit its train replies with ``attacks`` (see the module docstring)."""
 
     def __init__(
@@ -98,11 +83,13 @@ class AuditStrategy(Strategy):
         malicious_nodes: int | None = None,
         public_images: torch.Tensor | None = None,
     ) -> None:
-        self.strategy, self.model = strategy, model
-        self.attacks = [_spec(a) for a in attacks]
-        for attack_name, options in self.attacks:  # unknown names and options fail now, not mid-run
-            create_attack(attack_name, **options)
-        self.malicious = None if malicious is None else _spec(malicious)
+        Auditing.__init__(
+            self, model=model, attacks=attacks, input_shape=input_shape, num_classes=num_classes, store=store,
+            training=training, rounds=rounds, secure_aggregation=secure_aggregation, seed=seed, name=name,
+            truth=truth,
+        )  # fmt: skip
+        self.strategy = strategy
+        self.malicious = None if malicious is None else attack_spec(malicious)
         if self.malicious is not None:
             if not isinstance(create_attack(self.malicious[0], **self.malicious[1]), ModelModifyingAttack):
                 raise ValueError(
@@ -123,15 +110,7 @@ class AuditStrategy(Strategy):
             )
         self.malicious_nodes, self.public_images = malicious_nodes, public_images
         self._planted: dict[int, _Planted] = {}
-        self.input_shape, self.num_classes = tuple(input_shape), num_classes
-        self.store, self.training, self.seed, self.name, self.truth = store, training, seed, name, truth
-        self.rounds = None if rounds is None else set(rounds)
-        self.secure_aggregation = secure_aggregation
-        self.records: list[dict[str, Any]] = []
         self._broadcast: dict[int, dict[str, torch.Tensor]] = {}
-        self.run_id: str | None = None
-        if store is not None:
-            store.check()
 
     # -- the wrapped strategy -------------------------------------------------------------------------
 
@@ -140,7 +119,7 @@ class AuditStrategy(Strategy):
     ) -> Iterable[Message]:
         self._broadcast[server_round] = {k: v.clone() for k, v in arrays.to_torch_state_dict().items()}
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
-        if self.malicious is not None and self._audits(server_round):
+        if self.malicious is not None and self.audits(server_round):
             messages = self._plant(server_round, messages)
         return messages
 
@@ -194,27 +173,27 @@ class AuditStrategy(Strategy):
                 "drive the wrapper itself (its start or configure_train), not the wrapped strategy"
             )
         checked = self.updates(server_round, replies)
-        self._begin()
+        self.begin()
         errors = [r for r in replies if r.has_error()]  # a ClientApp that raised, a node that was lost
         for j, reply in enumerate(errors):
             node = int(reply.metadata.src_node_id)
             failed = {"kind": "client_error", "round": server_round, "node_id": node,
                       "code": int(reply.error.code), "error": str(reply.error.reason)}  # fmt: skip
-            self._commit(f"round/{server_round}/error/{j}", failed)
+            self.commit(f"round/{server_round}/error/{j}", failed)
         for j, (node, bad) in enumerate(checked):
             if isinstance(bad, str):
                 log.warning("audit: rejected %s", bad)
                 rejected = {"kind": "rejected", "round": server_round, "node_id": node, "error": bad}
-                self._commit(f"round/{server_round}/reply/{j}/rejected", rejected)
+                self.commit(f"round/{server_round}/reply/{j}/rejected", rejected)
         round_plant = self._planted.pop(server_round, None)
         planted = {} if round_plant is None else round_plant.sent
         valid = [(j, n, u) for j, (n, u) in enumerate(checked) if isinstance(u, Update)]
-        if self._audits(server_round):
+        if self.audits(server_round):
             honest = [v for v in valid if v[1] not in planted]
-            self._audit(server_round, honest, self.broadcast_model(server_round), self.attacks, {}, "")
+            self.audit(server_round, honest, self.broadcast_model(server_round), self.attacks, {}, "")
             if round_plant is not None and self.malicious is not None:
                 model, secrets = round_plant.model, round_plant.secrets
-                self._audit(server_round, [v for v in valid if v[1] in planted], model, [self.malicious],
+                self.audit(server_round, [v for v in valid if v[1] in planted], model, [self.malicious],
                             secrets, "malicious/")  # fmt: skip
         self._broadcast.pop(server_round, None)
         answered = [r for r in replies if not r.has_error()]
@@ -243,40 +222,15 @@ class AuditStrategy(Strategy):
         try:
             result = Strategy.start(self, grid, initial_arrays, *args, **kwargs)
         except BaseException:
-            if self.store is not None and self.run_id is not None:
-                self.store.release(self.run_id)
+            self.release()
             raise
         self.close()
         return result
 
-    def close(self) -> None:
-        """Mark the audit run complete (``start`` does it; call it when driving the rounds yourself)."""
-        if self.store is not None and self.run_id is not None:
-            finished = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-            self.store.finish_run(self.run_id, finished, [{"kind": "summary", "audited": len(self.records)}])
-        self.run_id = None
-
-    # -- the audit ------------------------------------------------------------------------------------
-
-    def _audits(self, server_round: int) -> bool:
-        return self.rounds is None or server_round in self.rounds
-
-    def _begin(self) -> str:
-        if self.run_id is None:
-            started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-            run_id = f"{self.name}-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
-            config = {"engine": "flower", "strategy": type(self.strategy).__name__,
-                      "attacks": [{"name": n, **o} for n, o in self.attacks],
-                      "secure_aggregation": self.secure_aggregation, "seed": self.seed,
-                      "malicious": None if self.malicious is None else [self.malicious[0], self.malicious[1]],
-                      "malicious_nodes": self.malicious_nodes}  # fmt: skip
-            if self.store is not None:
-                run_id, _ = self.store.begin_run(
-                    RunRow(run_id, self.name, started, "", config, environment(), "running", None),
-                    resume=False,
-                )
-            self.run_id = run_id
-        return self.run_id
+    def run_config(self) -> dict[str, Any]:
+        return {**Auditing.run_config(self), "strategy": type(self.strategy).__name__,
+                "malicious": None if self.malicious is None else [self.malicious[0], self.malicious[1]],
+                "malicious_nodes": self.malicious_nodes}  # fmt: skip
 
     def updates(self, server_round: int, replies: Sequence[Message]) -> list[tuple[int, Update | str]]:
         """``(node id, update or the reason it was rejected)`` per train reply without error. Every array
@@ -327,56 +281,3 @@ class AuditStrategy(Strategy):
         model = copy.deepcopy(self.model)
         model.load_state_dict(self._broadcast[server_round], strict=True)
         return model.eval()
-
-    def _audit(
-        self,
-        server_round: int,
-        good: Sequence[tuple[int, int, Update]],
-        w0: nn.Module,
-        attacks: Sequence[tuple[str, dict[str, Any]]],
-        secrets: Mapping[str, object],
-        prefix: str,
-    ) -> None:
-        """``good``: (reply index, node id, update) of the valid replies, sent the model ``w0``."""
-        if not good:
-            return
-        observed: list[tuple[str, int | None, Update, int]]
-        if self.secure_aggregation:  # only the sum is visible
-            observed = [(f"{prefix}sum", None, secure_sum([u for _, _, u in good]), len(good))]
-        else:
-            observed = [(f"reply/{j}", n, u, 1) for j, n, u in good]
-        for where, node, update, count in observed:
-            obs = Observation(w0, update, self.input_shape, self.num_classes, self.training, secrets=secrets,
-                              aggregated=count > 1 or self.secure_aggregation, num_clients=count)  # fmt: skip
-            for i, (attack_name, options) in enumerate(attacks):
-                gen = torch.Generator().manual_seed(derive_seed(self.seed, server_round, node or 0, i))
-                unit = f"round/{server_round}/{where}/attack/{i}"
-                try:
-                    rec = create_attack(attack_name, **options).reconstruct(obs, generator=gen)
-                except Exception as exc:  # one attack failing must not stop the federation
-                    log.error(
-                        "audit: %s on node %s, round %d failed: %s", attack_name, node, server_round, exc
-                    )
-                    failed = {"kind": "attack_error", "attack": attack_name, "round": server_round,
-                              "node_id": node, "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
-                    self._commit(unit, failed)
-                    continue
-                record: dict[str, Any] = {
-                    "kind": "attack", "attack": attack_name, "options": options, "round": server_round,
-                    "node_id": node, "aggregated": obs.aggregated, "num_clients": count,
-                    "malicious": bool(prefix),
-                    "num_samples": update.num_samples,
-                    "reconstructed": 0 if rec.images is None else len(rec.images), **rec.stats,
-                }  # fmt: skip
-                part = update.metadata.get("partition_id")
-                key = part if isinstance(part, int) else node
-                data = self.truth(key) if (self.truth is not None and key is not None) else None
-                record["partition_id"] = part
-                if data is not None:
-                    record.update(score_reconstruction(rec, data))
-                self._commit(unit, record)
-
-    def _commit(self, unit: str, record: dict[str, Any]) -> None:
-        self.records.append(record)
-        if self.store is not None and self.run_id is not None:
-            self.store.commit_unit(self.run_id, unit, [record])

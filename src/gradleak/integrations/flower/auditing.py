@@ -1,0 +1,171 @@
+"""What both Flower audit wrappers share: the audit run in gradleak's results store and the attacks on the
+updates (or the one aggregate) a Flower server received.
+
+:class:`~gradleak.integrations.flower.AuditStrategy` wraps a strategy of Flower's Message API;
+:class:`~gradleak.integrations.flower.LegacyAuditStrategy` wraps a strategy of Flower's legacy API, the
+one Flower's SecAgg+ workflow drives. They differ in how replies reach them, not in what an audit records:
+each attacked update is one unit in the store (round, node id, the attack's statistics, the scores when
+``truth`` knows the client's data), committed as it finishes; the run is completed by ``close``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradleak.attacks import create_attack
+from gradleak.data.base import ImageDataset
+from gradleak.experiments.runner import environment, score_reconstruction
+from gradleak.experiments.store import ResultStore, RunRow
+from gradleak.fl.server import secure_sum
+from gradleak.fl.simulation import derive_seed
+from gradleak.types import LocalTraining, Observation, Update
+
+log = logging.getLogger(__name__)
+
+AttackSpec = str | tuple[str, Mapping[str, Any]]
+
+
+def attack_spec(a: AttackSpec) -> tuple[str, dict[str, Any]]:
+    """``"ig"`` or ``("ig", {options})`` as ``(name, options)``."""
+    return (a, {}) if isinstance(a, str) else (a[0], dict(a[1]))
+
+
+class Auditing:
+    """The audit state and the attack loop of a Flower strategy wrapper (module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        attacks: Sequence[AttackSpec],
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        store: ResultStore | None,
+        training: LocalTraining | None,
+        rounds: Iterable[int] | None,
+        secure_aggregation: bool,
+        seed: int,
+        name: str,
+        truth: Callable[[int], ImageDataset | None] | None,
+    ) -> None:
+        self.model = model
+        self.attacks = [attack_spec(a) for a in attacks]
+        for attack_name, options in self.attacks:  # unknown names and options fail now, not mid-run
+            create_attack(attack_name, **options)
+        self.input_shape, self.num_classes = tuple(input_shape), num_classes
+        self.store, self.training, self.seed, self.name, self.truth = store, training, seed, name, truth
+        self.rounds = None if rounds is None else set(rounds)
+        self.secure_aggregation = secure_aggregation
+        self.records: list[dict[str, Any]] = []
+        self.run_id: str | None = None
+        if store is not None:
+            store.check()
+
+    def run_config(self) -> dict[str, Any]:
+        """What the store keeps as the audit run's configuration (wrappers add their own options)."""
+        return {"engine": "flower", "attacks": [{"name": n, **o} for n, o in self.attacks],
+                "secure_aggregation": self.secure_aggregation, "seed": self.seed}  # fmt: skip
+
+    def audits(self, server_round: int) -> bool:
+        return self.rounds is None or server_round in self.rounds
+
+    def begin(self) -> str:
+        """The audit run's id; the run is opened in the store by the first record."""
+        if self.run_id is None:
+            started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+            run_id = f"{self.name}-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+            if self.store is not None:
+                run_id, _ = self.store.begin_run(
+                    RunRow(run_id, self.name, started, "", self.run_config(), environment(), "running", None),
+                    resume=False,
+                )
+            self.run_id = run_id
+        return self.run_id
+
+    def close(self) -> None:
+        """Mark the audit run complete (``start`` does it; call it when driving the rounds yourself)."""
+        if self.store is not None and self.run_id is not None:
+            finished = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+            self.store.finish_run(self.run_id, finished, [{"kind": "summary", "audited": len(self.records)}])
+        self.run_id = None
+
+    def release(self) -> None:
+        """Leave the run unfinished (the rounds failed): what was committed stays."""
+        if self.store is not None and self.run_id is not None:
+            self.store.release(self.run_id)
+
+    def commit(self, unit: str, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if self.store is not None and self.run_id is not None:
+            self.store.commit_unit(self.run_id, unit, [record])
+
+    def audit(
+        self,
+        server_round: int,
+        good: Sequence[tuple[int, int, Update]],
+        w0: nn.Module,
+        attacks: Sequence[tuple[str, dict[str, Any]]],
+        secrets: Mapping[str, object],
+        prefix: str,
+    ) -> None:
+        """``good``: (reply index, node id, update) of the valid replies, sent the model ``w0``; under
+        ``secure_aggregation`` only their sum is attacked."""
+        if not good:
+            return
+        if self.secure_aggregation:  # only the sum is visible
+            self.attack(server_round, f"{prefix}sum", None, secure_sum([u for _, _, u in good]), len(good),
+                        w0, attacks, secrets, malicious=bool(prefix))  # fmt: skip
+            return
+        for j, node, update in good:
+            self.attack(server_round, f"{prefix}reply/{j}", node, update, 1, w0, attacks, secrets,
+                        malicious=bool(prefix))  # fmt: skip
+
+    def attack(
+        self,
+        server_round: int,
+        where: str,
+        node: int | None,
+        update: Update,
+        count: int,
+        w0: nn.Module,
+        attacks: Sequence[tuple[str, dict[str, Any]]],
+        secrets: Mapping[str, object],
+        *,
+        malicious: bool = False,
+    ) -> None:
+        """Run ``attacks`` on one observed update (``count`` clients' aggregate when ``count > 1`` or under
+        secure aggregation) and commit one record per attack; a failing attack is recorded, not raised."""
+        aggregated = count > 1 or self.secure_aggregation
+        obs = Observation(w0, update, self.input_shape, self.num_classes, self.training, secrets=secrets,
+                          aggregated=aggregated, num_clients=count)  # fmt: skip
+        for i, (attack_name, options) in enumerate(attacks):
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, server_round, node or 0, i))
+            unit = f"round/{server_round}/{where}/attack/{i}"
+            try:
+                rec = create_attack(attack_name, **options).reconstruct(obs, generator=gen)
+            except Exception as exc:  # one attack failing must not stop the federation
+                log.error("audit: %s on node %s, round %d failed: %s", attack_name, node, server_round, exc)
+                failed = {"kind": "attack_error", "attack": attack_name, "round": server_round,
+                          "node_id": node, "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
+                self.commit(unit, failed)
+                continue
+            record: dict[str, Any] = {
+                "kind": "attack", "attack": attack_name, "options": options, "round": server_round,
+                "node_id": node, "aggregated": aggregated, "num_clients": count, "malicious": malicious,
+                "num_samples": update.num_samples,
+                "reconstructed": 0 if rec.images is None else len(rec.images), **rec.stats,
+            }  # fmt: skip
+            part = update.metadata.get("partition_id")
+            key = part if isinstance(part, int) else node
+            data = self.truth(key) if (self.truth is not None and key is not None) else None
+            record["partition_id"] = part
+            if data is not None:
+                record.update(score_reconstruction(rec, data))
+            self.commit(unit, record)
