@@ -48,6 +48,15 @@ def organamnist_only(tmp_path):
          r"engine: engine 'flower': timeout must be a positive finite number, got 0.0"),
         (["engine.name='flower'", "engine.options.client_cpus=4"], r"client_cpus = 4.0 exceeds cpus = 2"),
         (["engine.options.timeout=5"], r"engine: engine 'inprocess' takes no options, got \['timeout'\]"),
+        (["engine.name='flower'", "engine.options.secagg.enabled=true"],
+         r"secagg.enabled runs Flower's SecAgg\+ protocol, which needs fl.secure_aggregation = true"),
+        (["engine.name='flower'", "engine.options.secagg.enabled=true", "fl.secure_aggregation=true",
+          "audit.clients=1"], r"SecAgg\+ needs at least 2 clients in a round; the audit \(audit.clients\) has 1"),
+        (["engine.name='flower'", "engine.options.secagg.enabled=true", "fl.secure_aggregation=true",
+          "audit.clients=2", "engine.options.secagg.quantization_range=1000000000"],
+         r"overflows the 2\*\*32 modulus \(a training round"),
+        (["engine.name='flower'", "engine.options.secagg.threshold_fraction=0"],
+         r"engine 'flower'.secagg: secagg.threshold_fraction must be in \(0, 1\], got 0"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_clear_error_before_any_work(tmp_path, capsys, overrides, message):

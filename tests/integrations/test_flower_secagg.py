@@ -26,7 +26,6 @@ from flwr.serverapp import Grid, ServerApp  # noqa: E402
 from flwr.simulation import run_simulation  # noqa: E402
 
 from gradleak.attacks import create_attack  # noqa: E402
-from gradleak.registry import DEFENSES  # noqa: E402
 from gradleak.experiments.store import ResultStore  # noqa: E402
 from gradleak.fl import train_client  # noqa: E402
 from gradleak.fl.server import weighted_mean  # noqa: E402
@@ -34,6 +33,7 @@ from gradleak.fl.simulation import derive_seed  # noqa: E402
 from gradleak.integrations.flower import DefenseMod, LegacyAuditStrategy  # noqa: E402
 from gradleak.integrations.flower.apps import client_app  # noqa: E402
 from gradleak.models import build_model  # noqa: E402
+from gradleak.registry import DEFENSES  # noqa: E402
 from gradleak.types import LocalTraining, Observation, Update  # noqa: E402
 
 from conftest import synthetic_dataset  # noqa: E402
@@ -97,8 +97,9 @@ def test_secaggplus_runs_and_the_wrapper_attacks_only_the_aggregate(tmp_path):
         assert result.update is not None
         updates.append(result.update)
     mean = weighted_mean(updates)
+    seeds = [derive_seed(SEED, 0, k) for k in range(NODES)]
     unpruned = [
-        train_client(k, new_model(), data[k], TRAINING, [], torch.Generator().manual_seed(derive_seed(SEED, 0, k)))
+        train_client(k, new_model(), data[k], TRAINING, [], torch.Generator().manual_seed(seeds[k]))
         for k in range(NODES)
     ]
     plain = weighted_mean([r.update for r in unpruned if r.update is not None])

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gradleak.data.partition import partition_options
+from gradleak.fl.engines import FederationCheck
 from gradleak.fl.server import clients_per_round, update_kind
 from gradleak.fl.simulation import FLConfig
 from gradleak.options import OptionError, check_value
@@ -144,7 +145,7 @@ class ExperimentConfig:
         _known(MODELS, self.model.name, "model.name")
         _known(ENGINES, self.engine.name, "engine.name")
         try:
-            ENGINES.make_config(self.engine.name, self.engine.options)
+            engine = ENGINES.make_config(self.engine.name, self.engine.options)
         except OptionError as exc:
             raise ConfigError(f"engine: {exc}") from None
         for i, spec in enumerate(self.audit.attacks):
@@ -179,6 +180,12 @@ class ExperimentConfig:
                 f"(fl.fraction = {self.fl.fraction} of data.num_clients = {self.data.num_clients}); lower "
                 "audit.clients or raise fl.fraction"
             )
+        if isinstance(engine, FederationCheck):
+            try:
+                engine.check_federation(secure_aggregation=self.fl.secure_aggregation, per_round=per_round,
+                                        audited=self.audit.clients)  # fmt: skip
+            except ValueError as exc:
+                raise ConfigError(f"engine.options: {exc}") from None
 
     def _check_attack_needs(self) -> None:
         """Every attack can read what the audited round sends (:class:`~gradleak.types.AttackNeeds`)."""

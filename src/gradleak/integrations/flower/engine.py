@@ -20,6 +20,15 @@ defense failed closed, and, for the simulation's scoring only, which of the clie
 
 A node that raises becomes an error reply, a node that does not answer in time is missing: both are a
 ``ClientResult`` with no update and the reason, so the round goes on with the others (as in-process).
+
+With ``secagg.enabled`` (and ``fl.secure_aggregation = true``) every round and the audit run Flower's own
+SecAgg+ protocol: :meth:`SecureGridEngine.aggregate_clients` drives ``SecAggPlusWorkflow`` (key setup, key
+sharing, masked uploads, unmasking) over the ServerApp's grid, the ClientApp answers through
+``secaggplus_mod``, and the server gets only the unmasked aggregate: the weighted mean of the clients'
+updates for a training round, their sum for the audit (every client then weighs 1: the mean times the
+number of clients). A client that fails is a dropout the protocol recovers from (its masks are rebuilt
+from the others' shares). Each update entry is quantised (``2 c / quantization_range`` per client) and
+must lie in ``[-c, c]``: a client whose update does not fails closed instead of being clipped.
 """
 
 from __future__ import annotations
@@ -31,19 +40,40 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import flwr.compat.common.recorddict_compat as compat
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.common import (
+    Code,
+    FitIns,
+    FitRes,
+    Parameters,
+    Status,
+    ndarrays_to_parameters,
+    parameters_to_ndarrays,
+)
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.server import LegacyContext, ServerConfig
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.strategy import Strategy
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid, ServerApp
 from torch import nn
 
 from gradleak.data.base import ImageDataset
 from gradleak.fl.client import ClientResult, train_client
-from gradleak.fl.engines import FlowerEngineConfig
-from gradleak.fl.simulation import ClientTask, DefenseFactory, Engine
-from gradleak.integrations.flower.apps import module_bytes, module_from
+from gradleak.fl.engines import MODULUS_RANGE, FlowerEngineConfig, SecAggPlusConfig
+from gradleak.fl.server import update_kind
+from gradleak.fl.simulation import ClientTask, DefenseFactory, Engine, SecureRound
+from gradleak.integrations.flower.apps import LEGACY_PARAMETERS, module_bytes, module_from
 from gradleak.types import LocalTraining, Update
+from gradleak.validation import reference_of
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +94,14 @@ def samples_of(task: ClientTask) -> int:
     return n
 
 
+def task_config(task: ClientTask) -> dict[str, Any]:
+    """What a node needs to train ``task`` besides the model (the data is the node's own)."""
+    return {"client-id": task.client_id, "seed": task.seed, "samples": samples_of(task),
+            "training": json.dumps(dataclasses.asdict(task.training))}  # fmt: skip
+
+
 def task_message(task: ClientTask, model: bytes, node_id: int) -> Message:
-    config = ConfigRecord({
-        "client-id": task.client_id, "seed": task.seed, "samples": samples_of(task),
-        "training": json.dumps(dataclasses.asdict(task.training)),
-    })  # fmt: skip
-    content = RecordDict({MODEL: ConfigRecord({"module": model}), TASK: config})
+    content = RecordDict({MODEL: ConfigRecord({"module": model}), TASK: ConfigRecord(task_config(task))})
     return Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN)
 
 
@@ -107,28 +139,122 @@ def result_of(reply: Message, task: ClientTask) -> ClientResult:
     return ClientResult(cid, update, truth, stats=stats, sample_index=index)
 
 
-def task_client_app(clients: Sequence[ImageDataset], defenses: DefenseFactory) -> ClientApp:
+def run_task(
+    data: Sequence[ImageDataset], config: Any, module: bytes, defenses: DefenseFactory
+) -> tuple[nn.Module, ClientResult]:
+    """Train the task a message's ``config`` (:func:`task_config`) names on the module it sent."""
+    cid = int(config["client-id"])
+    model = module_from(module)
+    training = LocalTraining(**json.loads(str(config["training"])))
+    n = int(config["samples"])
+    share = data[cid]
+    train_data, private = (share, None) if n < 0 else (share.subset(np.arange(n)), share)
+    gen = torch.Generator().manual_seed(int(config["seed"]))
+    return model, train_client(cid, model, train_data, training, list(defenses()), gen, private=private)
+
+
+def secure_reply(msg: Message, data: Sequence[ImageDataset], defenses: DefenseFactory) -> Message:
+    """A SecAgg+ round's train message (legacy ``FitIns``, the task in its config): the update's tensors
+    as ``FitRes`` parameters, in the model's parameter order, for ``secaggplus_mod`` to mask. A failed
+    client raises (a dropout for the protocol), as does an update outside the clipping range."""
+    fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+    config = fitins.config
+    model, result = run_task(data, config, config["module"], defenses)  # type: ignore[arg-type]
+    cid = result.client_id
+    if result.update is None:
+        raise RuntimeError(f"client {cid}: {result.error}")
+    names = list(reference_of(model))
+    tensors = [result.update.tensors[n].detach() for n in names]
+    clip = float(config["clipping-range"])
+    peak = max(float(t.abs().max()) for t in tensors)
+    if peak > clip:
+        raise ValueError(
+            f"client {cid}: an update entry reaches {peak:.4g}, beyond SecAgg+'s clipping_range {clip}; the "
+            "client withholds it rather than have it clipped (raise [engine.options.secagg] clipping_range)"
+        )
+    samples = result.update.num_samples
+    metrics: dict[str, Any] = {"samples": samples, "kind": result.update.kind}
+    if result.sample_index is not None:
+        metrics["sample-index"] = json.dumps(list(result.sample_index))
+    weight = samples if bool(config["weighted"]) else 1
+    fitres = FitRes(
+        Status(Code.OK, ""), ndarrays_to_parameters([t.numpy() for t in tensors]), weight, metrics
+    )
+    return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
+
+
+def secagg_when_asked(msg: Message, ctx: Context, call_next: ClientAppCallable) -> Message:
+    """``secaggplus_mod`` for the messages of a SecAgg+ round; the engine's plain task messages pass."""
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, ctx, call_next)
+    return call_next(msg, ctx)
+
+
+def task_client_app(
+    clients: Sequence[ImageDataset], defenses: DefenseFactory, *, secagg: bool = False
+) -> ClientApp:
     """The ClientApp of the Flower engine: it holds every client's data (a simulation) and trains the
     client the task names (module docstring). ``defenses()`` builds a fresh list per task; it travels
     to the Ray actors with the data, so it must be importable there by name (a ``functools.partial`` of
-    :func:`gradleak.defenses.in_loop.build_defenses`), not a closure of a test or notebook."""
+    :func:`gradleak.defenses.in_loop.build_defenses`), not a closure of a test or notebook. ``secagg``:
+    answer SecAgg+ rounds too (through ``secaggplus_mod``)."""
     data = list(clients)
-    app = ClientApp()
+    app = ClientApp(mods=[secagg_when_asked] if secagg else [])
 
     @app.train()
     def train(msg: Message, ctx: Context) -> Message:
-        task = msg.content.config_records[TASK]
-        cid = int(task["client-id"])  # type: ignore[arg-type]
-        model = module_from(msg.content.config_records[MODEL]["module"])  # type: ignore[arg-type]
-        training = LocalTraining(**json.loads(str(task["training"])))
-        n = int(task["samples"])  # type: ignore[arg-type]
-        share = data[cid]
-        train_data, private = (share, None) if n < 0 else (share.subset(np.arange(n)), share)
-        gen = torch.Generator().manual_seed(int(task["seed"]))  # type: ignore[arg-type]
-        result = train_client(cid, model, train_data, training, list(defenses()), gen, private=private)
+        if LEGACY_PARAMETERS in msg.content.array_records:
+            return secure_reply(msg, data, defenses)
+        config = msg.content.config_records[TASK]
+        module = msg.content.config_records[MODEL]["module"]
+        _, result = run_task(data, config, module, defenses)  # type: ignore[arg-type]
         return Message(result_content(result), reply_to=msg)
 
     return app
+
+
+class _Node(ClientProxy):
+    """The proxy SecAggPlusWorkflow reads a node id from (it sends through the grid, not the proxy)."""
+
+    def __init__(self, node_id: int) -> None:
+        super().__init__(str(node_id))
+        self.node_id = node_id
+
+    def _unused(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("the SecAgg+ workflow talks to nodes through the grid")
+
+    get_properties = get_parameters = fit = evaluate = reconnect = _unused
+
+
+class _SecureTasks(Strategy):
+    """The legacy strategy SecAggPlusWorkflow drives for one gradleak round: it hands out the tasks' FitIns
+    and keeps what the workflow unmasked; the model is gradleak's to update, so it returns no parameters."""
+
+    def __init__(self, fitins: list[tuple[ClientProxy, FitIns]]) -> None:
+        self.fitins = fitins
+        self.results: list[tuple[ClientProxy, FitRes]] = []
+        self.failures: list[Any] = []
+
+    def initialize_parameters(self, client_manager: Any) -> Parameters | None:
+        return None
+
+    def configure_fit(self, server_round: int, parameters: Parameters, client_manager: Any) -> Any:
+        return self.fitins
+
+    def aggregate_fit(self, server_round: int, results: Any, failures: Any) -> tuple[None, dict[str, Any]]:
+        self.results, self.failures = list(results), list(failures)
+        return None, {}
+
+    def configure_evaluate(self, server_round: int, parameters: Parameters, client_manager: Any) -> Any:
+        return []
+
+    def aggregate_evaluate(
+        self, server_round: int, results: Any, failures: Any
+    ) -> tuple[None, dict[str, Any]]:
+        return None, {}
+
+    def evaluate(self, server_round: int, parameters: Parameters) -> None:
+        return None
 
 
 class GridEngine:
@@ -139,9 +265,7 @@ class GridEngine:
     def __init__(self, grid: Grid, node_of: dict[int, int], defenses: DefenseFactory, timeout: float) -> None:
         self.grid, self.node_of, self.defenses, self.timeout = grid, node_of, defenses, timeout
 
-    def train_clients(
-        self, global_model: nn.Module, tasks: Sequence[ClientTask], defenses: DefenseFactory
-    ) -> list[ClientResult]:
+    def check(self, tasks: Sequence[ClientTask], defenses: DefenseFactory) -> None:
         if defenses is not self.defenses:
             raise ValueError(
                 "the Flower engine's ClientApp was built with another defense factory than this round's: "
@@ -153,6 +277,11 @@ class GridEngine:
         unknown = sorted(set(ids) - set(self.node_of))
         if unknown:
             raise ValueError(f"clients {unknown} have no Flower node (nodes: {len(self.node_of)})")
+
+    def train_clients(
+        self, global_model: nn.Module, tasks: Sequence[ClientTask], defenses: DefenseFactory
+    ) -> list[ClientResult]:
+        self.check(tasks, defenses)
         blob = module_bytes(global_model)
         messages = [task_message(t, blob, self.node_of[t.client_id]) for t in tasks]
         replies = {
@@ -168,6 +297,102 @@ class GridEngine:
             else:
                 results.append(result_of(reply, task))
         return results
+
+
+class SecureGridEngine(GridEngine):
+    """The Flower engine with SecAgg+ (module docstring): :meth:`aggregate_clients` runs the protocol."""
+
+    def __init__(
+        self,
+        grid: Grid,
+        node_of: dict[int, int],
+        defenses: DefenseFactory,
+        timeout: float,
+        context: Context,
+        secagg: SecAggPlusConfig,
+    ) -> None:
+        super().__init__(grid, node_of, defenses, timeout)
+        self.context, self.secagg = context, secagg
+        self.rounds = 0  # the protocol runs so far: each run's messages carry its number as group id
+
+    def workflow(self, max_weight: float) -> SecAggPlusWorkflow:
+        c = self.secagg
+        return SecAggPlusWorkflow(
+            num_shares=c.share_fraction, reconstruction_threshold=c.threshold_fraction, max_weight=max_weight,
+            clipping_range=c.clipping_range, quantization_range=c.quantization_range,
+            modulus_range=MODULUS_RANGE, timeout=self.timeout,
+        )  # fmt: skip
+
+    def aggregate_clients(
+        self,
+        models: Sequence[nn.Module],
+        tasks: Sequence[ClientTask],
+        defenses: DefenseFactory,
+        *,
+        weighted: bool,
+    ) -> SecureRound:
+        self.check(tasks, defenses)
+        if len(models) != len(tasks):
+            raise ValueError(f"{len(models)} models for {len(tasks)} tasks")
+        self.secagg.check_round_size(len(tasks), "this round")
+        blobs: dict[int, bytes] = {}  # one serialisation per distinct model
+        fitins: list[tuple[ClientProxy, FitIns]] = []
+        for model, task in zip(models, tasks, strict=True):
+            blob = blobs.setdefault(id(model), module_bytes(model))
+            config = {**task_config(task), "module": blob, "weighted": weighted,
+                      "clipping-range": self.secagg.clipping_range}  # fmt: skip
+            fitins.append(
+                (_Node(self.node_of[task.client_id]), FitIns(Parameters([], "numpy.ndarray"), config))
+            )
+        strategy = _SecureTasks(fitins)
+        self.rounds += 1
+        current = ConfigRecord({WorkflowKey.CURRENT_ROUND: self.rounds})
+        state = RecordDict({MAIN_PARAMS_RECORD: ArrayRecord(), MAIN_CONFIGS_RECORD: current})
+        base = self.context
+        context = LegacyContext(
+            Context(run_id=base.run_id, node_id=base.node_id, node_config=base.node_config, state=state,
+                    run_config=base.run_config),
+            config=ServerConfig(num_rounds=1), strategy=strategy,
+        )  # fmt: skip
+        max_weight = max(len(t.data) for t in tasks) if weighted else 1.0
+        self.workflow(max_weight)(self.grid, context)
+        return self.secure_round(models[0], tasks, strategy, weighted)
+
+    def secure_round(
+        self, model: nn.Module, tasks: Sequence[ClientTask], strategy: _SecureTasks, weighted: bool
+    ) -> SecureRound:
+        """The unmasked aggregate as named tensors, and per task who contributed and on which samples."""
+        by_node = {int(proxy.node_id): res for proxy, res in strategy.results}
+        reasons = "; ".join(str(f)[-300:] for f in strategy.failures) or "no reply in time"
+        results, contributors, samples = [], [], 0
+        for task in tasks:
+            res = by_node.get(self.node_of[task.client_id])
+            if res is None:
+                error = f"no masked update reached the SecAgg+ aggregate (the round's failures: {reasons})"
+                results.append(ClientResult(task.client_id, None, None, error=error))
+                continue
+            index = json.loads(str(res.metrics["sample-index"])) if "sample-index" in res.metrics else None
+            truth = task.data if index is None else task.data.subset(np.asarray(index))
+            sample_index = None if index is None else tuple(int(i) for i in index)
+            results.append(ClientResult(task.client_id, None, truth, sample_index=sample_index))
+            contributors.append(task.client_id)
+            samples += int(res.metrics["samples"])
+        if not strategy.results:
+            log.error("SecAgg+ round %d: no aggregate (%s)", self.rounds, reasons)
+            return SecureRound(None, results, [])
+        arrays = parameters_to_ndarrays(strategy.results[0][1].parameters)  # every FitRes holds the aggregate
+        reference = reference_of(model)
+        if len(arrays) != len(reference):
+            raise RuntimeError(f"SecAgg+ returned {len(arrays)} arrays for {len(reference)} parameters")
+        scale = 1.0 if weighted else float(len(contributors))  # unweighted: the mean, times k = the sum
+        tensors = {
+            name: torch.from_numpy(np.asarray(a) * scale).to(ref.dtype)
+            for (name, ref), a in zip(reference.items(), arrays, strict=True)
+        }
+        kind = update_kind(tasks[0].training)
+        aggregate = Update(tensors, samples, kind,
+                           {"num_clients": len(contributors), "secure_aggregation": "secagg+"})  # fmt: skip
+        return SecureRound(aggregate, results, contributors)
 
 
 def discover(grid: Grid, expected: int, timeout: float) -> dict[int, int]:
@@ -211,13 +436,20 @@ class FlowerRunner:
         def main(grid: Grid, context: Context) -> None:
             try:
                 node_of = discover(grid, len(clients), self.config.startup_timeout)
-                outcome["value"] = work(GridEngine(grid, node_of, defenses, self.config.timeout))
+                c = self.config
+                engine = (
+                    SecureGridEngine(grid, node_of, defenses, c.timeout, context, c.secagg)
+                    if c.secagg.enabled
+                    else GridEngine(grid, node_of, defenses, c.timeout)
+                )
+                outcome["value"] = work(engine)
             except BaseException as exc:  # re-raised in the caller's thread, after Flower has shut down
                 outcome["error"] = exc
 
         log.info("Flower simulation: %d virtual SuperNodes on Ray (%s)", len(clients), self.backend_config())
         run_simulation(
-            server_app=server, client_app=task_client_app(clients, defenses), num_supernodes=len(clients),
+            server_app=server, num_supernodes=len(clients),
+            client_app=task_client_app(clients, defenses, secagg=self.config.secagg.enabled),
             backend_config=self.backend_config(),
         )  # fmt: skip
         if "error" in outcome:
