@@ -156,14 +156,16 @@ def test_oracle_cache_draws_other_clients_images_of_the_clients_labels() -> None
     import aegis_table2  # heavy: imports the attack benchmarks
 
     labels = torch.arange(4).repeat_interleave(500)  # 4 classes, 500 images each
-    images = torch.arange(len(labels), dtype=torch.float32).view(-1, 1, 1, 1).expand(-1, 1, 2, 2).contiguous()
+    # each image's pixels encode its index, as a pixel in [0, 1]: i / 2048 is exact in float32
+    ids_as_pixels = torch.arange(len(labels), dtype=torch.float32) / 2048
+    images = ids_as_pixels.view(-1, 1, 1, 1).expand(-1, 1, 2, 2).contiguous()
     pool = ImageDataset("toy", images, labels, 4)
     part = np.concatenate([np.arange(0, 30), np.arange(500, 510)])  # client: 30 of class 0, 10 of class 1
     share = pool.subset(part)
     cache = aegis_table2.oracle_cache(
         pool.subset(aegis_table2.other_clients(pool, part).numpy()), share, 400, 0, 3
     )
-    ids = cache.images[:, 0, 0, 0].long()
+    ids = (cache.images[:, 0, 0, 0] * 2048).round().long()
     assert len(cache) == 400 and len(set(ids.tolist())) == 400  # distinct pool images
     assert not set(ids.tolist()) & set(part.tolist())  # none of the client's own
     assert torch.equal(pool.labels[ids], cache.labels)  # labels belong to the images

@@ -3,20 +3,70 @@
 One registry per kind, with a duplicate-name check and an error that lists the known names, instead of
 if/elif factories. Attacks and defenses pair a config dataclass with the class it configures, so that
 ``create("ig", max_iterations=100)`` validates its overrides through the dataclass.
+
+Users add their own entries from a plugin module (:mod:`gradleak.plugins`); a registry is complete on
+first use: its built-in package and the installed ``gradleak.plugins`` entry points are imported then. The
+data set and model registries check, when an entry is registered, that its factory has the call signature
+the runner uses (:class:`DatasetLoader`, :class:`ModelFactory`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
+import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from gradleak.data.base import ImageDataset
 
 from gradleak.options import OptionError, build_dataclass
 
 T = TypeVar("T")
 MODALITIES = (None, "image", "text")
+
+
+class DatasetLoader(Protocol):
+    """A data set's loader: ``split`` of it under the data ``root``, its first ``limit`` samples. Entries
+    registered with a ``config_cls`` also receive ``config=`` (the experiment's ``data.options``)."""
+
+    def __call__(
+        self, *, split: str = ..., root: str | os.PathLike[str] | None = None, limit: int | None = None
+    ) -> ImageDataset: ...
+
+
+class ModelFactory(Protocol):
+    """A model: built for ``input_shape`` (C, H, W) and ``num_classes`` with the config's model options."""
+
+    def __call__(self, input_shape: tuple[int, int, int], num_classes: int, **options: Any) -> nn.Module: ...
+
+
+def _check_signature(kind: str, name: str, factory: object, *args: Any, **kwargs: Any) -> None:
+    """A registered factory must accept the call the runner makes (checked when it is registered)."""
+    if not callable(factory):
+        raise TypeError(f"{kind} {name!r}: the factory must be callable, got {type(factory).__name__}")
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # builtins without a signature: nothing to check
+        return
+    try:
+        signature.bind_partial(*args, **kwargs)
+    except TypeError as exc:
+        call = ", ".join([*map(repr, args), *(f"{k}=..." for k in kwargs)])
+        raise TypeError(f"{kind} {name!r}: the factory must accept ({call}): {exc}") from None
+
+
+def check_loader(name: str, factory: object) -> None:
+    _check_signature("dataset", name, factory, split="train", root=None, limit=None)
+
+
+def check_model(name: str, factory: object) -> None:
+    _check_signature("model", name, factory, (1, 28, 28), 2)
 
 
 class UnknownNameError(KeyError):
@@ -41,17 +91,24 @@ class Entry(Generic[T]):
 class Registry(Generic[T]):
     """A named collection of factories of one kind ("dataset", "model", "attack", "defense")."""
 
-    def __init__(self, kind: str, package: str | None = None) -> None:
+    def __init__(
+        self, kind: str, package: str | None = None, check: Callable[[str, object], None] | None = None
+    ) -> None:
         self.kind = kind
         self.package = package  # imported on first lookup: its modules register the built-in entries
+        self.check = check  # of each factory, when it is registered
         self._entries: dict[str, Entry[T]] = {}
         self._populated = package is None
 
     def _populate(self) -> None:
-        """Complete on first use: ``ATTACKS.create("sme")`` works without importing gradleak.attacks."""
+        """Complete on first use: ``ATTACKS.create("sme")`` works without importing gradleak.attacks, and
+        the installed plugins' entry points are loaded."""
         if not self._populated:
             self._populated = True
             importlib.import_module(self.package)  # type: ignore[arg-type]
+            from gradleak import plugins
+
+            plugins.load_entry_points()
 
     def register(
         self,
@@ -62,6 +119,7 @@ class Registry(Generic[T]):
         summary: str = "",
         modality: str | None = None,
     ) -> T:
+        self._populate()  # the built-ins first: a plugin that reuses a built-in name is told so
         key = name.lower()
         if modality not in MODALITIES:
             raise ValueError(
@@ -71,6 +129,8 @@ class Registry(Generic[T]):
             raise ValueError(f"{self.kind} {name!r} is already registered")
         if config_cls is not None and not dataclasses.is_dataclass(config_cls):
             raise TypeError(f"config_cls for {self.kind} {name!r} must be a dataclass, got {config_cls!r}")
+        if self.check is not None:
+            self.check(name, factory)
         self._entries[key] = Entry(key, factory, config_cls, summary, modality)
         return factory
 
@@ -115,8 +175,8 @@ class Registry(Generic[T]):
         return factory(self.make_config(name, overrides))
 
 
-DATASETS: Registry[Callable[..., Any]] = Registry("dataset", "gradleak.data")
-MODELS: Registry[Callable[..., Any]] = Registry("model", "gradleak.models")
+DATASETS: Registry[Callable[..., Any]] = Registry("dataset", "gradleak.data", check=check_loader)
+MODELS: Registry[Callable[..., Any]] = Registry("model", "gradleak.models", check=check_model)
 ATTACKS: Registry[Callable[..., Any]] = Registry("attack", "gradleak.attacks")
 DEFENSES: Registry[Callable[..., Any]] = Registry("defense", "gradleak.defenses")
 ENGINES: Registry[Callable[..., Any]] = Registry("engine", "gradleak.fl.engines")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 
@@ -9,6 +10,19 @@ import pytest
 
 from gradleak.cli import main
 from gradleak.experiments.store import Checkpoint, ResultStore, RunRow, StoreError
+
+
+@contextlib.contextmanager
+def _sql(path):
+    """A connection committed *and closed* on exit: sqlite3's own ``with`` only commits, and an open
+    connection checkpoints the WAL into the file whenever it is collected, which changes the file's
+    bytes at a moment no test chooses."""
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            yield conn
+    finally:
+        conn.close()
 
 
 def row(run_id: str = "r1", fingerprint: str = "f") -> RunRow:
@@ -47,7 +61,7 @@ def test_an_unfinished_run_is_resumed_only_when_its_process_is_gone(tmp_path):
     assert store.begin_run(row("third")) == ("live", True)
     assert store.begin_run(row("other", fingerprint="g")) == ("other", False)  # another config
     assert store.begin_run(row("fresh"), resume=False) == ("fresh", False)
-    with sqlite3.connect(tmp_path / "s.sqlite") as conn:  # a dead process on this host
+    with _sql(tmp_path / "s.sqlite") as conn:  # a dead process on this host
         conn.execute(
             "UPDATE runs SET owner = ? WHERE run_id = 'second'",
             (f"{__import__('socket').gethostname()}:999999999",),
@@ -58,7 +72,7 @@ def test_an_unfinished_run_is_resumed_only_when_its_process_is_gone(tmp_path):
 def test_only_the_executing_process_writes_a_run(tmp_path):
     store = ResultStore(tmp_path / "s.sqlite")
     store.begin_run(row("mine"))
-    with sqlite3.connect(tmp_path / "s.sqlite") as conn:
+    with _sql(tmp_path / "s.sqlite") as conn:
         conn.execute("UPDATE runs SET owner = 'otherhost:1' WHERE run_id = 'mine'")
     with pytest.raises(StoreError, match="not being executed by this process"):
         store.commit_unit("mine", "round/0", [{"kind": "round"}])
@@ -68,7 +82,7 @@ def test_only_the_executing_process_writes_a_run(tmp_path):
 
 
 def _foreign(path):
-    with sqlite3.connect(path) as conn:
+    with _sql(path) as conn:
         conn.execute("CREATE TABLE patients (id INTEGER, name TEXT)")
 
 
@@ -80,7 +94,7 @@ def _newer(path):
     store = ResultStore(path)
     store.check()
     store.begin_run(row())
-    with sqlite3.connect(path) as conn:
+    with _sql(path) as conn:
         conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
 
 
@@ -89,7 +103,7 @@ def _corrupt(path):
     store.begin_run(row())
     for i in range(200):
         store.commit_unit("r1", f"u{i}", [{"kind": "round", "pad": "x" * 500}])
-    with sqlite3.connect(path) as conn:
+    with _sql(path) as conn:
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     data = bytearray(path.read_bytes())
     page = 4096
@@ -123,7 +137,7 @@ def test_a_bad_store_file_is_refused_before_any_work_and_nothing_is_written(tmp_
 
 def test_a_schema_1_store_is_upgraded_in_place_keeping_its_runs(tmp_path):
     path = tmp_path / "old.sqlite"
-    with sqlite3.connect(path) as conn:
+    with _sql(path) as conn:
         conn.executescript(
             "CREATE TABLE runs (run_id TEXT PRIMARY KEY, name TEXT NOT NULL, started TEXT NOT NULL, "
             "finished TEXT NOT NULL, config TEXT NOT NULL, environment TEXT NOT NULL);"

@@ -30,8 +30,10 @@ from gradleak.types import LocalTraining  # noqa: E402
 from conftest import synthetic_dataset  # noqa: E402
 
 SHAPE, CLASSES, SEED, N = (1, 12, 12), 3, 13, 12
-FL = FLConfig(rounds=1, fraction=1 / 3, secure_aggregation=True,
-              training=LocalTraining("fedavg", epochs=1, batch_size=4, lr=0.05))  # fmt: skip
+# FedSGD rounds on shards of 6 to 10 images: every client reports its batch of 4 as its weight, so the
+# engine's max_weight must be 4 (not the largest shard) for the weighted mean to be exact to one step
+ROUND = LocalTraining("fedsgd", batch_size=4, lr=0.05)
+FL = FLConfig(rounds=1, fraction=1 / 3, secure_aggregation=True, training=ROUND)
 FEDSGD = LocalTraining("fedsgd", batch_size=3)
 SECAGG = SecAggPlusConfig(enabled=True)
 STEP = 2 * SECAGG.clipping_range / SECAGG.quantization_range  # 3.8e-6
@@ -39,9 +41,9 @@ FLOAT = 1e-6  # float32 rounding of the in-process sums (as in test_flower_engin
 
 
 def federation() -> tuple[list[ImageDataset], list[int], list[int]]:
-    """12 clients of 8 images; the sampler's first draw is the audit's, its second round 0's. The second
-    client of each draw raises inside its ClientApp."""
-    clients = [synthetic_dataset(n=8, shape=SHAPE, classes=CLASSES, seed=k) for k in range(N)]
+    """12 clients of 6 to 10 images; the sampler's first draw is the audit's, its second round 0's. The
+    second client of each draw raises inside its ClientApp."""
+    clients = [synthetic_dataset(n=6 + k % 5, shape=SHAPE, classes=CLASSES, seed=k) for k in range(N)]
     rng = np.random.default_rng(derive_seed(SEED, 0xC11E))
     audited, sampled = sample_clients(N, FL.fraction, rng), sample_clients(N, FL.fraction, rng)
     for k in {audited[1], sampled[1]}:
@@ -113,7 +115,7 @@ def test_secaggplus_on_the_flower_engine_gives_the_in_process_secure_aggregates(
     assert rr_got.dropped == rr_want.dropped == [sampled[1]]
     assert "out of bounds" in rr_got.errors[sampled[1]], rr_got.errors
     assert rr_got.aggregate is not None and rr_got.aggregate.metadata["secure_aggregation"] == "secagg+"
-    # every client has 8 samples, so each weighs exactly 1 and the weighted mean is off by < one step
+    # every client reports 4 samples, so each weighs exactly 1 and the weighted mean is off by < one step
     for name, t in rr_want.aggregate.tensors.items():
         torch.testing.assert_close(rr_got.aggregate.tensors[name], t, atol=STEP + FLOAT, rtol=0, msg=name)
     for name, t in want["state"].items():

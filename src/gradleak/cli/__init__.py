@@ -7,12 +7,14 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from gradleak import progress
 from gradleak.cli import demo, listing, results, run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gradleak", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in (run, listing, demo, results):
         module.add_parser(sub)
@@ -21,7 +23,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     try:
-        return int(args.handler(args))
+        with progress.bars(not args.quiet):  # rounds, clients, attack iterations, cache builds (with ETA)
+            return int(args.handler(args))
     except (ValueError, KeyError, FileNotFoundError) as exc:  # user errors: one clear line, no traceback
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         print(f"gradleak: error: {msg}", file=sys.stderr)

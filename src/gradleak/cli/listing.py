@@ -9,16 +9,20 @@ import gradleak.attacks  # noqa: F401  (registration)
 import gradleak.data  # noqa: F401
 import gradleak.defenses  # noqa: F401
 import gradleak.models  # noqa: F401
+from gradleak.cli.run import add_plugin_arg
 from gradleak.data.partition import PARTITIONERS
+from gradleak.plugins import load_plugins
 from gradleak.registry import ATTACKS, DATASETS, DEFENSES, ENGINES, MODELS
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("list", help="show registered datasets, models, attacks, defenses, engines")
+    add_plugin_arg(p)
     p.set_defaults(handler=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
+    load_plugins(args.plugin)
     for title, reg in (
         ("datasets", DATASETS),
         ("models", MODELS),

@@ -9,14 +9,24 @@ from typing import Any
 from gradleak.cli.table import render
 from gradleak.experiments import ResultStore, RunOutcome, load_config, run_experiment
 from gradleak.experiments.config import ExperimentConfig
+from gradleak.plugins import load_plugins
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("run", help="run an experiment from a TOML config")
     p.add_argument("config", help="path to the experiment TOML file")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. fl.rounds=2")
+    add_plugin_arg(p)
     add_output_args(p)
     p.set_defaults(handler=handle)
+
+
+def add_plugin_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--plugin", action="append", default=[], metavar="MODULE",
+        help="import a module (name, or path to a .py file) that registers data sets, models, attacks or "
+        "defenses before the config is read; repeatable",
+    )  # fmt: skip
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
@@ -36,7 +46,7 @@ def execute(cfg: ExperimentConfig, args: argparse.Namespace) -> RunOutcome:
     store = ResultStore(args.store or out / "results.sqlite")
     store.check()
     outcome = run_experiment(
-        cfg, store=store, out_dir=out / cfg.experiment.name, progress=True, resume=not args.fresh,
+        cfg, store=store, out_dir=out / cfg.experiment.name, resume=not args.fresh,
         per_run_folder=True,
     )  # fmt: skip
     base = outcome.out_dir
@@ -77,5 +87,6 @@ def summary_table(outcome: RunOutcome) -> str:
 
 
 def handle(args: argparse.Namespace) -> int:
+    load_plugins(args.plugin)
     execute(load_config(args.config, args.overrides), args)
     return 0

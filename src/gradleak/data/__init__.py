@@ -1,12 +1,15 @@
 """Offline datasets and federated partitions.
 
 Importing this package registers the loaders (``organamnist``, ``pneumoniamnist``, ``pathmnist``,
-``cifar10``, ``femnist``) in :data:`gradleak.registry.DATASETS`; :func:`load_dataset` loads one by name.
+``medmnist`` (any official MedMNIST archive by flag), ``cifar10``, ``femnist``) in
+:data:`gradleak.registry.DATASETS`; :func:`load_dataset` loads one by name.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import Any
 
 from gradleak.data import cifar, femnist, medmnist  # noqa: F401  (registers the loaders)
 from gradleak.data.base import ImageDataset
@@ -41,16 +44,24 @@ __all__ = [
 
 
 def load_dataset(
-    name: str, split: str | None = None, root: str | os.PathLike[str] | None = None, limit: int | None = None
+    name: str,
+    split: str | None = None,
+    root: str | os.PathLike[str] | None = None,
+    limit: int | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> ImageDataset:
     """Load dataset ``name`` (see ``DATASETS.names()``); unknown names raise the registry's error.
 
     ``split=None`` uses the loader's default: ``"train"`` where a train split exists, ``"test"`` for
-    ``pathmnist`` and ``cifar10``, whose test data is all that is available offline.
+    ``pathmnist`` and ``cifar10``, whose test data is all that is available offline. ``options`` (the
+    config's ``data.options``) build the loader's config dataclass, if it has one (``medmnist``: ``flag``).
     """
     loader = DATASETS.get(name)
     kwargs: dict[str, object] = {"root": root, "limit": limit}
     if split is not None:
         kwargs["split"] = split
+    config = DATASETS.make_config(name, options)
+    if config is not None:
+        kwargs["config"] = config
     dataset: ImageDataset = loader(**kwargs)
     return dataset

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,6 +12,10 @@ import torch
 @dataclass(frozen=True)
 class ImageDataset:
     """Images ``(N, C, H, W)`` float32 in [0, 1] with int64 labels ``(N,)``.
+
+    The pixel range is checked: attacks reconstruct pixels in [0, 1] and metrics score them there, so a
+    loader that returns normalised images (mean 0, std 1) is refused rather than silently mis-scored; a
+    model that expects normalised input normalises inside its ``forward`` (as a first layer).
 
     ``groups`` (optional, ``(N,)`` int64) gives each sample's natural owner, e.g. the FEMNIST writer,
     for the natural partitioner.
@@ -27,6 +32,13 @@ class ImageDataset:
             raise ValueError(f"{self.name}: images must be (N, C, H, W), got {tuple(self.images.shape)}")
         if self.images.dtype != torch.float32:
             raise ValueError(f"{self.name}: images must be float32, got {self.images.dtype}")
+        if self.images.numel():
+            low, high = float(self.images.min()), float(self.images.max())
+            if not (0.0 <= low and high <= 1.0):  # also NaN
+                raise ValueError(
+                    f"{self.name}: images must be pixels in [0, 1], got values in [{low:.4g}, {high:.4g}]; "
+                    "a model that expects normalised inputs should normalise inside its forward"
+                )
         if self.labels.shape != (self.images.shape[0],) or self.labels.dtype != torch.int64:
             raise ValueError(f"{self.name}: labels must be int64 of shape ({self.images.shape[0]},)")
         if self.groups is not None and self.groups.shape != self.labels.shape:
@@ -39,6 +51,14 @@ class ImageDataset:
     def input_shape(self) -> tuple[int, int, int]:
         c, h, w = self.images.shape[1:]
         return (int(c), int(h), int(w))
+
+    @staticmethod
+    def concat(parts: Sequence[ImageDataset]) -> ImageDataset:
+        """The data sets one after the other (the data behind an aggregate of clients); groups dropped."""
+        if not parts:
+            raise ValueError("nothing to concatenate")
+        images, labels = torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts])
+        return ImageDataset(parts[0].name, images, labels, parts[0].num_classes)
 
     def subset(self, indices: np.ndarray | torch.Tensor | list[int]) -> ImageDataset:
         idx = torch.as_tensor(np.asarray(indices), dtype=torch.long)

@@ -1,4 +1,6 @@
-"""MedMNIST v2 loaders (28x28): OrganAMNIST, PneumoniaMNIST and the offline PathMNIST test subset.
+"""MedMNIST v2 loaders: OrganAMNIST, PneumoniaMNIST, the offline PathMNIST test subset, and ``medmnist``:
+any official archive by its flag (``data.dataset = "medmnist"``, ``data.options = {flag = "bloodmnist"}``
+reads ``<root>/medmnist/bloodmnist.npz``; ``bloodmnist_64`` the 64x64 one).
 
 Files are the official MedMNIST ``.npz`` archives under ``<root>/medmnist/``: ``{split}_images`` uint8
 ``(N, 28, 28)`` (grayscale) or ``(N, 28, 28, 3)`` (RGB) and ``{split}_labels`` ``(N, 1)``. Loaders return
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,6 +95,57 @@ def load_medmnist(
     return ImageDataset(spec.name, tensor, torch.from_numpy(labels), spec.num_classes)
 
 
+FLAG = re.compile(r"^[a-z]+mnist(_(64|128|224))?$")
+
+
+@dataclass(frozen=True)
+class MedMNISTFile:
+    """An official MedMNIST v2 archive by ``flag`` (its file name without ``.npz``: ``bloodmnist``,
+    ``dermamnist_64``, ...). Channels and splits are read from the file; ``num_classes`` defaults to the
+    largest label in any split plus one (give it when a class may be missing from the file)."""
+
+    flag: str = ""
+    num_classes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not FLAG.match(self.flag):
+            raise ValueError(
+                f"flag must name an official MedMNIST 2D archive such as 'bloodmnist' or 'dermamnist_64' "
+                f"(the file medmnist/<flag>.npz), got {self.flag!r}"
+            )
+        if self.num_classes is not None and self.num_classes < 2:
+            raise ValueError(f"num_classes must be >= 2, got {self.num_classes}")
+
+
+def file_spec(config: MedMNISTFile, root: str | os.PathLike[str] | None) -> MedMNISTSpec:
+    """The spec of an official archive, read from the file (splits, channels, classes)."""
+    relpath = f"medmnist/{config.flag}.npz"
+    path = require_file(resolve_data_root(root), relpath, MEDMNIST_HOW_TO_GET)
+    with np.load(path) as npz:
+        splits = tuple(s for s in ("train", "val", "test") if f"{s}_images" in npz.files)
+        if not splits:
+            raise ValueError(f"{path} holds no train/val/test_images arrays: not a MedMNIST archive")
+        labels = [np.asarray(npz[f"{s}_labels"]) for s in splits]
+        shape = npz[f"{splits[0]}_images"].shape
+    if any(lab.ndim == 2 and lab.shape[1] > 1 for lab in labels):
+        raise ValueError(f"{config.flag}: multi-label archives (ChestMNIST) are not supported")
+    if len(shape) not in (3, 4):
+        raise ValueError(f"{config.flag}: images of shape {shape} are not 2D (MedMNIST 3D is not supported)")
+    classes = config.num_classes or int(max(int(lab.max()) for lab in labels if lab.size) + 1)
+    return MedMNISTSpec(config.flag, relpath, splits, classes, 1 if len(shape) == 3 else int(shape[-1]))
+
+
+def load_medmnist_file(
+    split: str = "train",
+    root: str | os.PathLike[str] | None = None,
+    limit: int | None = None,
+    *,
+    config: MedMNISTFile,
+) -> ImageDataset:
+    """``split`` of the official MedMNIST archive ``config.flag`` (see :class:`MedMNISTFile`)."""
+    return load_medmnist(file_spec(config, root), split, root, limit)
+
+
 def load_organamnist(
     split: str = "train", root: str | os.PathLike[str] | None = None, limit: int | None = None
 ) -> ImageDataset:
@@ -126,6 +180,13 @@ DATASETS.register(
     "pneumoniamnist",
     load_pneumoniamnist,
     summary="PneumoniaMNIST chest X-ray, 2 classes, 1x28x28 (train/val/test)",
+    modality="image",
+)
+DATASETS.register(
+    "medmnist",
+    load_medmnist_file,
+    config_cls=MedMNISTFile,
+    summary="any official MedMNIST v2 2D archive by flag: data.options = {flag = 'bloodmnist'}",
     modality="image",
 )
 DATASETS.register(

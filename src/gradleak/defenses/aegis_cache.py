@@ -30,6 +30,7 @@ from torch import nn
 
 from gradleak.data.base import ImageDataset
 from gradleak.generators.base import ConditionalGenerator
+from gradleak.progress import bar
 
 log = logging.getLogger(__name__)
 
@@ -179,23 +180,25 @@ def build_cache(
     limit = int(config.max_candidates_factor * config.size)
     imgs, labs, tried = [], [], 0
     accepted = 0
-    while accepted < config.size:
-        if tried >= limit:
-            raise CacheError(
-                f"only {accepted} of {config.size} candidates accepted after {tried} draws "
-                f"(rejection rate {1 - accepted / tried:.1%}, H = {filt.budget:.4g}); raise the budget, "
-                "adapt the generator or lower M"
-            )
-        n = min(config.chunk, limit - tried)
-        y = torch.multinomial(counts, n, replacement=True, generator=generator)
-        x = source.sample(y, generator=generator)
-        if x.shape != (n, *private.input_shape) or not torch.isfinite(x).all():
-            raise CacheError(f"generator returned {tuple(x.shape)} or non-finite values for {n} labels")
-        ok = filt.accept(x, y)
-        imgs.append(x[ok])
-        labs.append(y[ok])
-        accepted += int(ok.sum())
-        tried += n
+    with bar(desc="Aegis cache", total=config.size, unit="img") as progress:
+        while accepted < config.size:
+            if tried >= limit:
+                raise CacheError(
+                    f"only {accepted} of {config.size} candidates accepted after {tried} draws "
+                    f"(rejection rate {1 - accepted / tried:.1%}, H = {filt.budget:.4g}); raise the budget, "
+                    "adapt the generator or lower M"
+                )
+            n = min(config.chunk, limit - tried)
+            y = torch.multinomial(counts, n, replacement=True, generator=generator)
+            x = source.sample(y, generator=generator)
+            if x.shape != (n, *private.input_shape) or not torch.isfinite(x).all():
+                raise CacheError(f"generator returned {tuple(x.shape)} or non-finite values for {n} labels")
+            ok = filt.accept(x, y)
+            imgs.append(x[ok])
+            labs.append(y[ok])
+            accepted += int(ok.sum())
+            progress.update(min(int(ok.sum()), config.size - progress.n))
+            tried += n
     images, labels = torch.cat(imgs)[: config.size], torch.cat(labs)[: config.size]
     rejection = 1 - accepted / tried
     log.info(

@@ -29,6 +29,7 @@ from gradleak.fl.engines import FederationCheck
 from gradleak.fl.server import clients_per_round, update_kind
 from gradleak.fl.simulation import FLConfig
 from gradleak.options import OptionError, check_value
+from gradleak.plugins import PluginError, load_plugins
 from gradleak.registry import ATTACKS, DATASETS, DEFENSES, ENGINES, MODELS, Registry
 from gradleak.types import AttackNeeds, LocalTraining
 
@@ -55,9 +56,20 @@ class ComponentSpec:
 
 @dataclass(frozen=True)
 class ExperimentSection:
+    """``plugins``: modules (names, or ``.py`` paths relative to the config file) imported before the rest
+    of the config is read, so that it can name the data sets, models, attacks and defenses they register
+    (:mod:`gradleak.plugins`)."""
+
     name: str = "experiment"
     seed: int = 0
     data_root: str | None = None
+    plugins: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.plugins, list) or not all(isinstance(p, str) and p for p in self.plugins):
+            raise ConfigError(
+                f"experiment.plugins must be a list of module names or paths, got {self.plugins!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,7 @@ class DataSection:
     num_clients: int = 100
     partition: str = "label_skew"
     partition_options: Mapping[str, Any] = field(default_factory=dict)
+    options: Mapping[str, Any] = field(default_factory=dict)  # the loader's, e.g. medmnist's flag
     holdout: float = 0.2  # test share when train_split == test_split (CIFAR-10 and PathMNIST: test only)
 
     def __post_init__(self) -> None:
@@ -142,6 +155,10 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         _known(DATASETS, self.data.dataset, "data.dataset")
+        try:
+            DATASETS.make_config(self.data.dataset, self.data.options)
+        except OptionError as exc:
+            raise ConfigError(f"data.options: {exc}") from None
         _known(MODELS, self.model.name, "model.name")
         _known(ENGINES, self.engine.name, "engine.name")
         try:
@@ -340,6 +357,15 @@ def load_config(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: invalid TOML: {exc}") from None
     raw = apply_overrides(raw, overrides or [])
+    plugins = (
+        raw.get("experiment", {}).get("plugins", []) if isinstance(raw.get("experiment"), Mapping) else []
+    )
+    if not isinstance(plugins, list) or not all(isinstance(p, str) and p for p in plugins):
+        raise ConfigError(f"experiment.plugins must be a list of module names or paths, got {plugins!r}")
+    try:  # before the rest is validated: the config may name what they register
+        load_plugins(plugins, base=None if isinstance(source, Mapping) else Path(source).parent)
+    except PluginError as exc:
+        raise ConfigError(f"experiment.plugins: {exc}") from None
     try:
         cfg: ExperimentConfig = _build(ExperimentConfig, raw, "config")
         return cfg

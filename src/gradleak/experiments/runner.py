@@ -3,8 +3,9 @@
 Everything that can be checked without training is checked before work starts. Each finished unit (an FL
 round, an attacked update, the summary) is committed to the store as one transaction, so a killed run
 loses at most the unit in progress and the same command resumes it (:mod:`gradleak.experiments.store`).
-Attacks receive only Observations built by :func:`gradleak.fl.server_view`; ground truth meets the
-reconstructions only in :func:`score_reconstruction`.
+Attacks receive only Observations built by :func:`gradleak.fl.server_view` (each client's update) or, under
+secure aggregation, :func:`gradleak.fl.simulation.secure_observation` (the aggregate the engine's secure
+round returns); ground truth meets the reconstructions only in :func:`score_reconstruction`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from gradleak.fl.engines import EngineRunner
 from gradleak.fl.simulation import Engine, RoundResult, secure_observation
 from gradleak.metrics import score_images
 from gradleak.models import build_model
+from gradleak.progress import enabled as bars_on
 from gradleak.registry import ENGINES
 from gradleak.types import ClientCustomizingAttack, ModelModifyingAttack, Observation, Reconstruction
 from gradleak.update_io import tensors_from_bytes, tensors_to_bytes
@@ -88,10 +90,10 @@ def load_split_data(cfg: ExperimentConfig) -> tuple[ImageDataset, ImageDataset]:
     d = cfg.data
     root = resolve_data_root(cfg.experiment.data_root)
     if d.train_split != d.test_split:
-        train = load_dataset(d.dataset, d.train_split, root, d.train_limit)
-        test = load_dataset(d.dataset, d.test_split, root, d.test_limit)
+        train = load_dataset(d.dataset, d.train_split, root, d.train_limit, d.options)
+        test = load_dataset(d.dataset, d.test_split, root, d.test_limit, d.options)
         return train, test
-    full = load_dataset(d.dataset, d.train_split, root, None)
+    full = load_dataset(d.dataset, d.train_split, root, None, d.options)
     order = np.random.default_rng(derive_seed(cfg.experiment.seed, 0xDA7A)).permutation(len(full))
     n_test = max(1, int(round(d.holdout * len(full))))
     test_idx, train_idx = order[:n_test], order[n_test:]
@@ -125,13 +127,7 @@ def _truth_for(obs: Observation, results: list[ClientResult]) -> ImageDataset:
         cid = obs.update.metadata.get("client_id")
         received = [r for r in results if r.update is not None and r.truth is not None]
         return next(r.truth for r in received if r.update.metadata.get("client_id") == cid)  # type: ignore
-    parts = [r.truth for r in results if r.truth is not None]
-    return ImageDataset(
-        parts[0].name,
-        torch.cat([p.images for p in parts]),
-        torch.cat([p.labels for p in parts]),
-        parts[0].num_classes,
-    )
+    return ImageDataset.concat([r.truth for r in results if r.truth is not None])
 
 
 Figure = tuple[torch.Tensor, torch.Tensor, str, list[str]]  # originals, reconstructions, title, captions
@@ -189,7 +185,9 @@ def load_public_images(cfg: ExperimentConfig, test: ImageDataset) -> torch.Tenso
         data = test
     else:
         root = resolve_data_root(cfg.experiment.data_root)
-        data = load_dataset(a.public_dataset or cfg.data.dataset, a.public_split, root, None)
+        name = a.public_dataset or cfg.data.dataset
+        options = cfg.data.options if name == cfg.data.dataset else None  # the loader's own options
+        data = load_dataset(name, a.public_split, root, None, options)
     return data.images[: a.public_limit]
 
 
@@ -268,7 +266,7 @@ def run_experiment(
     *,
     store: ResultStore | None = None,
     out_dir: str | Path | None = None,
-    progress: bool = False,
+    progress: bool | None = None,
     resume: bool = True,
     per_run_folder: bool = False,
 ) -> RunOutcome:
@@ -280,10 +278,12 @@ def run_experiment(
     end; with ``resume``, the same config after a crash or ``kill -9`` continues the unfinished run and
     gives the records an uninterrupted run gives. Figures go to ``out_dir`` (``out_dir/RUN_ID`` with
     ``per_run_folder``, as the CLI does, so that concurrent runs never share a file), written atomically
-    under names fixed by the unit.
+    under names fixed by the unit. ``progress``: bars for the rounds, clients, attacks and their iterations
+    (None: as :mod:`gradleak.progress` is switched; the ``gradleak`` command turns it on).
     """
     if store is not None:
         store.check()
+    progress = bars_on() if progress is None else progress
     run = _Run(cfg, store, progress)
     run_id = f"{cfg.experiment.name}-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
     resumed = False

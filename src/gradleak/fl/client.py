@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import Defense, DefenseFailure
 from gradleak.defenses.in_loop import DefendedLoop
-from gradleak.types import LocalTraining, Update
+from gradleak.types import MODE, LocalTraining, Update
 
 
 @dataclass
@@ -45,6 +45,12 @@ def make_optimizer(params: Sequence[nn.Parameter], training: LocalTraining) -> t
 def _batches(n: int, batch_size: int, shuffle: bool, generator: torch.Generator) -> list[torch.Tensor]:
     order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
     return list(order.split(batch_size))
+
+
+def reported_samples(training: LocalTraining, available: int) -> int:
+    """The sample count an update of ``training`` on ``available`` samples reports (its FedAvg weight):
+    FedSGD's one batch, FedAvg's whole data."""
+    return min(training.batch_size, available) if training.protocol == "fedsgd" else available
 
 
 def fedsgd_update(
@@ -120,6 +126,6 @@ def train_client(
             truth, index = data.subset(idx), tuple(int(i) for i in idx)
     except DefenseFailure as exc:
         return ClientResult(client_id, None, None, error=str(exc))
-    meta = {**update.metadata, "client_id": client_id}
+    meta = {**update.metadata, "client_id": client_id, MODE: "train"}  # the mode it trained in
     update = Update(update.tensors, update.num_samples, update.kind, meta)
     return ClientResult(client_id, update, truth, sample_index=index)

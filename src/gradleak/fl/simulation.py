@@ -307,9 +307,11 @@ class FederatedSimulation:
                 agg = Update(secure.aggregate.tensors, max(secure.aggregate.num_samples, 1),
                              secure.aggregate.kind, secure.aggregate.metadata)  # fmt: skip
                 (checked,) = screen([ClientResult(-1, agg, None)], models[0], round_idx=round_idx, kind=kind)
-                if checked.update is None:
+                if checked.update is None:  # fail closed: nobody's update is applied or attacked
                     log.error("round %d: the secure aggregate was rejected: %s", round_idx, checked.error)
-                    secure = SecureRound(None, secure.results, [])
+                    rejected = [r if r.error else dataclasses.replace(r, truth=None, error=checked.error)
+                                for r in secure.results]  # fmt: skip
+                    secure = SecureRound(None, rejected, [])
             return secure
         results: list[ClientResult] = []
         for _, group in itertools.groupby(zip(models, tasks, strict=True), key=lambda mt: id(mt[0])):

@@ -25,7 +25,7 @@ from torch import nn
 from gradleak.defenses.base import Defense
 from gradleak.defenses.in_loop import DefendedLoop
 from gradleak.text.data import TextBatch
-from gradleak.types import Update
+from gradleak.types import MODE, Update
 
 _DEFAULT_SEED = 0
 
@@ -78,7 +78,7 @@ def fedsgd_text_update(
     work.zero_grad(set_to_none=True)
     try:
         text_loss(work, batch, task).backward()
-        return loop.gradient(len(batch), {"client_id": client_id})
+        return loop.gradient(len(batch), {"client_id": client_id, MODE: "train" if dropout else "eval"})
     finally:  # the model is left as it was, whatever happened
         work.zero_grad(set_to_none=True)
         work.train(was_training)
@@ -186,4 +186,5 @@ def fedavg_text_update(
     n = sum(len(b) for b in batches)
     # through on_update and the validation; raises DefenseFailure (send nothing) where the image client's
     # train_client returns update=None with the reason
-    return trainer.loop.update(n, {"client_id": client_id, "steps": trainer.steps_done})
+    meta = {"client_id": client_id, "steps": trainer.steps_done, MODE: "train" if dropout else "eval"}
+    return trainer.loop.update(n, meta)

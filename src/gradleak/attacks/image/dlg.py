@@ -14,7 +14,6 @@ the Euclidean distance is not scale free.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -23,11 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
-from tqdm.auto import tqdm
 
 from gradleak.attacks.checks import require_image_input
 from gradleak.attacks.image.labels import recover_label_counts, recover_labels
 from gradleak.attacks.image.surrogate import local_steps
+from gradleak.progress import bar
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
 
@@ -87,7 +86,7 @@ class DLG:
         n = cfg.num_samples or (len(obs.labels) if obs.labels is not None else obs.update.num_samples)
         if n < 1:
             raise AttackInputError("cannot tell the batch size: the update reports 0 samples")
-        model = copy.deepcopy(obs.model).eval()
+        model = obs.client_model()
         params = [(name, p) for name, p in model.named_parameters() if name in obs.update.tensors]
         if not params:
             raise AttackInputError("the update carries none of the model's parameters")
@@ -123,7 +122,7 @@ class DLG:
         start = time.perf_counter()
         best = (math.inf, x.detach().clone(), y.detach().clone())
         done = 0
-        for _ in tqdm(range(cfg.max_iterations), desc="DLG", leave=False, disable=not cfg.progress):
+        for _ in bar(range(cfg.max_iterations), desc="DLG", force=cfg.progress):
             loss = float(opt.step(closure).detach())
             done += 1
             if not math.isfinite(loss):

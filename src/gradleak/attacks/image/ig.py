@@ -12,7 +12,6 @@ recovered from the output layer's update (iDLG). A FedAvg delta is matched as th
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -20,10 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
-from tqdm.auto import tqdm
 
 from gradleak.attacks.checks import require_image_input
 from gradleak.attacks.image.labels import recover_labels
+from gradleak.progress import bar
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
 
@@ -102,7 +101,7 @@ class InvertingGradients:
                 f"the observation grants {len(labels)} labels but the attack reconstructs {n} images "
                 "(num_samples); they must agree"
             )
-        model = copy.deepcopy(obs.model).eval()
+        model = obs.client_model()
         for p in model.parameters():
             p.requires_grad_(True)
         params, target = self._target(obs, model)
@@ -138,7 +137,7 @@ class InvertingGradients:
         opt = torch.optim.Adam([x], lr=cfg.lr)
         milestones = [int(cfg.max_iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)]
         sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones, gamma=0.1)
-        for _ in tqdm(range(cfg.max_iterations), desc="IG", leave=False, disable=not cfg.progress):
+        for _ in bar(range(cfg.max_iterations), desc="IG", force=cfg.progress):
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), labels)
             grads = torch.autograd.grad(loss, params, create_graph=True)

@@ -37,7 +37,6 @@ returned images are ``clamp(x, 0, 1)``. Labels are granted or recovered from the
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -48,11 +47,11 @@ import torch
 from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
-from tqdm.auto import tqdm
 
 from gradleak.attacks.checks import require_image_input
 from gradleak.attacks.image.ig import cosine_distance, total_variation
 from gradleak.attacks.image.labels import recover_label_counts
+from gradleak.progress import bar
 from gradleak.types import AttackInputError, AttackNeeds, Observation, Reconstruction
 
 log = logging.getLogger(__name__)
@@ -164,7 +163,7 @@ def build_problem(obs: Observation, attack: str, num_samples: int | None) -> Pro
             f"the observation grants {len(labels)} labels but the attack reconstructs {n} images "
             "(num_samples); they must agree"
         )
-    model = copy.deepcopy(obs.model).eval()
+    model = obs.client_model()
     names, w0, wt, target = [], [], [], []
     fixed: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
@@ -318,7 +317,7 @@ def run_surrogate(
         milestones = [int(s.iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)]
         sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones, gamma=0.1)
     start = time.perf_counter()
-    for it in tqdm(range(s.iterations), desc=s.desc, leave=False, disable=not s.progress):
+    for it in bar(range(s.iterations), desc=s.desc, force=s.progress):
         opt.zero_grad(set_to_none=True)
         g = state.surrogate_gradient(images_of(z))
         match = cosine_distance(state.calibrated(g), prob.target)

@@ -41,7 +41,6 @@ the midpoint weights w_0 + delta / 2 and the thresholds are relaxed (DAGER Sec. 
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -65,6 +64,7 @@ from gradleak.attacks.text.family import (
 from gradleak.attacks.text.lm_completion import add_prefix_sentences, complete_last_tokens, output_embedding
 from gradleak.attacks.text.rownorm import RowNormConfig, select_rows
 from gradleak.attacks.text.search import L2Search, PolishConfig, Scored, similar
+from gradleak.progress import bar
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
 
@@ -167,7 +167,7 @@ class Dager:
         )
 
     def attacker_model(self, obs: Observation) -> nn.Module:
-        model = copy.deepcopy(obs.model).eval()
+        model = obs.client_model()
         if self.config.midpoint_weights and obs.update.kind == "delta":
             with torch.no_grad():
                 for name, p in model.named_parameters():
@@ -395,7 +395,7 @@ class Dager:
         vocab = scan.unsqueeze(1)
         positions = self.config.max_positions if spec.positions == "learned" else 1
         out: list[list[int]] = []
-        for p in range(positions):
+        for p in bar(range(positions), desc="DAGER positions"):
             z = layer_inputs(model, module, vocab, start_position=p, chunk=self.config.chunk)[:, 0]
             ok, res = span.below(z, spec.l1_threshold)
             if ok.numel() == 0:

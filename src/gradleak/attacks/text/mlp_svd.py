@@ -12,7 +12,6 @@ number of distinct inputs) or those below ``threshold``. The result is an unorde
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -61,7 +60,7 @@ class MLPSVD:
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         cfg = self.config
         start = time.perf_counter()
-        model = copy.deepcopy(obs.model).eval()
+        model = obs.client_model()
         spec = family_of(model)
         span = estimate_span(
             input_side_gradient(obs, model, spec.mlp_inputs, 0), cfg.rank_tol or spec.rank_tol

@@ -26,7 +26,8 @@ A ClientApp that builds its own architecture and loads weights strictly refuses 
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 
 import flwr.compat.common.recorddict_compat as compat
 import numpy as np
@@ -46,18 +47,21 @@ ARCHITECTURE = "gradleak.architecture"  # a ConfigRecord whose "module" is torch
 
 
 LEGACY_PARAMETERS = "fitins.parameters"  # the ArrayRecord of a legacy workflow's train message
+SECAGG_STATE = "secaggplus_state"  # secaggplus_mod's ConfigRecord in the node's context
 
 
-def named_arrays(model: nn.Module, parameters: Parameters, source: str) -> dict[str, torch.Tensor]:
-    """Legacy ``Parameters`` as ``model.state_dict()``'s named tensors: same order (the NumPyClient
-    convention), the same shapes (checked), cast to the model's dtypes (SecAgg+ aggregates are float64)."""
+def named_arrays(
+    reference: Mapping[str, torch.Tensor], parameters: Parameters, source: str
+) -> dict[str, torch.Tensor]:
+    """Legacy ``Parameters`` as the named tensors of ``reference`` (a ``state_dict``: the NumPyClient
+    convention; or the model's parameters, as the engine's SecAgg+ clients send them): same order, the same
+    shapes (checked), cast to the reference's dtypes (SecAgg+ aggregates are float64)."""
     from gradleak.validation import InvalidUpdateError
 
     arrays = parameters_to_ndarrays(parameters)
-    reference = model.state_dict()
     if len(arrays) != len(reference):
         raise InvalidUpdateError(
-            f"{source}: {len(arrays)} arrays, but the model's state_dict has {len(reference)} entries"
+            f"{source}: {len(arrays)} arrays, but the model has {len(reference)} entries to fill"
         )
     out = {}
     for (name, ref), array in zip(reference.items(), arrays, strict=True):
@@ -67,6 +71,22 @@ def named_arrays(model: nn.Module, parameters: Parameters, source: str) -> dict[
             )
         out[name] = torch.from_numpy(np.ascontiguousarray(array)).to(ref.dtype)
     return out
+
+
+def check_secagg_range(arrays: Mapping[str, torch.Tensor], ctx: Context, source: str) -> None:
+    """Under ``secaggplus_mod`` (its state in the node's context after the setup stage), every array it
+    will mask must be finite and within its ``clipping_range``: SecAgg+ would clip a larger value silently
+    (a BatchNorm ``num_batches_tracked`` count too), so the reply is withheld instead (fail closed)."""
+    state = ctx.state.config_records.get(SECAGG_STATE)
+    known = state is not None and "clipping_range" in state
+    clip = float(state["clipping_range"]) if known else math.inf  # type: ignore[arg-type,index]
+    for name, t in arrays.items():
+        peak = float(t.detach().abs().max()) if t.numel() else 0.0
+        if not peak <= clip:  # also NaN
+            raise ValueError(
+                f"{source}: {name} reaches {peak:.4g}, beyond SecAgg+'s clipping_range {clip}: the reply is "
+                "withheld rather than clipped (raise the workflow's clipping_range)"
+            )
 
 
 def module_bytes(model: nn.Module) -> bytes:
@@ -118,7 +138,7 @@ def client_app(
         legacy = LEGACY_PARAMETERS in msg.content.array_records
         if legacy:  # a legacy workflow's FitIns (e.g. SecAgg+)
             fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
-            w0 = named_arrays(model, fitins.parameters, f"partition {k}'s train message")
+            w0 = named_arrays(model.state_dict(), fitins.parameters, f"partition {k}'s train message")
             rnd = int(fitins.config.get("server-round", msg.metadata.group_id))
         else:
             w0 = msg.content.array_records["arrays"].to_torch_state_dict()
@@ -134,6 +154,7 @@ def client_app(
             weights[name] = w0[name] + sign * u
         n = result.update.num_samples
         if legacy:
+            check_secagg_range(weights, ctx, f"partition {k}")
             arrays = ndarrays_to_parameters([t.detach().numpy() for t in weights.values()])
             fitres = FitRes(Status(Code.OK, ""), arrays, n, {PARTITION_ID: k})
             return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)

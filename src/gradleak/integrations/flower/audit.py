@@ -28,7 +28,6 @@ scores the in-process runner computes.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -44,10 +43,10 @@ from gradleak.data.base import ImageDataset
 from gradleak.experiments.store import ResultStore
 from gradleak.fl.simulation import derive_seed
 from gradleak.integrations.flower.apps import ARCHITECTURE, PARTITION_ID, module_bytes
-from gradleak.integrations.flower.auditing import AttackSpec, Auditing, attack_spec
+from gradleak.integrations.flower.auditing import AttackSpec, Auditing, attack_spec, weights_update
 from gradleak.integrations.flower.mods import NUM_EXAMPLES, reply_metric
 from gradleak.types import ClientCustomizingAttack, LocalTraining, ModelModifyingAttack, Update
-from gradleak.validation import InvalidUpdateError, check_tensors, check_update, reference_of
+from gradleak.validation import InvalidUpdateError, reference_of
 
 log = logging.getLogger(__name__)
 
@@ -251,25 +250,9 @@ class AuditStrategy(Auditing, Strategy):
                 if len(reply.content.array_records) != 1:
                     raise InvalidUpdateError(f"{source}: expected one ArrayRecord in the reply")
                 wt = next(iter(reply.content.array_records.values())).to_torch_state_dict()
-                check_tensors(
-                    {k: v for k, v in wt.items() if v.is_floating_point()},
-                    {k: v for k, v in w0.items() if v.is_floating_point()}, source=source,
-                )  # fmt: skip
-                if set(wt) != set(w0):
-                    raise InvalidUpdateError(f"{source}: the reply's arrays differ from those sent")
-                missing = sorted(set(params) - set(w0))
-                if missing:
-                    raise InvalidUpdateError(
-                        f"{source}: the sent arrays lack the model's parameters {missing[:5]}"
-                    )
-                delta = {n: wt[n] - w0[n] for n in params}
-                meta = {
-                    "client_id": node,
-                    "round": server_round,
-                    "partition_id": reply_metric(reply, PARTITION_ID),
-                }
-                update = Update(delta, reply_metric(reply, NUM_EXAMPLES) or 1, "delta", meta)
-                check_update(update, params, source=source)
+                meta = {"client_id": node, "round": server_round,
+                        "partition_id": reply_metric(reply, PARTITION_ID)}  # fmt: skip
+                update = weights_update(w0, wt, params, reply_metric(reply, NUM_EXAMPLES) or 1, meta, source)
             except (InvalidUpdateError, ValueError, TypeError, KeyError) as exc:
                 out.append((node, str(exc)))
                 continue
@@ -278,6 +261,4 @@ class AuditStrategy(Auditing, Strategy):
 
     def broadcast_model(self, server_round: int) -> nn.Module:
         """The model at the weights the strategy sent in ``server_round``."""
-        model = copy.deepcopy(self.model)
-        model.load_state_dict(self._broadcast[server_round], strict=True)
-        return model.eval()
+        return self.model_at(self._broadcast[server_round])

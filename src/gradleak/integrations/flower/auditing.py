@@ -10,6 +10,7 @@ each attacked update is one unit in the store (round, node id, the attack's stat
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import logging
 import uuid
@@ -26,6 +27,7 @@ from gradleak.experiments.store import ResultStore, RunRow
 from gradleak.fl.server import secure_sum
 from gradleak.fl.simulation import derive_seed
 from gradleak.types import LocalTraining, Observation, Update
+from gradleak.validation import InvalidUpdateError, check_tensors, check_update
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,29 @@ AttackSpec = str | tuple[str, Mapping[str, Any]]
 def attack_spec(a: AttackSpec) -> tuple[str, dict[str, Any]]:
     """``"ig"`` or ``("ig", {options})`` as ``(name, options)``."""
     return (a, {}) if isinstance(a, str) else (a[0], dict(a[1]))
+
+
+def weights_update(
+    w0: Mapping[str, torch.Tensor],
+    wt: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    samples: int,
+    meta: dict[str, Any],
+    source: str,
+) -> Update:
+    """The update ``w_T - w_0`` of the model's parameters ``params`` a reply's weights ``wt`` stand for.
+    Every array is checked against what was sent (names, shapes, dtypes, finite values: a NaN BatchNorm
+    buffer would be aggregated too), then the update (:func:`gradleak.validation.check_update`)."""
+    floats = {k: v for k, v in w0.items() if v.is_floating_point()}
+    check_tensors({k: v for k, v in wt.items() if v.is_floating_point()}, floats, source=source)
+    if set(wt) != set(w0):
+        raise InvalidUpdateError(f"{source}: the reply's arrays differ from those sent")
+    missing = sorted(set(params) - set(w0))
+    if missing:
+        raise InvalidUpdateError(f"{source}: the sent arrays lack the model's parameters {missing[:5]}")
+    update = Update({n: wt[n] - w0[n] for n in params}, max(int(samples), 1), "delta", meta)
+    check_update(update, params, source=source)
+    return update
 
 
 class Auditing:
@@ -101,6 +126,12 @@ class Auditing:
         if self.store is not None and self.run_id is not None:
             self.store.release(self.run_id)
 
+    def model_at(self, weights: Mapping[str, torch.Tensor]) -> nn.Module:
+        """The audited model at ``weights`` (in eval mode, as attacks differentiate it)."""
+        model = copy.deepcopy(self.model)
+        model.load_state_dict(dict(weights), strict=True)
+        return model.eval()
+
     def commit(self, unit: str, record: dict[str, Any]) -> None:
         self.records.append(record)
         if self.store is not None and self.run_id is not None:
@@ -121,7 +152,7 @@ class Auditing:
             return
         if self.secure_aggregation:  # only the sum is visible
             self.attack(server_round, f"{prefix}sum", None, secure_sum([u for _, _, u in good]), len(good),
-                        w0, attacks, secrets, malicious=bool(prefix))  # fmt: skip
+                        w0, attacks, secrets, malicious=bool(prefix), aggregate="sum")  # fmt: skip
             return
         for j, node, update in good:
             self.attack(server_round, f"{prefix}reply/{j}", node, update, 1, w0, attacks, secrets,
@@ -139,9 +170,13 @@ class Auditing:
         secrets: Mapping[str, object],
         *,
         malicious: bool = False,
+        aggregate: str | None = None,
+        truth: ImageDataset | None = None,
     ) -> None:
         """Run ``attacks`` on one observed update (``count`` clients' aggregate when ``count > 1`` or under
-        secure aggregation) and commit one record per attack; a failing attack is recorded, not raised."""
+        secure aggregation: ``aggregate`` says which, "sum" or "weighted mean") and commit one record per
+        attack; a failing attack is recorded, not raised. ``truth`` scores it (else ``self.truth`` of the
+        update's partition or node)."""
         aggregated = count > 1 or self.secure_aggregation
         obs = Observation(w0, update, self.input_shape, self.num_classes, self.training, secrets=secrets,
                           aggregated=aggregated, num_clients=count)  # fmt: skip
@@ -158,13 +193,16 @@ class Auditing:
                 continue
             record: dict[str, Any] = {
                 "kind": "attack", "attack": attack_name, "options": options, "round": server_round,
-                "node_id": node, "aggregated": aggregated, "num_clients": count, "malicious": malicious,
+                "node_id": node, "aggregated": aggregated, "aggregate": aggregate, "num_clients": count,
+                "malicious": malicious,
                 "num_samples": update.num_samples,
                 "reconstructed": 0 if rec.images is None else len(rec.images), **rec.stats,
             }  # fmt: skip
             part = update.metadata.get("partition_id")
             key = part if isinstance(part, int) else node
-            data = self.truth(key) if (self.truth is not None and key is not None) else None
+            data = truth
+            if data is None and self.truth is not None and key is not None:
+                data = self.truth(key)
             record["partition_id"] = part
             if data is not None:
                 record.update(score_reconstruction(rec, data))

@@ -26,9 +26,12 @@ SecAgg+ protocol: :meth:`SecureGridEngine.aggregate_clients` drives ``SecAggPlus
 sharing, masked uploads, unmasking) over the ServerApp's grid, the ClientApp answers through
 ``secaggplus_mod``, and the server gets only the unmasked aggregate: the weighted mean of the clients'
 updates for a training round, their sum for the audit (every client then weighs 1: the mean times the
-number of clients). A client that fails is a dropout the protocol recovers from (its masks are rebuilt
-from the others' shares). Each update entry is quantised (``2 c / quantization_range`` per client) and
-must lie in ``[-c, c]``: a client whose update does not fails closed instead of being clipped.
+number of clients). A client that fails is a dropout the protocol recovers from while at least the
+reconstruction threshold of clients remain (its masks are rebuilt from the others' shares); below it the
+protocol halts and the round has no aggregate (recorded). Each update entry is quantised (``2 c /
+quantization_range`` per client) and must lie in ``[-c, c]``: a client whose update does not fails closed
+instead of being clipped. The quantisation's stochastic rounding draws from numpy's global generator on the
+node: the node seeds it with the task's seed, so a SecAgg+ run is reproducible.
 """
 
 from __future__ import annotations
@@ -54,7 +57,6 @@ from flwr.common import (
     Parameters,
     Status,
     ndarrays_to_parameters,
-    parameters_to_ndarrays,
 )
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.server import LegacyContext, ServerConfig
@@ -67,11 +69,11 @@ from flwr.serverapp import Grid, ServerApp
 from torch import nn
 
 from gradleak.data.base import ImageDataset
-from gradleak.fl.client import ClientResult, train_client
+from gradleak.fl.client import ClientResult, reported_samples, train_client
 from gradleak.fl.engines import MODULUS_RANGE, FlowerEngineConfig, SecAggPlusConfig
 from gradleak.fl.server import update_kind
 from gradleak.fl.simulation import ClientTask, DefenseFactory, Engine, SecureRound
-from gradleak.integrations.flower.apps import LEGACY_PARAMETERS, module_bytes, module_from
+from gradleak.integrations.flower.apps import LEGACY_PARAMETERS, module_bytes, module_from, named_arrays
 from gradleak.types import LocalTraining, Update
 from gradleak.validation import reference_of
 
@@ -167,7 +169,7 @@ def secure_reply(msg: Message, data: Sequence[ImageDataset], defenses: DefenseFa
     tensors = [result.update.tensors[n].detach() for n in names]
     clip = float(config["clipping-range"])
     peak = max(float(t.abs().max()) for t in tensors)
-    if peak > clip:
+    if not peak <= clip:  # also NaN
         raise ValueError(
             f"client {cid}: an update entry reaches {peak:.4g}, beyond SecAgg+'s clipping_range {clip}; the "
             "client withholds it rather than have it clipped (raise [engine.options.secagg] clipping_range)"
@@ -180,6 +182,9 @@ def secure_reply(msg: Message, data: Sequence[ImageDataset], defenses: DefenseFa
     fitres = FitRes(
         Status(Code.OK, ""), ndarrays_to_parameters([t.numpy() for t in tensors]), weight, metrics
     )
+    # secaggplus_mod quantises with stochastic rounding from numpy's global generator right after this
+    # returns, in this process: seeded by the task, the aggregate is reproducible
+    np.random.seed(int(config["seed"]) % 2**32)
     return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
 
 
@@ -234,6 +239,7 @@ class _SecureTasks(Strategy):
         self.fitins = fitins
         self.results: list[tuple[ClientProxy, FitRes]] = []
         self.failures: list[Any] = []
+        self.aggregated = False  # whether the workflow got as far as unmasking
 
     def initialize_parameters(self, client_manager: Any) -> Parameters | None:
         return None
@@ -242,7 +248,7 @@ class _SecureTasks(Strategy):
         return self.fitins
 
     def aggregate_fit(self, server_round: int, results: Any, failures: Any) -> tuple[None, dict[str, Any]]:
-        self.results, self.failures = list(results), list(failures)
+        self.results, self.failures, self.aggregated = list(results), list(failures), True
         return None, {}
 
     def configure_evaluate(self, server_round: int, parameters: Parameters, client_manager: Any) -> Any:
@@ -354,7 +360,9 @@ class SecureGridEngine(GridEngine):
                     run_config=base.run_config),
             config=ServerConfig(num_rounds=1), strategy=strategy,
         )  # fmt: skip
-        max_weight = max(len(t.data) for t in tasks) if weighted else 1.0
+        # the largest weight a client will report: its ratio to max_weight is quantised, so the closer the
+        # better (FedSGD clients report their batch size, FedAvg ones their data)
+        max_weight = max(reported_samples(t.training, len(t.data)) for t in tasks) if weighted else 1.0
         self.workflow(max_weight)(self.grid, context)
         return self.secure_round(models[0], tasks, strategy, weighted)
 
@@ -362,8 +370,16 @@ class SecureGridEngine(GridEngine):
         self, model: nn.Module, tasks: Sequence[ClientTask], strategy: _SecureTasks, weighted: bool
     ) -> SecureRound:
         """The unmasked aggregate as named tensors, and per task who contributed and on which samples."""
+        if not strategy.aggregated:  # the workflow stopped before unmasking: nobody is in an aggregate
+            error = (
+                f"SecAgg+ run {self.rounds} halted before unmasking (fewer clients than its threshold "
+                "answered a stage): no aggregate this round"
+            )
+            log.error(error)
+            return SecureRound(None, [ClientResult(t.client_id, None, None, error=error) for t in tasks], [])
         by_node = {int(proxy.node_id): res for proxy, res in strategy.results}
-        reasons = "; ".join(str(f)[-300:] for f in strategy.failures) or "no reply in time"
+        unique = dict.fromkeys(str(f)[-300:] for f in strategy.failures)  # Flower lists a dropout twice
+        reasons = "; ".join(unique) or "no reply in time"
         results, contributors, samples = [], [], 0
         for task in tasks:
             res = by_node.get(self.node_of[task.client_id])
@@ -380,15 +396,10 @@ class SecureGridEngine(GridEngine):
         if not strategy.results:
             log.error("SecAgg+ round %d: no aggregate (%s)", self.rounds, reasons)
             return SecureRound(None, results, [])
-        arrays = parameters_to_ndarrays(strategy.results[0][1].parameters)  # every FitRes holds the aggregate
-        reference = reference_of(model)
-        if len(arrays) != len(reference):
-            raise RuntimeError(f"SecAgg+ returned {len(arrays)} arrays for {len(reference)} parameters")
+        # every FitRes holds the aggregate; its arrays are the model's parameters, in order
+        mean = named_arrays(reference_of(model), strategy.results[0][1].parameters, "the SecAgg+ aggregate")
         scale = 1.0 if weighted else float(len(contributors))  # unweighted: the mean, times k = the sum
-        tensors = {
-            name: torch.from_numpy(np.asarray(a) * scale).to(ref.dtype)
-            for (name, ref), a in zip(reference.items(), arrays, strict=True)
-        }
+        tensors = {name: t * scale for name, t in mean.items()}
         kind = update_kind(tasks[0].training)
         aggregate = Update(tensors, samples, kind,
                            {"num_clients": len(contributors), "secure_aggregation": "secagg+"})  # fmt: skip

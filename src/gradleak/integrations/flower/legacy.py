@@ -25,7 +25,6 @@ if it raises). The malicious-server option is :class:`~gradleak.integrations.flo
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -47,13 +46,18 @@ from torch import nn
 from gradleak.data.base import ImageDataset
 from gradleak.experiments.store import ResultStore
 from gradleak.integrations.flower.apps import PARTITION_ID, named_arrays
-from gradleak.integrations.flower.auditing import AttackSpec, Auditing
-from gradleak.types import LocalTraining, Update
-from gradleak.validation import InvalidUpdateError, check_tensors, check_update, reference_of
+from gradleak.integrations.flower.auditing import AttackSpec, Auditing, weights_update
+from gradleak.types import LocalTraining
+from gradleak.validation import InvalidUpdateError, reference_of
 
 log = logging.getLogger(__name__)
 
 Failure = tuple[ClientProxy, FitRes] | BaseException
+
+
+def _partition(res: FitRes) -> int | None:
+    part = res.metrics.get(PARTITION_ID)
+    return int(part) if isinstance(part, int) else None
 
 
 class LegacyAuditStrategy(Auditing, Strategy):
@@ -82,7 +86,9 @@ class LegacyAuditStrategy(Auditing, Strategy):
         self._broadcast: dict[int, dict[str, torch.Tensor]] = {}
 
     def run_config(self) -> dict[str, Any]:
-        return {**Auditing.run_config(self), "strategy": type(self.strategy).__name__, "api": "legacy"}
+        secure = "per round: SecAgg+ when every FitRes holds the one aggregate"
+        return {**Auditing.run_config(self), "strategy": type(self.strategy).__name__, "api": "legacy",
+                "secure_aggregation": secure}  # fmt: skip
 
     def run(self, workflow: Callable[[Any, Any], None], grid: Any, context: Any) -> None:
         """``workflow(grid, context)`` (e.g. ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(...))``) as
@@ -93,7 +99,19 @@ class LegacyAuditStrategy(Auditing, Strategy):
         except BaseException:
             self.release()
             raise
+        self._record_halted()
         self.close()
+
+    def _record_halted(self) -> None:
+        """Rounds whose parameters went out but that never reached ``aggregate_fit``: SecAgg+ halts before
+        unmasking when fewer clients than its threshold answer a stage (the model is left unchanged)."""
+        for server_round in sorted(self._broadcast):
+            self.begin()
+            error = "the round never reached aggregate_fit (SecAgg+ halted before unmasking?)"
+            halted = {"kind": "no_aggregate", "round": server_round, "error": error}
+            self.commit(f"round/{server_round}/no_aggregate", halted)
+            log.error("audit: round %d: %s", server_round, halted["error"])
+        self._broadcast.clear()
 
     # -- the wrapped strategy -------------------------------------------------------------------------
 
@@ -103,7 +121,9 @@ class LegacyAuditStrategy(Auditing, Strategy):
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, FitIns]]:
-        self._broadcast[server_round] = named_arrays(self.model, parameters, f"round {server_round}'s model")
+        self._record_halted()  # an earlier round that is still open was never aggregated
+        reference = self.model.state_dict()
+        self._broadcast[server_round] = named_arrays(reference, parameters, f"round {server_round}'s model")
         return self.strategy.configure_fit(server_round, parameters, client_manager)
 
     def aggregate_fit(
@@ -115,24 +135,27 @@ class LegacyAuditStrategy(Auditing, Strategy):
                 "give the wrapper itself to the LegacyContext, not the wrapped strategy"
             )
         self.begin()
-        for j, failure in enumerate(failures):
+        reasons: dict[tuple[int | None, str], None] = {}  # SecAgg+ lists each dropout twice: once here
+        for failure in failures:
             node = None if isinstance(failure, BaseException) else int(failure[0].node_id)
-            reason = repr(failure) if isinstance(failure, BaseException) else str(failure[1].status.message)
+            reasons[(node, repr(failure) if node is None else str(failure[1].status.message))] = None  # type: ignore[index]
+        for j, (node, reason) in enumerate(reasons):
             failed = {"kind": "client_error", "round": server_round, "node_id": node, "error": reason}
             self.commit(f"round/{server_round}/error/{j}", failed)
         w0 = self._broadcast.pop(server_round)
+        # flwr 1.42's SecAggPlusWorkflow hands every FitRes the same Parameters object, the aggregate
         secure = len(results) > 1 and all(r.parameters is results[0][1].parameters for _, r in results)
-        if secure:  # SecAgg+: every FitRes holds the one unmasked aggregate
+        if secure:
             return self._aggregate_secure(server_round, results, failures, w0)
         kept, good = [], []
+        params = reference_of(self.model)
         for j, (proxy, res) in enumerate(results):
             node = int(proxy.node_id)
-            part = res.metrics.get(PARTITION_ID)
-            meta = {"client_id": node, "round": server_round,
-                    "partition_id": int(part) if isinstance(part, int) else None}  # fmt: skip
+            meta = {"client_id": node, "round": server_round, "partition_id": _partition(res)}
+            source = f"node {node}, round {server_round}"
             try:
-                source = f"node {node}, round {server_round}"
-                update = self._update(w0, res.parameters, res.num_examples, meta, source)
+                wt = named_arrays(w0, res.parameters, source)
+                update = weights_update(w0, wt, params, res.num_examples, meta, source)
             except (InvalidUpdateError, ValueError, TypeError) as exc:
                 log.warning("audit: rejected %s", exc)
                 rejected = {"kind": "rejected", "round": server_round, "node_id": node, "error": str(exc)}
@@ -141,7 +164,7 @@ class LegacyAuditStrategy(Auditing, Strategy):
             kept.append((proxy, res))
             good.append((j, node, update))
         if self.audits(server_round):
-            self.audit(server_round, good, self._model_at(w0), self.attacks, {}, "")
+            self.audit(server_round, good, self.model_at(w0), self.attacks, {}, "")
         return self.strategy.aggregate_fit(server_round, kept, failures)
 
     def _aggregate_secure(
@@ -151,11 +174,14 @@ class LegacyAuditStrategy(Auditing, Strategy):
         failures: list[Failure],
         w0: dict[str, torch.Tensor],
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        """The one unmasked aggregate: attacked once, scored (with ``truth``) against the union of the
+        clients' data by the ``partition-id`` each FitRes still reports in the clear."""
         count, samples = len(results), sum(int(r.num_examples) for _, r in results)
-        meta = {"round": server_round, "secure_aggregation": True, "aggregate": "weighted mean"}
+        meta = {"round": server_round, "secure_aggregation": True}
         source = f"round {server_round}'s SecAgg+ aggregate of {count} clients"
         try:
-            update = self._update(w0, results[0][1].parameters, samples, meta, source)
+            wt = named_arrays(w0, results[0][1].parameters, source)
+            update = weights_update(w0, wt, reference_of(self.model), samples, meta, source)
         except (InvalidUpdateError, ValueError, TypeError) as exc:
             log.error("audit: %s; the round's model is left unchanged", exc)
             rejected = {"kind": "rejected", "round": server_round, "node_id": None, "error": str(exc),
@@ -163,30 +189,14 @@ class LegacyAuditStrategy(Auditing, Strategy):
             self.commit(f"round/{server_round}/sum/rejected", rejected)
             return None, {}
         if self.audits(server_round):
-            self.attack(server_round, "sum", None, update, count, self._model_at(w0), self.attacks, {})
+            truth = None
+            if self.truth is not None:
+                parts = [self.truth(p) for p in (_partition(r) for _, r in results) if p is not None]
+                known = [d for d in parts if d is not None]
+                truth = ImageDataset.concat(known) if known and len(known) == count else None
+            self.attack(server_round, "sum", None, update, count, self.model_at(w0), self.attacks, {},
+                        aggregate="weighted mean", truth=truth)  # fmt: skip
         return self.strategy.aggregate_fit(server_round, results, failures)
-
-    def _update(
-        self,
-        w0: dict[str, torch.Tensor],
-        parameters: Parameters,
-        samples: int,
-        meta: dict[str, Any],
-        source: str,
-    ) -> Update:
-        """The model parameters' ``w_T - w_0`` of a reply's (or the aggregate's) arrays, validated."""
-        wt = named_arrays(self.model, parameters, source)
-        check_tensors({k: v for k, v in wt.items() if v.is_floating_point()},
-                      {k: v for k, v in w0.items() if v.is_floating_point()}, source=source)  # fmt: skip
-        params = reference_of(self.model)
-        update = Update({n: wt[n] - w0[n] for n in params}, max(int(samples), 1), "delta", meta)
-        check_update(update, params, source=source)
-        return update
-
-    def _model_at(self, weights: dict[str, torch.Tensor]) -> nn.Module:
-        model = copy.deepcopy(self.model)
-        model.load_state_dict(weights, strict=True)
-        return model.eval()
 
     def configure_evaluate(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
