@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
 from gradleak.cli.table import render
 from gradleak.experiments import ResultStore, RunOutcome, load_config, run_experiment
 from gradleak.experiments.config import ExperimentConfig
+from gradleak.experiments.grid import GridOutcome, run_grid
+from gradleak.fileio import atomic_write
 from gradleak.plugins import load_plugins
 
 
@@ -86,7 +89,44 @@ def summary_table(outcome: RunOutcome) -> str:
     return "\n".join(lines)
 
 
+def execute_grid(cfg: ExperimentConfig, args: argparse.Namespace) -> GridOutcome:
+    """A grid config: every cell as a run in the store (finished cells reused), then the grid's table and
+    its summary as JSON."""
+    out = Path(args.out)
+    store = ResultStore(args.store or out / "results.sqlite")
+    store.check()
+    grid = run_grid(cfg, store=store, out_dir=out / cfg.experiment.name, resume=not args.fresh,
+                    per_run_folder=True)  # fmt: skip
+    rows = grid.summary()
+    table = [
+        [r["defense"], r["attack"], r["updates"], _pm(r, "psnr_mean"), _pm(r, "ssim_mean"),
+         _pm(r, "reconstruction_rate"), r.get("label_accuracy"), r["accuracy"], r["cost"]]
+        for r in rows
+    ]  # fmt: skip
+    headers = ["defense", "attack", "updates", "PSNR dB", "SSIM", "rec. rate", "label acc", "test acc",
+               "FL time / none"]  # fmt: skip
+    print(render(headers, table))
+    path = out / cfg.experiment.name / "grid.json"
+    cells = [{"defense": c.label, "run_id": c.outcome.run_id, "reused": c.reused} for c in grid.cells]
+    payload = {"grid": cfg.experiment.name, "cells": cells, "summary": rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(payload, indent=2, default=str)))
+    reused = sum(c.reused for c in grid.cells)
+    print(f"\n{len(grid.cells)} cells ({reused} already finished) in {store.path}; summary: {path}")
+    return grid
+
+
+def _pm(row: dict[str, Any], key: str) -> str:
+    if key not in row:
+        return "n/a"
+    return f"{row[key]:.3f} +- {row[key + '_sd']:.3f}"
+
+
 def handle(args: argparse.Namespace) -> int:
     load_plugins(args.plugin)
-    execute(load_config(args.config, args.overrides), args)
+    cfg = load_config(args.config, args.overrides)
+    if cfg.grid.defenses:
+        execute_grid(cfg, args)
+    else:
+        execute(cfg, args)
     return 0

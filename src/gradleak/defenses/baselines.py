@@ -226,6 +226,13 @@ def _repeat(value: Any, k: int) -> Any:
     )
 
 
+class NoDefense(Defense):
+    """No defense: a grid's baseline cell (every hook a no-op; the update leaves as trained)."""
+
+    name = "none"
+
+
+DEFENSES.register("none", NoDefense, summary="no defense: the baseline cell of a grid")
 DEFENSES.register("compression", Compression, config_cls=CompressionConfig,
                   summary="top-k gradient sparsification each step with error feedback (GC)")  # fmt: skip
 DEFENSES.register("dp_noise", DPNoise, config_cls=DPNoiseConfig,

@@ -144,6 +144,15 @@ class AuditSection:
 
 
 @dataclass(frozen=True)
+class GridSection:
+    """A defense x attack grid on one federation (:mod:`gradleak.experiments.grid`): every cell runs the
+    experiment with one of ``defenses`` (``"none"`` is the undefended baseline) and every attack of
+    ``[audit]``, with the same seed, so the same partition, sampled clients and audited clients."""
+
+    defenses: tuple[ComponentSpec, ...] = ()
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     experiment: ExperimentSection = field(default_factory=ExperimentSection)
     data: DataSection = field(default_factory=DataSection)
@@ -152,6 +161,7 @@ class ExperimentConfig:
     audit: AuditSection = field(default_factory=AuditSection)
     defenses: tuple[ComponentSpec, ...] = ()
     engine: EngineSection = field(default_factory=EngineSection)
+    grid: GridSection = field(default_factory=GridSection)
 
     def __post_init__(self) -> None:
         _known(DATASETS, self.data.dataset, "data.dataset")
@@ -169,6 +179,8 @@ class ExperimentConfig:
             _known(ATTACKS, spec.name, f"audit.attacks[{i}].name")
         for i, spec in enumerate(self.defenses):
             _known(DEFENSES, spec.name, f"defenses[{i}].name")
+        for i, spec in enumerate(self.grid.defenses):
+            _known(DEFENSES, spec.name, f"grid.defenses[{i}].name")
         try:
             valid = partition_options(self.data.partition)
         except ValueError as exc:
@@ -181,8 +193,16 @@ class ExperimentConfig:
             )
         for name, value in self.data.partition_options.items():  # typed like their defaults
             _check_type(value, type(valid[name]), f"data.partition_options.{name}")
+        if self.grid.defenses and self.defenses:
+            raise ConfigError(
+                "grid.defenses gives each cell its defense; leave [[defenses]] empty in a grid config"
+            )
+        labels = [cell_label(s) for s in self.grid.defenses]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(f"grid.defenses lists the same cell twice: {labels}")
         for key, registry, specs in (("audit.attacks", ATTACKS, self.audit.attacks),
-                                     ("defenses", DEFENSES, self.defenses)):  # fmt: skip
+                                     ("defenses", DEFENSES, self.defenses),
+                                     ("grid.defenses", DEFENSES, self.grid.defenses)):  # fmt: skip
             for i, spec in enumerate(specs):
                 try:
                     registry.make_config(spec.name, spec.options)
@@ -230,6 +250,9 @@ class ExperimentConfig:
             (f"audit.attacks[{i}]", ATTACKS.entry(s.name).modality) for i, s in enumerate(self.audit.attacks)
         ]
         parts += [(f"defenses[{i}]", DEFENSES.entry(s.name).modality) for i, s in enumerate(self.defenses)]
+        parts += [
+            (f"grid.defenses[{i}]", DEFENSES.entry(s.name).modality) for i, s in enumerate(self.grid.defenses)
+        ]
         for key, modality in parts:
             if modality is not None and task is not None and modality != task:
                 raise ConfigError(
@@ -282,6 +305,13 @@ def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
         raise
     except (ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"[{where}]: {exc}") from None
+
+
+def cell_label(spec: ComponentSpec) -> str:
+    """A grid cell's name: ``none``, ``aegis``, ``dp_noise(sigma=0.01)``."""
+    if not spec.options:
+        return spec.name
+    return f"{spec.name}({', '.join(f'{k}={v}' for k, v in sorted(spec.options.items()))})"
 
 
 def _spec(value: Any, where: str) -> ComponentSpec:
