@@ -56,6 +56,7 @@ from gradleak.fl import derive_seed
 from gradleak.fl.client import train_client
 from gradleak.generators import ClassGaussianGenerator, GaussianGeneratorConfig
 from gradleak.metrics import psnr, score_images
+from gradleak.metrics.floors import class_means, class_prior_images
 from gradleak.models import build_model
 from gradleak.registry import ATTACKS
 from gradleak.types import Observation, Reconstruction, Update
@@ -67,8 +68,6 @@ from linear_leakage import (
     THRESHOLD_DB,
     Regime,
     RegimeResult,
-    class_means,
-    class_prior_images,
     client_pool,
     fedavg,
     fmt,

@@ -54,6 +54,7 @@ from gradleak.data import ImageDataset, load_dataset, partition
 from gradleak.fl import derive_seed, secure_sum, server_view
 from gradleak.fl.client import ClientResult, train_client
 from gradleak.metrics import psnr, score_images
+from gradleak.metrics.floors import class_means, class_prior_images
 from gradleak.models import build_model
 from gradleak.types import LocalTraining, Observation
 
@@ -243,21 +244,6 @@ def public_labelled(name: str, seed: int) -> ImageDataset:
         perm = np.random.default_rng(derive_seed(seed, 0x11EA)).permutation(len(full))
         return full.subset(np.sort(perm[PATH_CLIENT_POOL:]))
     return load_dataset(name, "test", limit=PUBLIC_LIMIT)
-
-
-def class_means(images: torch.Tensor, labels: torch.Tensor) -> dict[int, torch.Tensor]:
-    """The mean image ``(1, C, H, W)`` of every class present in ``labels`` (the server's public data)."""
-    return {int(y): images[labels == y].float().mean(0, keepdim=True) for y in labels.unique()}
-
-
-def class_prior_images(
-    means: dict[int, torch.Tensor], labels: torch.Tensor, fallback: torch.Tensor
-) -> torch.Tensor:
-    """Per label the public mean image of that class (``fallback``, the global mean, for a class the public
-    data lack); ``(0, C, H, W)`` for no labels."""
-    if len(labels) == 0:
-        return fallback[:0]
-    return torch.cat([means.get(int(y), fallback) for y in labels])
 
 
 def run_regime(

@@ -73,18 +73,20 @@ def summary_table(outcome: RunOutcome) -> str:
     for r in outcome.of_kind("attack"):
         rows.append(
             [r["attack"], r.get("client_id", "sum"), r["batch_size"], summary["final_accuracy"],
-             r.get("psnr_mean"), r.get("ssim_mean"), r.get("fsim_mean"), r.get("reconstruction_rate"),
-             r.get("label_accuracy"), r.get("seconds")]
+             r.get("psnr_mean"), r.get("psnr_mean_beyond_floor"), r.get("ssim_mean"), r.get("fsim_mean"),
+             r.get("reconstruction_rate"), r.get("reconstruction_rate_beyond_floor"), r.get("label_accuracy"),
+             r.get("seconds")]
         )  # fmt: skip
     if not rows:
-        rows.append(["(no attack)", "-", "-", summary["final_accuracy"], None, None, None, None, None, None])
-    headers = ["attack", "client", "batch", "test acc", "PSNR dB", "SSIM", "FSIM", "rec. rate", "label acc",
-               "attack s"]  # fmt: skip
+        rows.append(["(no attack)", "-", "-", summary["final_accuracy"], *[None] * 8])
+    headers = ["attack", "client", "batch", "test acc", "PSNR dB", "PSNR over floor", "SSIM", "FSIM",
+               "rec. rate", "RR over floor", "label acc", "attack s"]  # fmt: skip
     lines = [render(headers, rows)]
     lines.append(
         f"FL: {len(outcome.of_kind('round'))} rounds in {summary['fl_seconds']:.1f}s; "
         f"total {summary['total_seconds']:.1f}s. Reconstruction rate = share of images with PSNR > 18 dB; "
-        "LPIPS unavailable offline (no backbone weights)."
+        "'over floor' = the score minus the higher of two no-information floors scored the same way (each "
+        "image's public class mean; a random public image of its class); LPIPS unavailable offline."
     )
     return "\n".join(lines)
 
@@ -99,12 +101,13 @@ def execute_grid(cfg: ExperimentConfig, args: argparse.Namespace) -> GridOutcome
                     per_run_folder=True)  # fmt: skip
     rows = grid.summary()
     table = [
-        [r["defense"], r["attack"], r["updates"], _pm(r, "psnr_mean"), _pm(r, "ssim_mean"),
-         _pm(r, "reconstruction_rate"), r.get("label_accuracy"), r["accuracy"], r["cost"]]
+        [r["defense"], r["attack"], r["updates"], _pm(r, "psnr_mean"), _pm(r, "psnr_mean_beyond_floor"),
+         _pm(r, "ssim_mean"), _pm(r, "reconstruction_rate"), _pm(r, "reconstruction_rate_beyond_floor"),
+         r.get("label_accuracy"), r["accuracy"], r["cost"]]
         for r in rows
     ]  # fmt: skip
-    headers = ["defense", "attack", "updates", "PSNR dB", "SSIM", "rec. rate", "label acc", "test acc",
-               "FL time / none"]  # fmt: skip
+    headers = ["defense", "attack", "updates", "PSNR dB", "PSNR over floor", "SSIM", "rec. rate",
+               "RR over floor", "label acc", "test acc", "FL time / none"]  # fmt: skip
     print(render(headers, table))
     path = out / cfg.experiment.name / "grid.json"
     cells = [{"defense": c.label, "run_id": c.outcome.run_id, "reused": c.reused} for c in grid.cells]

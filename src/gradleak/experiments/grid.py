@@ -8,7 +8,8 @@ interrupted cell resumes where it stopped, a finished one is not run again (foun
 config and code), so a restarted grid gives the records an uninterrupted one gives.
 
 Per cell and attack the summary reports privacy (the attack's scores over the audited updates: mean and
-spread, with the number of updates), utility (test accuracy after the same rounds) and cost (the cell's FL
+spread, with the number of updates; each beside its null floors and as leakage above them, see
+:mod:`gradleak.metrics.floors`), utility (test accuracy after the same rounds) and cost (the cell's FL
 time over the ``none`` cell's, from the same machine and code).
 """
 
@@ -31,7 +32,12 @@ log = logging.getLogger(__name__)
 
 BASELINE = "none"
 # per attacked update, where the attack reports it
-PRIVACY = ("psnr_mean", "ssim_mean", "reconstruction_rate", "label_accuracy")
+PRIVACY = (
+    "psnr_mean", "ssim_mean", "reconstruction_rate", "label_accuracy",
+    "psnr_mean_beyond_floor", "reconstruction_rate_beyond_floor",  # leakage above the null floors
+    "floor_class_mean_psnr_mean", "floor_random_psnr_mean",
+    "floor_class_mean_reconstruction_rate", "floor_random_reconstruction_rate",
+)  # fmt: skip
 
 
 @dataclass

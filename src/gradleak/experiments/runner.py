@@ -43,6 +43,7 @@ from gradleak.fl.client import ClientResult
 from gradleak.fl.engines import EngineRunner
 from gradleak.fl.simulation import Engine, RoundResult, secure_observation
 from gradleak.metrics import score_images
+from gradleak.metrics.floors import beyond_floor, null_floors
 from gradleak.models import build_model
 from gradleak.progress import enabled as bars_on
 from gradleak.registry import ENGINES
@@ -178,8 +179,10 @@ def any_model_modifying(cfg: ExperimentConfig) -> bool:
     )
 
 
-def load_public_images(cfg: ExperimentConfig, test: ImageDataset) -> torch.Tensor:
-    """The server's auxiliary images: a configured public set, else the held-out test set."""
+def load_public_data(cfg: ExperimentConfig, test: ImageDataset) -> ImageDataset:
+    """The server's auxiliary data (images and labels): a configured public set, else the held-out test
+    set; the first ``audit.public_limit``. Malicious-model attacks build from its images; the null floors
+    (:mod:`gradleak.metrics.floors`) draw from it."""
     a = cfg.audit
     if a.public_dataset is None and a.public_split is None:
         data = test
@@ -188,7 +191,8 @@ def load_public_images(cfg: ExperimentConfig, test: ImageDataset) -> torch.Tenso
         name = a.public_dataset or cfg.data.dataset
         options = cfg.data.options if name == cfg.data.dataset else None  # the loader's own options
         data = load_dataset(name, a.public_split, root, None, options)
-    return data.images[: a.public_limit]
+    limit = len(data) if a.public_limit is None else min(a.public_limit, len(data))
+    return data.subset(np.arange(limit))
 
 
 def check_public_images(
@@ -199,7 +203,8 @@ def check_public_images(
         name = cfg.audit.public_dataset or cfg.data.dataset
         raise ConfigError(
             f"audit.public_dataset = {name!r} gives images of shape {tuple(public.shape[1:])}, but the "
-            f"task's images are {tuple(input_shape)}: malicious-model attacks need public data of that shape"
+            f"task's images are {tuple(input_shape)}: the malicious-model attacks and the null floors need "
+            "public data of that shape"
         )
     if public is not None and len(public) < 2:
         raise ConfigError(f"audit.public_limit leaves {len(public)} public image(s); the attacks need >= 2")
@@ -315,9 +320,10 @@ class _Run:
         self.t0 = time.perf_counter()
         seed = cfg.experiment.seed
         self.train, self.test = load_split_data(cfg)
-        modifying = cfg.audit.clients > 0 and any_model_modifying(cfg)
-        self.public = load_public_images(cfg, self.test) if modifying else None
-        check_public_images(self.public, self.train.input_shape, cfg)
+        self.public_data = load_public_data(cfg, self.test) if cfg.audit.clients > 0 else None
+        public = None if self.public_data is None else self.public_data.images
+        check_public_images(public, self.train.input_shape, cfg)
+        self.public = public if any_model_modifying(cfg) else None
         try:  # data-dependent feasibility (enough samples per class and client): known only with the data
             parts = partition(
                 cfg.data.partition, self.train, cfg.data.num_clients, derive_seed(seed, 0x9A27),
@@ -433,6 +439,10 @@ class _Run:
                 reconstruction = attack.reconstruct(obs, generator=gen)
                 truth = _truth_for(obs, results)
                 scores = score_reconstruction(reconstruction, truth)
+                if reconstruction.images is not None and self.public_data is not None:  # beside its floors
+                    floor_gen = torch.Generator().manual_seed(derive_seed(seed, 0xF1008, i, k))
+                    scores.update(null_floors(truth, self.public_data, floor_gen))
+                    scores.update(beyond_floor(scores))
                 record = {"kind": "attack", "attack": spec.name, "cell": i, "options": dict(spec.options),
                           "client_id": obs.update.metadata.get("client_id"), "aggregated": obs.aggregated,
                           "num_clients": obs.num_clients, "batch_size": len(truth), **reconstruction.stats,
