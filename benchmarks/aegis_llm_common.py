@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gradleak.attacks.text.family import find_module
 from gradleak.defenses import Defense
 from gradleak.defenses.aegis_llm import AegisLLM, AegisLLMConfig
 from gradleak.defenses.baselines import DPNoise, DPNoiseConfig, Soteria, SoteriaConfig
 from gradleak.defenses.pruning import Pruning, PruningConfig
 from gradleak.text.data import TextBatch, TextDataset, encode
+from gradleak.text.families import FAMILIES
 from gradleak.text.models import TextModel
 
 _OFF = {"flood_embedding": False, "flood_mlp": False, "flood_layernorm": False, "flood_lm_head": False,
@@ -43,15 +45,6 @@ def encode_batches(data: TextDataset, size: int, tm: TextModel, max_tokens: int)
     return out
 
 
-# (consumer, input module) per family and task: the output layer's input is Soteria's representation
-SOTERIA_LAYERS = {
-    ("gpt2", "causal_lm"): ("lm_head", "transformer.wte"),
-    ("gpt2", "classification"): ("score", "transformer.wte"),
-    ("llama", "causal_lm"): ("lm_head", "model.embed_tokens"),
-    ("bert", "classification"): ("classifier", "bert.embeddings.word_embeddings"),
-}
-
-
 def _aegis(**kw: object) -> Factory:
     return lambda tm: [AegisLLM(AegisLLMConfig(**kw))]  # type: ignore[arg-type]
 
@@ -65,7 +58,9 @@ def _prune(ratio: float) -> Factory:
 
 
 def _soteria(tm: TextModel) -> list[Defense]:
-    consumer, source = SOTERIA_LAYERS[(tm.family, tm.task)]
+    """Soteria on the task's output head (its input is the representation), the family map's layers."""
+    family = FAMILIES.get(tm.family)
+    consumer, (source, _) = family.heads[tm.task], find_module(tm.model, family.embedding)
     return [Soteria(SoteriaConfig(consumer=consumer, input_module=source, percent=80.0, probes=8))]
 
 

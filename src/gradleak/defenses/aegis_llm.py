@@ -63,53 +63,10 @@ import torch
 from torch import nn
 
 from gradleak.defenses.base import Defense
-from gradleak.registry import DEFENSES, Registry
+from gradleak.registry import DEFENSES
+from gradleak.text.families import FAMILIES, TransformerFamily
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TransformerParts:
-    """Regular expressions (matched against module names) for one transformer family's parameter groups."""
-
-    attention: str  # attention projections (Q/K/V/O, fused or separate)
-    mlp: str  # MLP expansion and projection layers
-    embedding: str  # the input token embedding
-    other_embeddings: str  # learned positions, token types
-    conv1d: bool  # MLP weights stored (in, out) (HF Conv1D) rather than (out, in) (nn.Linear)
-
-
-PARTS: Registry[TransformerParts] = Registry("transformer family")
-PARTS.register(
-    "gpt2",
-    TransformerParts(
-        attention=r"(^|\.)h\.\d+\.attn\.(c_attn|q_attn|c_proj)$",
-        mlp=r"(^|\.)h\.\d+\.mlp\.(c_fc|c_proj)$",
-        embedding=r"(^|\.)wte$",
-        other_embeddings=r"(^|\.)wpe$",
-        conv1d=True,
-    ),
-)
-PARTS.register(
-    "llama",
-    TransformerParts(
-        attention=r"(^|\.)layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)$",
-        mlp=r"(^|\.)layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)$",
-        embedding=r"(^|\.)embed_tokens$",
-        other_embeddings=r"$^",
-        conv1d=False,
-    ),
-)
-PARTS.register(
-    "bert",
-    TransformerParts(
-        attention=r"(^|\.)layer\.\d+\.attention\.(self\.(query|key|value)|output\.dense)$",
-        mlp=r"(^|\.)layer\.\d+\.(intermediate\.dense|output\.dense)$",
-        embedding=r"(^|\.)embeddings\.word_embeddings$",
-        other_embeddings=r"(^|\.)embeddings\.(position_embeddings|token_type_embeddings)$",
-        conv1d=False,
-    ),
-)
 
 
 def _module_from(model: nn.Module, getter: str) -> nn.Module | None:
@@ -225,21 +182,21 @@ class AegisLLM(Defense):
 
     def setup(self, model: nn.Module, *, generator: torch.Generator, **_: Any) -> None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        if not isinstance(model_type, str) or model_type not in PARTS:
+        if not isinstance(model_type, str) or model_type not in FAMILIES:
             raise ValueError(
-                f"aegis_llm: no parameter map for model_type {model_type!r}; known: {PARTS.names()}"
+                f"aegis_llm: no parameter map for model_type {model_type!r}; known: {FAMILIES.names()}"
             )
         self.generator = generator
         self.device_generators = {generator.device: generator}
         self.skipped_steps = 0
-        parts = PARTS.get(model_type)
+        parts = FAMILIES.get(model_type)
         self.frozen = self._freeze(model, parts) if self.config.freeze_attention else []
         self.rules = self._rules(model, parts)
         log.info(
             "aegis_llm: froze %d attention tensors, floods %d tensors", len(self.frozen), len(self.rules)
         )
 
-    def _freeze(self, model: nn.Module, parts: TransformerParts) -> list[str]:
+    def _freeze(self, model: nn.Module, parts: TransformerFamily) -> list[str]:
         frozen = []
         for mod_name, module in model.named_modules():
             if re.search(parts.attention, mod_name):
@@ -251,7 +208,7 @@ class AegisLLM(Defense):
             raise ValueError("aegis_llm: found no attention projection to freeze")
         return frozen
 
-    def _rules(self, model: nn.Module, parts: TransformerParts) -> dict[str, FloodRule]:
+    def _rules(self, model: nn.Module, parts: TransformerFamily) -> dict[str, FloodRule]:
         cfg = self.config
         emb, head = _module_from(model, "get_input_embeddings"), _module_from(model, "get_output_embeddings")
         untied_head = head is not None and emb is not None and head.weight is not emb.weight
@@ -260,7 +217,7 @@ class AegisLLM(Defense):
         for mod_name, module in model.named_modules():
             rule: FloodRule | None = None
             matrix_rows = "dim0" if parts.conv1d else "dim1"
-            if module is emb or re.search(parts.embedding, mod_name):
+            if module is emb or re.search(parts.embedding_pattern, mod_name):
                 rule = FloodRule("embedding", cfg.lam, cfg.rho, "dim0") if cfg.flood_embedding else None
             elif re.search(parts.other_embeddings, mod_name):
                 rule = (

@@ -6,10 +6,11 @@ n < d its input-side space is spanned by the layer's inputs. An SVD of the gradi
 span (rank = the number of singular values above ``rank_tol`` times the largest), and a candidate input z
 belongs to the batch iff its relative residual ||z - P z|| / ||z|| is ~0.
 
-A :class:`FamilySpec` says, per HF ``model_type``, which modules of block ``i`` feed on the block input
-(attention Q/K/V projections, the first MLP projection), whether weights are stored (in, out) (HF
-``Conv1D`` in GPT-2) or (out, in) (``nn.Linear``), how positions enter the first block (learned: the
-layer-1 input depends on the position; rotary: it does not) and the default thresholds. Layer inputs are
+The family map (:mod:`gradleak.text.families`, one per HF ``model_type``, shared with the defenses) says
+which modules of block ``i`` feed on the block input (attention Q/K/V projections, the first MLP
+projection), whether weights are stored (in, out) (HF ``Conv1D`` in GPT-2) or (out, in) (``nn.Linear``),
+how positions enter the first block (learned: the layer-1 input depends on the position; rotary: it does
+not) and the default thresholds. Layer inputs are
 obtained by running the attacker's copy of the model with a forward pre-hook that records the input of the
 target module and stops the forward pass there (:func:`capture_input`).
 """
@@ -23,64 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradleak.registry import Registry
+from gradleak.text.families import FAMILIES, TransformerFamily
 from gradleak.types import AttackInputError, Observation
 
 FULL_SPAN_FRACTION = 0.95
 
 
-@dataclass(frozen=True)
-class FamilySpec:
-    """Where the span channels live in one transformer family (``{i}`` is the block index)."""
-
-    model_type: str
-    attn_inputs: tuple[str, ...]  # module-name suffixes whose input is block i's attention input
-    mlp_inputs: tuple[str, ...]  # module-name suffixes of block i's first MLP projection(s)
-    embedding: str  # suffix of the input token embedding module
-    conv1d: bool  # weights stored (in_features, out_features)
-    positions: str  # "learned" (position-dependent layer-1 input) or "rotary" (position-free)
-    token_types: bool  # BERT: token_type_ids enter the embedding
-    causal: bool
-    l1_threshold: float = 1e-3
-    l2_threshold: float = 1e-3
-    rank_tol: float = 1e-8
-
-    def __post_init__(self) -> None:
-        if self.positions not in ("learned", "rotary"):
-            raise ValueError(f"positions must be 'learned' or 'rotary', got {self.positions!r}")
-
-
-FAMILIES: Registry[FamilySpec] = Registry("transformer family")
-FAMILIES.register(
-    "gpt2",
-    FamilySpec("gpt2", ("h.{i}.attn.c_attn",), ("h.{i}.mlp.c_fc",), "wte", True, "learned", False, True),
-)
-FAMILIES.register(
-    "llama",
-    FamilySpec(
-        "llama",
-        ("layers.{i}.self_attn.q_proj", "layers.{i}.self_attn.k_proj", "layers.{i}.self_attn.v_proj"),
-        ("layers.{i}.mlp.gate_proj", "layers.{i}.mlp.up_proj"),
-        "embed_tokens",
-        False,
-        "rotary",
-        False,
-        True,
-    ),
-)
-FAMILIES.register(
-    "bert",
-    FamilySpec(
-        "bert",
-        ("layer.{i}.attention.self.query", "layer.{i}.attention.self.key", "layer.{i}.attention.self.value"),
-        ("layer.{i}.intermediate.dense",),
-        "embeddings.word_embeddings",
-        False,
-        "learned",
-        True,
-        False,
-    ),
-)
+FamilySpec = TransformerFamily  # the attacks' name for a family's map (gradleak.text.families)
 
 
 def family_of(model: nn.Module) -> FamilySpec:
