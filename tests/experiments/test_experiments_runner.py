@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 
 import pytest
@@ -136,8 +137,10 @@ def test_cli_run_list_and_errors(tmp_path, capsys):
     assert json.loads((folder / "results.json").read_text())["run_id"] == folder.name
     assert main(["list"]) == 0
     listed = capsys.readouterr().out
-    for name in ("organamnist", "cifar10", "femnist", "aegis_cnn", "sme_cnn", "lenet", "ig", "label_skew"):
+    for name in ("organamnist", "cifar10", "femnist", "aegis_cnn", "sme_cnn", "lenet", "ig", "label_skew",
+                 "rotten_tomatoes", "wikitext2", "gpt2_small", "minilm", "medmnist", "none"):  # fmt: skip
         assert name in listed
+    assert re.search(r"dager\s+\[text\]", listed) and re.search(r"ig\s+\[image\]", listed)
     assert main(["run", demo_config_path(), "fl.rounds=oops", "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert "config.fl.rounds: expected int" in err and "Traceback" not in err
