@@ -8,7 +8,7 @@ PIP_VERSION := 26.3
 # where the default index would give a CUDA build (docs/development.md).
 TORCH_PIP_ARGS ?=
 
-.PHONY: demo test test-kernels lint typecheck bench-smoke flower-example lock clean
+.PHONY: demo test test-kernels lint typecheck bench-smoke flower-example browser lock clean
 
 # Bootstrap (docs/development.md): every package but torch comes from the hashed requirements.lock, without
 # resolution; then torch, pinned by version in constraints.txt (its dependencies are already there); then the
@@ -52,6 +52,11 @@ lint: $(STAMP)
 
 # The Flower example app under Flower's own CLI (examples/flower/README.md): 10 simulated SuperNodes on Ray,
 # gradleak's audit in ~/.flwr/gradleak-flower.sqlite (FLWR_HOME), then the audit's table.
+# Debian's chromium for the report's browser test (tests/experiments/test_report.py skips without it);
+# a system package, as a pip package that downloads a browser cannot work here.
+browser:
+	command -v chromium >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+
 flower-example: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 \
 		$(BIN)/flwr run examples/flower --stream --federation-config "num-supernodes=10"

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from gradleak.cli.report import write_report
 from gradleak.cli.table import render
 from gradleak.experiments import ResultStore, RunOutcome, load_config, run_experiment
 from gradleak.experiments.config import ExperimentConfig
@@ -58,10 +59,12 @@ def execute(cfg: ExperimentConfig, args: argparse.Namespace) -> RunOutcome:
     for kind in ("round", "attack"):
         if outcome.of_kind(kind):
             exports.append(store.export_csv(outcome.run_id, base / f"{kind}s.csv", kind))
+    exports.append(write_report(store, [outcome.run_id], base / "report.html", out / cfg.experiment.name))
     print(summary_table(outcome))
     verb = "resumed and finished" if outcome.resumed else "stored"
     print(f"\nrun {outcome.run_id} {verb} in {store.path}")
     print(f"exports: {', '.join(str(e) for e in exports)}")
+    print(f"report: {base / 'report.html'}")
     for f in outcome.figures:
         print(f"figure: {f}")
     return outcome
@@ -114,6 +117,9 @@ def execute_grid(cfg: ExperimentConfig, args: argparse.Namespace) -> GridOutcome
     payload = {"grid": cfg.experiment.name, "cells": cells, "summary": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(payload, indent=2, default=str)))
+    folder = out / cfg.experiment.name
+    report = write_report(store, [c.outcome.run_id for c in grid.cells], folder / "report.html", folder)
+    print(f"report: {report}")
     reused = sum(c.reused for c in grid.cells)
     print(f"\n{len(grid.cells)} cells ({reused} already finished) in {store.path}; summary: {path}")
     return grid

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -86,7 +87,8 @@ def cell_configs(cfg: ExperimentConfig) -> list[tuple[ComponentSpec, ExperimentC
     """Each cell's own config: the grid's, with that defense and a name of its own (same seed)."""
     out = []
     for spec in cfg.grid.defenses:
-        name = f"{cfg.experiment.name}.{cell_label(spec)}"
+        slug = re.sub(r"[^A-Za-z0-9._=-]+", "-", cell_label(spec)).strip("-")  # run ids, folder names
+        name = f"{cfg.experiment.name}.{slug}"
         cell = dataclasses.replace(
             cfg, defenses=(spec,), grid=GridSection(),
             experiment=dataclasses.replace(cfg.experiment, name=name),

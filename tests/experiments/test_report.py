@@ -1,0 +1,150 @@
+"""The HTML audit report (issue 20, first part): written by ``gradleak run`` for a grid, self-contained
+(no script, no network, images embedded), one verdict row per defense x attack with the stored values."""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import shutil
+import statistics
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from gradleak.cli import main
+from gradleak.experiments import ResultStore
+from gradleak.experiments.store import RunRow
+
+ROOT = Path(__file__).resolve().parents[2]
+GRID = ROOT / "examples" / "organamnist_grid.toml"
+TINY = [
+    "data.train_limit=1500", "data.test_limit=300", "data.num_clients=20", "fl.rounds=1", "fl.fraction=0.2",
+    "audit.clients=2", "audit.training.batch_size=2", "audit.attacks.0.max_iterations=4",
+    "grid.defenses=['none', {name = 'pruning', ratio = 0.9}]",
+]  # fmt: skip
+
+
+class Page(HTMLParser):
+    """The verdict table's rows, the images' sources and every external reference."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[list[str]] = []
+        self.images: list[str] = []
+        self.external: list[str] = []
+        self.scripts = 0
+        self._in_table = self._in_cell = False
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "table" and a.get("id") == "verdict":
+            self._in_table = True
+        elif tag == "tr" and self._in_table:
+            self.rows.append([])
+        elif tag in ("td", "th") and self._in_table:
+            self._in_cell = True
+            self.rows[-1].append("")
+        elif tag == "img":
+            self.images.append(a.get("src", ""))
+        elif tag == "script":
+            self.scripts += 1
+        for key in ("src", "href"):
+            if a.get(key, "").startswith(("http:", "https:", "//")):
+                self.external.append(a[key])
+
+    def handle_endtag(self, tag):
+        if tag == "table":
+            self._in_table = False
+        elif tag in ("td", "th"):
+            self._in_cell = False
+
+    def handle_data(self, data):
+        if self._in_table and self._in_cell:
+            self.rows[-1][-1] += data
+
+
+@pytest.fixture(scope="module")
+def grid_out(tmp_path_factory) -> Path:
+    """A small real grid run by the command (2 cells x IG on 2 audited clients); its output folder."""
+    out = tmp_path_factory.mktemp("report") / "out"
+    assert main(["--quiet", "run", str(GRID), *TINY, "--out", str(out)]) == 0
+    return out
+
+
+def test_a_grid_run_writes_a_self_contained_report_with_one_row_per_cell_and_attack(grid_out):
+    out = grid_out
+    page = Page()
+    page.feed((out / "grid" / "report.html").read_text(encoding="utf-8"))
+    header, *rows = page.rows
+    assert header[:4] == ["defense", "attack", "updates", "PSNR over floor"]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("none", "ig(lr=0.1, max_iterations=4, tv_weight=0.0001)", "2"),
+        ("pruning(ratio=0.9)", "ig(lr=0.1, max_iterations=4, tv_weight=0.0001)", "2"),
+    ]  # fmt: skip
+    store = ResultStore(out / "results.sqlite")
+    runs = {r.name: r for r in store.runs()}
+    for row, name in zip(rows, ("grid.none", "grid.pruning-ratio=0.9"), strict=True):
+        records = store.records(runs[name].run_id, "attack")
+        for column, key in ((3, "psnr_mean_beyond_floor"), (5, "psnr_mean")):
+            values = [r[key] for r in records]
+            expected = f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f}"
+            assert row[column] == expected, (name, key)
+        summary = store.records(runs[name].run_id, "summary")[0]
+        assert row[10] == f"{summary['final_accuracy']:.3f}"
+    assert rows[0][11] == "1.00"  # cost of the none cell
+    assert page.scripts == 0 and page.external == []
+    assert len(page.images) == 4  # one figure per attacked update and cell
+    for src in page.images:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_report_command_names_an_unknown_run(tmp_path, capsys):
+    store = ResultStore(tmp_path / "s.sqlite")
+    store.begin_run(RunRow("r1", "x", "2026-12-01T00:00:00", "", {}, {}, "running", None))
+    assert main(["report", str(tmp_path / "s.sqlite"), "nope-1"]) == 2
+    assert re.search(r"no run \['nope-1'\] in .*s\.sqlite", capsys.readouterr().err)
+
+
+PROBE = """<script>window.addEventListener('load', () => {
+  const imgs = [...document.images];
+  const ok = imgs.length > 0 && imgs.every(i => i.complete && i.naturalWidth > 0);
+  const p = document.createElement('p'); p.id = 'probe';
+  p.textContent = 'images:' + imgs.length + ':' + (ok ? 'loaded' : 'broken');
+  document.body.appendChild(p);
+});</script>"""
+
+
+@pytest.mark.skipif(
+    shutil.which("chromium") is None, reason="Debian's chromium is not installed (make browser)"
+)
+def test_the_report_opens_in_a_real_browser_with_every_image_loaded_and_no_console_error(grid_out, tmp_path):
+    """Debian's chromium, headless: the page loads without console messages, its images decode (natural
+    width > 0: a test-only copy adds the probe script, the report has none), a screenshot is kept."""
+    report = grid_out / "grid" / "report.html"
+    probed = tmp_path / "probed.html"
+    probed.write_text(
+        report.read_text(encoding="utf-8").replace("</body>", PROBE + "</body>"), encoding="utf-8"
+    )
+    flags = [
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ]
+    dom = subprocess.run(
+        ["chromium", *flags, "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000", "--dump-dom",
+         probed.as_uri()], capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert "images:4:loaded" in dom.stdout, dom.stdout[-500:]
+    assert "CONSOLE" not in dom.stderr, [line for line in dom.stderr.splitlines() if "CONSOLE" in line]
+    assert dom.stdout.count("<tr>") == 3  # the verdict table: header + 2 cells x 1 attack
+    shot = Path(os.environ.get("GRADLEAK_ARTIFACTS", tmp_path)) / "report.png"
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["chromium", *flags, f"--screenshot={shot}", "--window-size=1280,2000", report.as_uri()],
+                   capture_output=True, timeout=120, check=True)  # fmt: skip
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
