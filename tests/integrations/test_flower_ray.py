@@ -55,9 +55,9 @@ def test_a_flower_ray_simulation_is_audited_and_a_raising_client_does_not_hang_t
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
+        # a finite round timeout with room for a loaded machine: at 120 s, a run beside two other heavy
+        # jobs on 2 cores once saw no reply at all (Ray's workers had not started)
         strategy.start(
-            # a finite round timeout with room for a loaded machine: at 120 s, a run beside two other heavy
-            # jobs on 2 cores once saw no reply at all (Ray's workers had not started)
             grid,
             ArrayRecord(torch_state_dict=new_model().state_dict()),
             num_rounds=1,
