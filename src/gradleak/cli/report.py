@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from gradleak.cli.results import open_store
 from gradleak.experiments.report import render
 from gradleak.experiments.store import ResultStore
 from gradleak.fileio import atomic_write
@@ -33,10 +34,7 @@ def write_report(store: ResultStore, run_ids: list[str], path: Path, figures: Pa
 
 def handle(args: argparse.Namespace) -> int:
     path = Path(args.store)
-    if not path.is_file():
-        raise FileNotFoundError(f"no results store at {str(path)!r}")
-    store = ResultStore(path)
-    store.check()
+    store = open_store(path)
     ids = list(args.run_ids)
     if not ids:
         runs = store.runs(include_unfinished=True)

@@ -58,12 +58,18 @@ def attacks_table(store: ResultStore, run_id: str) -> str:
     return "\n".join(lines)
 
 
-def handle(args: argparse.Namespace) -> int:
-    path = Path(args.store)
+def open_store(path: Path) -> ResultStore:
+    """An existing results store, checked (a missing file is an error, never created by reading)."""
     if not path.is_file():
         raise FileNotFoundError(f"no results store at {str(path)!r}")
     store = ResultStore(path)
     store.check()
+    return store
+
+
+def handle(args: argparse.Namespace) -> int:
+    path = Path(args.store)
+    store = open_store(path)
     if args.run_id is None:
         print(runs_table(store))
         return 0
