@@ -46,7 +46,7 @@ def test_a_plugin_given_by_flag_registers_a_dataset_and_model_that_gradleak_run_
     model = MODELS.get("tiny_mlp")((1, 28, 28), 2, hidden=8)
     assert sum(p.numel() for p in model.parameters()) == 784 * 8 + 8 + 8 * 2 + 2
     assert main(["list", "--plugin", str(PLUGIN)]) == 0
-    assert re.search(r"kidneys\s+plugin: OrganAMNIST", capsys.readouterr().out)
+    assert re.search(r"kidneys\s+\[image\] plugin: OrganAMNIST", capsys.readouterr().out)
 
 
 def test_the_config_names_its_plugins_relative_to_itself(tmp_path, monkeypatch):
