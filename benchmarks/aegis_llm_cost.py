@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from gradleak.defenses import DefenseChain
-from gradleak.text.client import text_loss
+from gradleak.tasks import text_loss
 from gradleak.text.data import TextBatch, encode, load_text_dataset, sample
 from gradleak.text.models import TextModel, build_text_model
 from gradleak.types import Update
@@ -131,7 +131,7 @@ def peak_memory_bytes(model_name: str, setting: str, scale: Scale, seed: int) ->
 
 def fixed_batch(tm: TextModel, scale: Scale, seed: int) -> TextBatch:
     """The ``batch_size`` longest of 4 x ``batch_size`` seeded WikiText-2 test lines (a full-width batch)."""
-    data = sample(load_text_dataset("wikitext2", split_name="test"), 4 * scale.batch_size, seed=seed)
+    data = sample(load_text_dataset("wikitext2", split="test"), 4 * scale.batch_size, seed=seed)
     texts = sorted(data.texts, key=len, reverse=True)[: scale.batch_size]
     return encode(texts, tm.tokenizer, max_tokens=scale.tokens, labels=[0] * scale.batch_size)
 

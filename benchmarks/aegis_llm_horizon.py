@@ -76,8 +76,8 @@ SCALES = {
 def splits(task: Task, seed: int) -> tuple[TextDataset, TextDataset, TextDataset]:
     """(train, validation, test) for the task, seeded."""
     if task.dataset == "wikitext2":
-        train, val = split(load_text_dataset("wikitext2", split_name="valid"), [0.9, 0.1], seed=seed)
-        return train, val, load_text_dataset("wikitext2", split_name="test")
+        train, val = split(load_text_dataset("wikitext2", split="valid"), [0.9, 0.1], seed=seed)
+        return train, val, load_text_dataset("wikitext2", split="test")
     train, held = split(load_text_dataset(task.dataset), [0.8, 0.2], seed=seed)
     val, test = split(held, [0.5, 0.5], seed=seed + 1)
     return train, val, test

@@ -50,7 +50,7 @@ TASK = {"gpt2_tiny": "causal_lm", "gpt2_small": "causal_lm", "gpt2_small_untied"
         "smollm2": "causal_lm"}  # fmt: skip
 DATA_KW: dict[str, dict[str, Any]] = {
     "rotten_tomatoes": {},
-    "wikitext2": {"split_name": "test"},
+    "wikitext2": {"split": "test"},
     "financial_phrasebank": {},
 }
 PRIVACY_SETTINGS = ("none", "aegis_2ch", "aegis", "aegis_rho_fc_0.3", "dp_0.001", "dp_0.01", "dp_0.1",

@@ -40,7 +40,7 @@ NAME = "text_attacks"
 TARGET_R1 = 0.95
 ATTACKS = ("dager", "embedding_norm", "mlp_svd")
 TASK = {"gpt2_tiny": "causal_lm", "gpt2_small": "causal_lm", "smollm2": "causal_lm"}
-DATA_KW: dict[str, dict[str, Any]] = {"rotten_tomatoes": {}, "wikitext2": {"split_name": "test"}}
+DATA_KW: dict[str, dict[str, Any]] = {"rotten_tomatoes": {}, "wikitext2": {"split": "test"}}
 
 
 @dataclass(frozen=True)

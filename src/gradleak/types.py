@@ -18,7 +18,7 @@ from torch import nn
 from gradleak.validation import InvalidUpdateError, check_update, describe
 
 Protocol_ = Literal["fedsgd", "fedavg"]
-OptimizerName = Literal["sgd", "adam"]
+OptimizerName = Literal["sgd", "adam", "adamw"]
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class LocalTraining:
     """A client's local training recipe (public or hidden according to the threat model).
 
     ``fedsgd``: one gradient on one batch of ``batch_size`` samples, sent as is.
-    ``fedavg``: ``epochs`` passes over the client's data in batches of ``batch_size`` with ``optimizer``.
+    ``fedavg``: ``epochs`` passes over the client's data in batches of ``batch_size`` with ``optimizer``
+    (SGD, Adam or AdamW; ``weight_decay`` is the optimizer's, decoupled for AdamW).
     """
 
     protocol: Protocol_ = "fedavg"
@@ -35,12 +36,15 @@ class LocalTraining:
     lr: float = 1e-3
     optimizer: OptimizerName = "sgd"
     shuffle: bool = True
+    weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
         if self.protocol not in ("fedsgd", "fedavg"):
             raise ValueError(f"protocol must be 'fedsgd' or 'fedavg', got {self.protocol!r}")
-        if self.optimizer not in ("sgd", "adam"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
+        if self.optimizer not in ("sgd", "adam", "adamw"):
+            raise ValueError(f"optimizer must be 'sgd', 'adam' or 'adamw', got {self.optimizer!r}")
+        if not (isinstance(self.weight_decay, int | float) and 0 <= self.weight_decay < math.inf):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
         if not isinstance(self.epochs, int) or self.epochs < 1:
             raise ValueError(f"epochs must be a positive int, got {self.epochs!r}")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -144,12 +148,17 @@ class Observation:
 
 @dataclass
 class Reconstruction:
-    """An attack's output: images (N, C, H, W) in [0, 1] and/or token ids, recovered labels, statistics."""
+    """An attack's output: images (N, C, H, W) in [0, 1] and/or token ids, recovered labels, statistics.
+
+    ``ordered``: ``token_ids`` are sequences (DAGER); false for an unordered token set returned as one list
+    (the row-norm and MLP side channels), scored as a set against the batch's tokens.
+    """
 
     images: torch.Tensor | None = None
     token_ids: list[list[int]] | None = None
     labels: torch.Tensor | None = None
     stats: dict[str, float] = field(default_factory=dict)
+    ordered: bool = True
 
     def __post_init__(self) -> None:
         if self.images is not None and self.images.dim() != 4:

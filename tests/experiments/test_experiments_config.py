@@ -37,7 +37,7 @@ def test_override_values_are_typed():
         ({"fl": {"rounds": "two"}}, r"config.fl.rounds: expected int, got str 'two'"),
         ({"fl": {"rounds": 2.5}}, r"config.fl.rounds: expected int"),
         ({"fl": {"fraction": 2.0}}, r"fraction must be in \(0, 1\]"),
-        ({"fl": {"training": {"optimizer": "rmsprop"}}}, r"must be one of \['sgd', 'adam'\]"),
+        ({"fl": {"training": {"optimizer": "rmsprop"}}}, r"must be one of \['sgd', 'adam', 'adamw'\]"),
         ({"data": {"dataset": "mnist"}}, r"unknown dataset 'mnist'; known datasets: cifar10"),
         ({"model": {"name": "resnet"}}, r"unknown model 'resnet'"),
         ({"audit": {"attacks": [{"name": "magic"}]}}, r"unknown attack 'magic'"),

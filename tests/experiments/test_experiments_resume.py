@@ -15,7 +15,7 @@ from pathlib import Path
 
 from gradleak.experiments.store import ResultStore
 
-TIMING = {"seconds", "fl_seconds", "total_seconds"}
+TIMING = {"seconds", "fl_seconds", "total_seconds", "attack_seconds"}
 # 2 FL rounds, then 3 attack cells x 3 audited clients = 9 attacked updates, each its own unit
 AUDIT = [
     "data.train_limit=600", "data.test_limit=100", "data.num_clients=10", "fl.rounds=2", "fl.fraction=0.3",

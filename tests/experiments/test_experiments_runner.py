@@ -54,7 +54,7 @@ def test_same_seed_same_results(tmp_path):
     assert a.of_kind("attack")[0]["psnr"] == b.of_kind("attack")[0]["psnr"]
 
 
-TIMING = {"seconds", "fl_seconds", "total_seconds"}
+TIMING = {"seconds", "fl_seconds", "total_seconds", "attack_seconds"}
 
 
 def untimed(records):
@@ -66,13 +66,13 @@ def test_failure_mid_run_keeps_finished_units_and_the_rerun_resumes(tmp_path, mo
     db = tmp_path / "r.sqlite"
     store = ResultStore(db)
     reference = run_experiment(demo_cfg(), store=store, out_dir=tmp_path / "ref")  # uninterrupted
-    import gradleak.experiments.runner as runner
+    import gradleak.experiments.setup as setup
 
     def broken(*args, **kwargs):
         raise RuntimeError("attack crashed")
 
     with monkeypatch.context() as m:
-        m.setattr(runner, "score_images", broken)
+        m.setattr(setup, "score_images", broken)
         with pytest.raises(RuntimeError, match="attack crashed"):
             run_experiment(demo_cfg(), store=store, out_dir=tmp_path / "figs")
     assert [r.run_id for r in store.runs()] == [reference.run_id]  # the failed run is not complete

@@ -93,8 +93,8 @@ def test_a_grid_run_writes_a_self_contained_report_with_one_row_per_cell_and_att
             expected = f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f}"
             assert row[column] == expected, (name, key)
         summary = store.records(runs[name].run_id, "summary")[0]
-        assert row[10] == f"{summary['final_accuracy']:.3f}"
-    assert rows[0][11] == "1.00"  # cost of the none cell
+        assert row[11] == f"{summary['final_accuracy']:.3f}"
+    assert rows[0][12] == "1.00"  # cost of the none cell
     assert page.scripts == 0 and page.external == []
     assert len(page.images) == 4  # one figure per attacked update and cell
     for src in page.images:

@@ -23,7 +23,7 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from gradleak.attacks import create_attack  # noqa: E402
 from gradleak.data.base import ImageDataset  # noqa: E402
-from gradleak.experiments.runner import score_reconstruction  # noqa: E402
+from gradleak.experiments.setup import score_reconstruction  # noqa: E402
 from gradleak.experiments.store import ResultStore  # noqa: E402
 from gradleak.fl.engines import SecAggPlusConfig  # noqa: E402
 from gradleak.fl.simulation import ClientTask, derive_seed  # noqa: E402

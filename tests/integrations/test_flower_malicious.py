@@ -23,7 +23,7 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from gradleak.attacks import create_attack  # noqa: E402
-from gradleak.experiments.runner import score_reconstruction  # noqa: E402
+from gradleak.experiments.setup import score_reconstruction  # noqa: E402
 from gradleak.experiments.store import ResultStore  # noqa: E402
 from gradleak.fl import train_client  # noqa: E402
 from gradleak.fl.simulation import derive_seed  # noqa: E402

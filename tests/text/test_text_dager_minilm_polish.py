@@ -24,7 +24,7 @@ from gradleak.types import Observation
 @pytest.fixture(scope="module")
 def wikitext_minilm():
     tm = build_text_model("minilm", "classification", seed=0)
-    picked = sample(load_text_dataset("wikitext2", split_name="test"), 8, seed=0)
+    picked = sample(load_text_dataset("wikitext2", split="test"), 8, seed=0)
     batch = encode(list(picked.texts), tm.tokenizer, max_tokens=32, labels=[0] * 8)
     obs = Observation(tm.model, fedsgd_text_update(tm.model, batch, "classification"), (32,), 2)
     spec = family_of(tm.model)

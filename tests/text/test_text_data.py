@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from gradleak.data.root import DataFileMissingError
+from gradleak.registry import DATASETS
 from gradleak.text.data import (
     MAX_TOKENS,
-    TEXT_DATASETS,
     encode,
     load_emotion,
     load_financial_phrasebank,
@@ -27,8 +27,9 @@ def test_loaders_read_the_real_files():
     assert len(emo) == 2000 and set(emo.labels) == set(range(6))
     wiki = load_wikitext2("valid")
     assert len(wiki) > 1000 and wiki.labels is None and not any(t.startswith("=") for t in wiki.texts)
-    assert set(TEXT_DATASETS.names()) == {"rotten_tomatoes", "wikitext2", "financial_phrasebank", "emotion"}
-    assert len(load_text_dataset("emotion", split_name="test", limit=5)) == 5
+    text = {e.name for e in DATASETS if e.modality == "text"}
+    assert text == {"rotten_tomatoes", "wikitext2", "financial_phrasebank", "emotion"}
+    assert len(load_text_dataset("emotion", split="test", limit=5)) == 5
 
 
 def test_missing_file_and_bad_split_are_clear(tmp_path):

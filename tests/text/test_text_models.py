@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gradleak.attacks import create_attack
+from gradleak.registry import MODELS
 from gradleak.text import models
 from gradleak.text.client import fedavg_text_update, fedsgd_text_update
 from gradleak.text.data import encode
@@ -36,7 +37,8 @@ def test_fedavg_delta_matches_one_sgd_step(gpt2_cls, make_batch):
 
 
 def test_tiny_gpt2_head_tying_and_registry():
-    assert set(models.TEXT_MODELS.names()) == {"gpt2_tiny", "gpt2_small", "bert_tiny", "smollm2", "minilm"}
+    text = {e.name for e in MODELS if e.modality == "text"}
+    assert text == {"gpt2_tiny", "gpt2_small", "bert_tiny", "smollm2", "minilm"}
     tied = models.build_text_model("gpt2_tiny", "causal_lm")
     untied = models.build_gpt2("tiny", "causal_lm", tie_word_embeddings=False)
     assert "lm_head.weight" not in dict(tied.model.named_parameters())

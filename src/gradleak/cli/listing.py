@@ -23,15 +23,9 @@ def add_parser(sub: Any) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     load_plugins(args.plugin)
-    from gradleak.text.data import TEXT_DATASETS  # the text stack (transformers) only when listing
-    from gradleak.text.models import TEXT_MODELS
-
     for title, reg in (
         ("datasets", DATASETS),
         ("models", MODELS),
-        ("text datasets (gradleak.text.data; text audits run from Python and the benchmarks today)",
-         TEXT_DATASETS),
-        ("text models (gradleak.text.models)", TEXT_MODELS),
         ("attacks", ATTACKS),
         ("defenses", DEFENSES),
         ("engines", ENGINES),

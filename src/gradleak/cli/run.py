@@ -9,7 +9,8 @@ from typing import Any
 
 from gradleak.cli.report import write_report
 from gradleak.cli.table import render
-from gradleak.experiments import ResultStore, RunOutcome, load_config, run_experiment
+from gradleak.experiments import ResultStore, RunOutcome, columns, load_config, run_experiment
+from gradleak.experiments.columns import modality_of
 from gradleak.experiments.config import ExperimentConfig
 from gradleak.experiments.grid import GridOutcome, run_grid
 from gradleak.fileio import atomic_write
@@ -71,25 +72,25 @@ def execute(cfg: ExperimentConfig, args: argparse.Namespace) -> RunOutcome:
 
 
 def summary_table(outcome: RunOutcome) -> str:
+    """One row per attacked update: who, the utility after the rounds, the modality's privacy columns."""
     summary = outcome.of_kind("summary")[0]
+    modality = modality_of(outcome.config.data.dataset)
+    privacy = columns.PRIVACY[modality]
+    utility = [c for c in columns.UTILITY if c.key in summary]
     rows = []
     for r in outcome.of_kind("attack"):
-        rows.append(
-            [r["attack"], r.get("client_id", "sum"), r["batch_size"], summary["final_accuracy"],
-             r.get("psnr_mean"), r.get("psnr_mean_beyond_floor"), r.get("ssim_mean"), r.get("fsim_mean"),
-             r.get("reconstruction_rate"), r.get("reconstruction_rate_beyond_floor"), r.get("label_accuracy"),
-             r.get("seconds")]
-        )  # fmt: skip
+        rows.append([r["attack"], r.get("client_id", "sum"), r["batch_size"],
+                     *(summary[c.key] for c in utility), *(r.get(c.key) for c in privacy),
+                     "refused" if r.get("refused") else r.get("seconds")])  # fmt: skip
     if not rows:
-        rows.append(["(no attack)", "-", "-", summary["final_accuracy"], *[None] * 8])
-    headers = ["attack", "client", "batch", "test acc", "PSNR dB", "PSNR over floor", "SSIM", "FSIM",
-               "rec. rate", "RR over floor", "label acc", "attack s"]  # fmt: skip
+        empty = [None] * (len(privacy) + 1)
+        rows.append(["(no attack)", "-", "-", *(summary[c.key] for c in utility), *empty])
+    headers = ["attack", "client", "batch", *(c.header for c in utility), *(c.header for c in privacy),
+               "attack s"]  # fmt: skip
     lines = [render(headers, rows)]
     lines.append(
         f"FL: {len(outcome.of_kind('round'))} rounds in {summary['fl_seconds']:.1f}s; "
-        f"total {summary['total_seconds']:.1f}s. Reconstruction rate = share of images with PSNR > 18 dB; "
-        "'over floor' = the score minus the higher of two no-information floors scored the same way (each "
-        "image's public class mean; a random public image of its class); LPIPS unavailable offline."
+        f"total {summary['total_seconds']:.1f}s. {columns.NOTES[modality]}"
     )
     return "\n".join(lines)
 
@@ -103,14 +104,11 @@ def execute_grid(cfg: ExperimentConfig, args: argparse.Namespace) -> GridOutcome
     grid = run_grid(cfg, store=store, out_dir=out / cfg.experiment.name, resume=not args.fresh,
                     per_run_folder=True)  # fmt: skip
     rows = grid.summary()
-    table = [
-        [r["defense"], r["attack"], r["updates"], _pm(r, "psnr_mean"), _pm(r, "psnr_mean_beyond_floor"),
-         _pm(r, "ssim_mean"), _pm(r, "reconstruction_rate"), _pm(r, "reconstruction_rate_beyond_floor"),
-         r.get("label_accuracy"), r["accuracy"], r["cost"]]
-        for r in rows
-    ]  # fmt: skip
-    headers = ["defense", "attack", "updates", "PSNR dB", "PSNR over floor", "SSIM", "rec. rate",
-               "RR over floor", "label acc", "test acc", "FL time / none"]  # fmt: skip
+    privacy = [c for c in columns.PRIVACY[modality_of(cfg.data.dataset)] if c.key != "label_accuracy"]
+    table = [[r["defense"], r["attack"], r["updates"], *(_pm(r, c.key) for c in privacy),
+              r.get("label_accuracy"), r["accuracy"], r["cost"]] for r in rows]  # fmt: skip
+    headers = ["defense", "attack", "updates", *(c.header for c in privacy), "label acc", "test acc",
+               "FL time / none"]  # fmt: skip
     print(render(headers, table))
     path = out / cfg.experiment.name / "grid.json"
     cells = [{"defense": c.label, "run_id": c.outcome.run_id, "reused": c.reused} for c in grid.cells]

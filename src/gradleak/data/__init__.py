@@ -1,7 +1,8 @@
 """Offline datasets and federated partitions.
 
 Importing this package registers the loaders (``organamnist``, ``pneumoniamnist``, ``pathmnist``,
-``medmnist`` (any official MedMNIST archive by flag), ``cifar10``, ``femnist``) in
+``medmnist`` (any official MedMNIST archive by flag), ``cifar10``, ``femnist``, and the text data sets
+``rotten_tomatoes``, ``wikitext2``, ``financial_phrasebank``, ``emotion``) in
 :data:`gradleak.registry.DATASETS`; :func:`load_dataset` loads one by name.
 """
 
@@ -11,7 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from gradleak.data import cifar, femnist, medmnist  # noqa: F401  (registers the loaders)
+from gradleak.data import cifar, femnist, medmnist, text  # noqa: F401  (registers the loaders)
 from gradleak.data.base import ImageDataset
 from gradleak.data.partition import (
     PARTITIONERS,
@@ -49,8 +50,9 @@ def load_dataset(
     root: str | os.PathLike[str] | None = None,
     limit: int | None = None,
     options: Mapping[str, Any] | None = None,
-) -> ImageDataset:
-    """Load dataset ``name`` (see ``DATASETS.names()``); unknown names raise the registry's error.
+) -> Any:
+    """Load dataset ``name`` (see ``DATASETS.names()``): an ``ImageDataset``, or a text data set's raw
+    ``TextDataset``; unknown names raise the registry's error.
 
     ``split=None`` uses the loader's default: ``"train"`` where a train split exists, ``"test"`` for
     ``pathmnist`` and ``cifar10``, whose test data is all that is available offline. ``options`` (the
@@ -63,5 +65,4 @@ def load_dataset(
     config = DATASETS.make_config(name, options)
     if config is not None:
         kwargs["config"] = config
-    dataset: ImageDataset = loader(**kwargs)
-    return dataset
+    return loader(**kwargs)

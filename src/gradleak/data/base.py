@@ -48,6 +48,11 @@ class ImageDataset:
         return int(self.labels.shape[0])
 
     @property
+    def inputs(self) -> torch.Tensor:
+        """The model inputs (the images), as ``TokenDataset.inputs`` gives the token ids."""
+        return self.images
+
+    @property
     def input_shape(self) -> tuple[int, int, int]:
         c, h, w = self.images.shape[1:]
         return (int(c), int(h), int(w))

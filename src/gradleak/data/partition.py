@@ -198,6 +198,13 @@ def natural(
 # --- by name, on an ImageDataset --------------------------------------------------------------------
 
 
+def _labels(dataset: ImageDataset, partitioner: str) -> ArrayLike:
+    if dataset.labels is None:  # a language-modelling text data set
+        raise ValueError(f"the {partitioner} partition splits by label, and {dataset.name!r} has no labels; "
+                         "use 'iid'")  # fmt: skip
+    return dataset.labels
+
+
 def _run_iid(dataset: ImageDataset, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
     return iid(len(dataset), num_clients, rng)
 
@@ -205,7 +212,7 @@ def _run_iid(dataset: ImageDataset, num_clients: int, rng: np.random.Generator) 
 def _run_label_skew(
     dataset: ImageDataset, num_clients: int, rng: np.random.Generator, *, max_classes_per_client: int = 5
 ) -> list[np.ndarray]:
-    return label_skew(dataset.labels, num_clients, max_classes_per_client, rng)
+    return label_skew(_labels(dataset, "label_skew"), num_clients, max_classes_per_client, rng)
 
 
 def _run_dirichlet(
@@ -217,7 +224,7 @@ def _run_dirichlet(
     min_size: int = 1,
     balance: bool = True,
 ) -> list[np.ndarray]:
-    return dirichlet(dataset.labels, num_clients, alpha, rng, min_size, balance=balance)
+    return dirichlet(_labels(dataset, "dirichlet"), num_clients, alpha, rng, min_size, balance=balance)
 
 
 def _run_natural(

@@ -31,6 +31,7 @@ from gradleak.fl.simulation import FLConfig
 from gradleak.options import OptionError, check_value
 from gradleak.plugins import PluginError, load_plugins
 from gradleak.registry import ATTACKS, DATASETS, DEFENSES, ENGINES, MODELS, Registry
+from gradleak.text.models import TASKS as TEXT_TASKS
 from gradleak.types import AttackNeeds, LocalTraining
 
 
@@ -98,8 +99,18 @@ class DataSection:
 
 @dataclass(frozen=True)
 class ModelSection:
+    """The global model: a registered ``name`` with its ``options``. ``task`` (text models only):
+    ``"causal_lm"`` or ``"classification"``, by default the model's own (``gradleak list``). ``seed``: the
+    initialisation seed, by default derived from ``experiment.seed``."""
+
     name: str = "aegis_cnn"
     options: Mapping[str, Any] = field(default_factory=dict)
+    task: str | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.task is not None and self.task not in TEXT_TASKS:
+            raise ConfigError(f"model.task must be one of {list(TEXT_TASKS)}, got {self.task!r}")
 
 
 @dataclass(frozen=True)
@@ -170,6 +181,8 @@ class ExperimentConfig:
         except OptionError as exc:
             raise ConfigError(f"data.options: {exc}") from None
         _known(MODELS, self.model.name, "model.name")
+        if self.model.task is not None and MODELS.entry(self.model.name).modality != "text":
+            raise ConfigError(f"model.task is for text models; {self.model.name!r} is not one")
         _known(ENGINES, self.engine.name, "engine.name")
         try:
             engine = ENGINES.make_config(self.engine.name, self.engine.options)

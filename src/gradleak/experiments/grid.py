@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gradleak.experiments import columns
 from gradleak.experiments.config import ComponentSpec, ExperimentConfig, GridSection, cell_label
 from gradleak.experiments.runner import RunOutcome, environment, fingerprint, run_experiment
 from gradleak.experiments.store import ResultStore
@@ -32,13 +33,8 @@ from gradleak.progress import bar
 log = logging.getLogger(__name__)
 
 BASELINE = "none"
-# per attacked update, where the attack reports it
-PRIVACY = (
-    "psnr_mean", "ssim_mean", "reconstruction_rate", "label_accuracy",
-    "psnr_mean_beyond_floor", "reconstruction_rate_beyond_floor",  # leakage above the null floors
-    "floor_class_mean_psnr_mean", "floor_random_psnr_mean",
-    "floor_class_mean_reconstruction_rate", "floor_random_reconstruction_rate",
-)  # fmt: skip
+# per attacked update, where the attack reports it: every modality's scores and floors
+PRIVACY = columns.keys()
 
 
 @dataclass
@@ -64,7 +60,8 @@ class GridOutcome:
         for cell in self.cells:
             seconds = _fl_seconds(cell.outcome)
             summary = cell.outcome.of_kind("summary")[0]
-            common = {"defense": cell.label, "accuracy": summary.get("final_accuracy"), "fl_seconds": seconds,
+            common = {"defense": cell.label, "accuracy": summary.get("final_accuracy"),
+                      "perplexity": summary.get("final_perplexity"), "fl_seconds": seconds,
                       "cost": seconds / base_seconds if base_seconds else None}  # fmt: skip
             attacks = cell.outcome.of_kind("attack")
             for i, spec in enumerate(self.config.audit.attacks):

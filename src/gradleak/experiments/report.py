@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gradleak.experiments import columns
 from gradleak.experiments.config import ComponentSpec, cell_label
 from gradleak.experiments.store import ResultStore, RunRow
 
@@ -30,23 +31,21 @@ img { max-width: 100%; image-rendering: pixelated; }
 .note { background: #f6f6f6; border-left: 4px solid #555; padding: 0.5rem 1rem; }
 """
 
-COLUMNS = (
+LEADING = (
     ("defense", "the cell's defense (none: no defense)"),
     ("attack", "the attack and its options"),
-    ("updates", "attacked updates (clients, or secure-aggregation sums) the row averages"),
-    ("PSNR over floor", "headline leakage: the reconstructions' mean PSNR minus the higher null floor, dB "
-     "(> 0: the attack learned something from the update; mean +- standard deviation over the updates)"),
-    ("RR over floor", "share of images reconstructed above 18 dB, minus the same share for the higher floor"),
-    ("PSNR", "mean PSNR of the optimally matched reconstructions, dB (100 dB = identical images)"),
-    ("SSIM", "structural similarity of the matched reconstructions (1 = identical)"),
-    ("RR", "reconstruction rate: share of the client's images reconstructed above 18 dB"),
-    ("floors (PSNR)", "what needs no update: each image's public class-mean image / a random public image of "
-     "its class, scored the same way"),
-    ("label acc", "share of the true labels the attack recovered"),
-    ("test acc", "the global model's test accuracy after the rounds (utility)"),
-    ("cost", "FL time over the no-defense cell's, same machine and code (n/a without a none cell); a ratio "
-     "of wall times, noisy for short runs or on a busy machine"),
+    ("updates", "attacked updates (clients, or secure-aggregation sums) the row averages; each score is "
+     "their mean ± standard deviation"),
 )  # fmt: skip
+COST = ("cost", "FL time over the no-defense cell's, same machine and code (n/a without a none cell); a "
+        "ratio of wall times, noisy for short runs or on a busy machine")  # fmt: skip
+
+
+def legend(modality: str, utility: Sequence[columns.Column]) -> list[tuple[str, str]]:
+    """The verdict table's columns in order, each with its one-line meaning."""
+    cols = [*columns.PRIVACY[modality], *utility]
+    return [*LEADING, *((c.header, c.meaning) for c in cols), COST]
+
 
 MALICIOUS = {"robbing_the_fed", "loki", "scale_mia"}  # the model-modifying attacks (docs/threat-models.md)
 
@@ -57,18 +56,8 @@ CAVEATS = (
     "Secure aggregation hides individual updates, not the aggregate: an attack on the sum is shown as such.",
     "Differential-privacy noise here is tuned per experiment; no (epsilon, delta) is claimed unless stated.",
     "PSNR is capped at 100 dB (identical images).",
-)
-
-
-KEYS = (
-    "psnr_mean_beyond_floor",
-    "reconstruction_rate_beyond_floor",
-    "psnr_mean",
-    "ssim_mean",
-    "reconstruction_rate",
-    "floor_class_mean_psnr_mean",
-    "floor_random_psnr_mean",
-    "label_accuracy",
+    "A text attack that recovers nothing under a defense shows what that attack cannot read, not that no "
+    "attack can (docs/threat-models.md).",
 )
 
 
@@ -77,6 +66,29 @@ def _mean_sd(values: Sequence[float]) -> str:
         return "n/a"
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{statistics.fmean(values):.2f} &plusmn; {sd:.2f}"
+
+
+def _number(value: Any, digits: int = 3) -> str:
+    return "n/a" if not isinstance(value, int | float) else f"{value:.{digits}f}"
+
+
+def _texts(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Each text attack's reconstructions beside the client's true sequences (the first update's)."""
+    out = ["<h2>Text reconstructions</h2>"]
+    for row in rows:
+        rec = next((r for r in row["records"] if r.get("true_texts")), None)
+        if rec is None:
+            continue
+        who = "secure-aggregation sum" if rec.get("aggregated") else f"client {rec.get('client_id')}"
+        out.append(f"<h3>{html.escape(row['defense'])}: {html.escape(row['attack'])} on {who}</h3>"
+                   "<table class='texts'><tr><th>true sequences</th><th>recovered</th></tr>")  # fmt: skip
+        truth, found = rec["true_texts"], rec.get("texts") or []
+        for k in range(max(len(truth), len(found))):
+            t = html.escape(truth[k]) if k < len(truth) else ""
+            f = html.escape(found[k]) if k < len(found) else ""
+            out.append(f"<tr><td class='name'>{t}</td><td class='name'>{f}</td></tr>")
+        out.append("</table>")
+    return out
 
 
 def _values(records: Sequence[dict[str, Any]], key: str) -> list[float]:
@@ -136,6 +148,7 @@ def verdict_rows(store: ResultStore, runs: Sequence[RunRow]) -> list[dict[str, A
             rows.append({
                 "run_id": run.run_id, "defense": _defense_label(run.config), "attack": _attack_label(spec),
                 "updates": len(att), "records": att, "accuracy": summary.get("final_accuracy"),
+                "utility": {c.key: summary.get(c.key) for c in columns.UTILITY},
                 "cost": seconds / base if base else None,
             })  # fmt: skip
     return rows
@@ -170,23 +183,27 @@ def render(store: ResultStore, run_ids: Sequence[str], figures: Path | None = No
     out.append(
         f"<li>Defenses compared: {', '.join(html.escape(_defense_label(r.config)) for r in runs)}.</li></ul>"
     )
+    modality = columns.modality_of(runs[0].config["data"]["dataset"])
+    shown_utility = [c for c in columns.UTILITY if any(row["utility"].get(c.key) is not None for row in rows)]
     out.append(
-        "<h2>Verdict</h2><table id='verdict'><tr>" + "".join(f"<th>{c}</th>" for c, _ in COLUMNS) + "</tr>"
+        "<h2>Verdict</h2><table id='verdict'><tr>"
+        + "".join(f"<th>{html.escape(c)}</th>" for c, _ in legend(modality, shown_utility))
+        + "</tr>"
     )
     for row in rows:
         rec = row["records"]
-        scores = {key: _mean_sd(_values(rec, key)) for key in KEYS}
-        floors = f"{scores['floor_class_mean_psnr_mean']} / {scores['floor_random_psnr_mean']}"
+        utility = [_number(row["utility"].get(c.key)) for c in shown_utility]
         cells = [html.escape(row["defense"]), html.escape(row["attack"]), str(row["updates"]),
-                 scores["psnr_mean_beyond_floor"], scores["reconstruction_rate_beyond_floor"],
-                 scores["psnr_mean"], scores["ssim_mean"], scores["reconstruction_rate"], floors,
-                 scores["label_accuracy"],
-                 "n/a" if row["accuracy"] is None else f"{row['accuracy']:.3f}",
-                 "n/a" if row["cost"] is None else f"{row['cost']:.2f}"]  # fmt: skip
+                 *(_mean_sd(_values(rec, c.key)) for c in columns.PRIVACY[modality]), *utility,
+                 _number(row["cost"], 2)]  # fmt: skip
         out.append("<tr>" + "".join(f"<td class='name'>{c}</td>" if j < 2 else f"<td>{c}</td>"
                                     for j, c in enumerate(cells)) + "</tr>")  # fmt: skip
     out.append("</table><h3>What each column means</h3><ul class='legend'>")
-    out += [f"<li><b>{c}</b>: {html.escape(text)}</li>" for c, text in COLUMNS]
+    out += [
+        f"<li><b>{html.escape(c)}</b>: {html.escape(text)}</li>"
+        for c, text in legend(modality, shown_utility)
+    ]
+    out += _texts(rows) if modality == "text" else []
     out.append("</ul><h2>Reconstructions</h2>")
     shown = 0
     for row in rows:

@@ -5,7 +5,8 @@ round, an attacked update, the summary) is committed to the store as one transac
 loses at most the unit in progress and the same command resumes it (:mod:`gradleak.experiments.store`).
 Attacks receive only Observations built by :func:`gradleak.fl.server_view` (each client's update) or, under
 secure aggregation, :func:`gradleak.fl.simulation.secure_observation` (the aggregate the engine's secure
-round returns); ground truth meets the reconstructions only in :func:`score_reconstruction`.
+round returns); ground truth meets the reconstructions only in the setup's ``score``
+(:mod:`gradleak.experiments.setup`, one per data modality).
 """
 
 from __future__ import annotations
@@ -20,34 +21,36 @@ import platform
 import subprocess
 import time
 import uuid
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from gradleak.attacks import create_attack
-from gradleak.data import load_dataset, partition, resolve_data_root
-from gradleak.data.base import ImageDataset
+from gradleak.data import partition
 from gradleak.defenses.in_loop import build_defenses
 from gradleak.experiments.config import ConfigError, ExperimentConfig
 from gradleak.experiments.figures import save_reconstruction_grid
+from gradleak.experiments.setup import build_setup, concat
 from gradleak.experiments.store import Checkpoint, ResultStore, RunRow, normalise
-from gradleak.fl import FederatedSimulation, derive_seed, evaluate, server_view
+from gradleak.fl import FederatedSimulation, derive_seed, server_view
 from gradleak.fl.client import ClientResult
 from gradleak.fl.engines import EngineRunner
 from gradleak.fl.simulation import Engine, RoundResult, secure_observation
-from gradleak.metrics import score_images
-from gradleak.metrics.floors import beyond_floor, null_floors
-from gradleak.models import build_model
 from gradleak.progress import enabled as bars_on
 from gradleak.registry import ENGINES
-from gradleak.types import ClientCustomizingAttack, ModelModifyingAttack, Observation, Reconstruction
+from gradleak.tasks import Dataset
+from gradleak.types import (
+    AttackInputError,
+    ClientCustomizingAttack,
+    ModelModifyingAttack,
+    Observation,
+    Reconstruction,
+)
 from gradleak.update_io import tensors_from_bytes, tensors_to_bytes
 
 log = logging.getLogger(__name__)
@@ -86,49 +89,14 @@ def environment() -> dict[str, Any]:
     }
 
 
-def load_split_data(cfg: ExperimentConfig) -> tuple[ImageDataset, ImageDataset]:
-    """Train and test sets; when both name the same split, a seeded ``holdout`` share becomes the test set."""
-    d = cfg.data
-    root = resolve_data_root(cfg.experiment.data_root)
-    if d.train_split != d.test_split:
-        train = load_dataset(d.dataset, d.train_split, root, d.train_limit, d.options)
-        test = load_dataset(d.dataset, d.test_split, root, d.test_limit, d.options)
-        return train, test
-    full = load_dataset(d.dataset, d.train_split, root, None, d.options)
-    order = np.random.default_rng(derive_seed(cfg.experiment.seed, 0xDA7A)).permutation(len(full))
-    n_test = max(1, int(round(d.holdout * len(full))))
-    test_idx, train_idx = order[:n_test], order[n_test:]
-    if d.test_limit is not None:
-        test_idx = test_idx[: d.test_limit]
-    if d.train_limit is not None:
-        train_idx = train_idx[: d.train_limit]
-    return full.subset(np.sort(train_idx)), full.subset(np.sort(test_idx))
-
-
-def _label_accuracy(recovered: torch.Tensor | None, truth: torch.Tensor) -> float | None:
-    """Fraction of true labels recovered, as multisets (order-free)."""
-    if recovered is None:
-        return None
-    hit = Counter(recovered.tolist()) & Counter(truth.tolist())
-    return sum(hit.values()) / max(1, len(truth))
-
-
-def score_reconstruction(rec: Reconstruction, truth: ImageDataset) -> dict[str, Any]:
-    """Label accuracy and (for images) every image score of ``rec`` against the true ``truth``."""
-    out: dict[str, Any] = {"label_accuracy": _label_accuracy(rec.labels, truth.labels)}
-    if rec.images is not None:
-        out.update(score_images(rec.images, truth.images).to_dict())
-    return out
-
-
-def _truth_for(obs: Observation, results: list[ClientResult]) -> ImageDataset:
+def _truth_for(obs: Observation, results: list[ClientResult]) -> Dataset:
     """The data behind an observation: the client's, or under secure aggregation the union of the data of
     ``results`` (the clients in the aggregate; a real protocol's results carry no update)."""
     if not obs.aggregated:
         cid = obs.update.metadata.get("client_id")
         received = [r for r in results if r.update is not None and r.truth is not None]
         return next(r.truth for r in received if r.update.metadata.get("client_id") == cid)  # type: ignore
-    return ImageDataset.concat([r.truth for r in results if r.truth is not None])
+    return concat([r.truth for r in results if r.truth is not None])
 
 
 Figure = tuple[torch.Tensor, torch.Tensor, str, list[str]]  # originals, reconstructions, title, captions
@@ -179,37 +147,6 @@ def any_model_modifying(cfg: ExperimentConfig) -> bool:
     )
 
 
-def load_public_data(cfg: ExperimentConfig, test: ImageDataset) -> ImageDataset:
-    """The server's auxiliary data (images and labels): a configured public set, else the held-out test
-    set; the first ``audit.public_limit``. Malicious-model attacks build from its images; the null floors
-    (:mod:`gradleak.metrics.floors`) draw from it."""
-    a = cfg.audit
-    if a.public_dataset is None and a.public_split is None:
-        data = test
-    else:
-        root = resolve_data_root(cfg.experiment.data_root)
-        name = a.public_dataset or cfg.data.dataset
-        options = cfg.data.options if name == cfg.data.dataset else None  # the loader's own options
-        data = load_dataset(name, a.public_split, root, None, options)
-    limit = len(data) if a.public_limit is None else min(a.public_limit, len(data))
-    return data.subset(np.arange(limit))
-
-
-def check_public_images(
-    public: torch.Tensor | None, input_shape: tuple[int, ...], cfg: ExperimentConfig
-) -> None:
-    """The server's auxiliary images must have the task's image shape (checked before any training)."""
-    if public is not None and tuple(public.shape[1:]) != tuple(input_shape):
-        name = cfg.audit.public_dataset or cfg.data.dataset
-        raise ConfigError(
-            f"audit.public_dataset = {name!r} gives images of shape {tuple(public.shape[1:])}, but the "
-            f"task's images are {tuple(input_shape)}: the malicious-model attacks and the null floors need "
-            "public data of that shape"
-        )
-    if public is not None and len(public) < 2:
-        raise ConfigError(f"audit.public_limit leaves {len(public)} public image(s); the attacks need >= 2")
-
-
 def fingerprint(cfg: ExperimentConfig, env: Mapping[str, Any]) -> str:
     """A digest of the whole config and the code (git commit, torch): the same command on the same code
     resumes the same run; after a code change it starts a new one rather than mixing two versions."""
@@ -247,13 +184,17 @@ class _Recorder:
 def _round_record(rr: RoundResult) -> dict[str, Any]:
     errors = {str(k): v for k, v in rr.errors.items()}  # JSON keys are strings
     return {"kind": "round", "round": rr.round, "clients": rr.client_ids, "accuracy": rr.accuracy,
-            "seconds": rr.seconds, "dropped": rr.dropped, "errors": errors}  # fmt: skip
+            "seconds": rr.seconds, "dropped": rr.dropped, "errors": errors, **rr.metrics}  # fmt: skip
+
+
+ROUND_KEYS = ("kind", "round", "clients", "accuracy", "seconds", "dropped", "errors")
 
 
 def _round_result(record: Mapping[str, Any]) -> RoundResult:
     errors = {int(k): str(v) for k, v in record.get("errors", {}).items()}
+    metrics = {k: float(v) for k, v in record.items() if k not in ROUND_KEYS}
     return RoundResult(record["round"], list(record["clients"]), [], None, record["accuracy"],
-                       float(record["seconds"]), list(record["dropped"]), errors)  # fmt: skip
+                       float(record["seconds"]), list(record["dropped"]), errors, metrics)  # fmt: skip
 
 
 def _resume(sim: FederatedSimulation, store: ResultStore, rec: _Recorder) -> None:
@@ -319,11 +260,10 @@ class _Run:
         self.started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         self.t0 = time.perf_counter()
         seed = cfg.experiment.seed
-        self.train, self.test = load_split_data(cfg)
-        self.public_data = load_public_data(cfg, self.test) if cfg.audit.clients > 0 else None
-        public = None if self.public_data is None else self.public_data.images
-        check_public_images(public, self.train.input_shape, cfg)
-        self.public = public if any_model_modifying(cfg) else None
+        self.setup = build_setup(cfg)  # data, model, task and scoring of the data set's modality
+        self.train, self.test = self.setup.train, self.setup.test
+        public = self.setup.public
+        self.public = public.images if public is not None and any_model_modifying(cfg) else None
         try:  # data-dependent feasibility (enough samples per class and client): known only with the data
             parts = partition(
                 cfg.data.partition, self.train, cfg.data.num_clients, derive_seed(seed, 0x9A27),
@@ -335,15 +275,12 @@ class _Run:
                 f"samples over data.num_clients = {cfg.data.num_clients}: {exc}"
             ) from None
         clients = [self.train.subset(p) for p in parts]
-        model = build_model(
-            cfg.model.name, self.train.input_shape, self.train.num_classes, seed=derive_seed(seed, 0x30DE),
-            **cfg.model.options,
-        )  # fmt: skip
 
         # a fresh list of defenses per client task; a partial of a library function, importable by name
         # where an engine runs the clients in other processes (Ray actors)
         defenses = functools.partial(build_defenses, [(s.name, dict(s.options)) for s in cfg.defenses])
-        self.sim = FederatedSimulation(model, clients, cfg.fl, seed=seed, test=self.test, defenses=defenses)
+        self.sim = FederatedSimulation(self.setup.model, clients, cfg.fl, seed=seed, test=self.test,
+                                       defenses=defenses, task=self.setup.task)  # fmt: skip
         self.engine: EngineRunner = ENGINES.create(cfg.engine.name, **cfg.engine.options)
 
     def execute(
@@ -363,11 +300,15 @@ class _Run:
                 ckpt = Checkpoint(f"round/{r}", tensors_to_bytes(tensors), state)
             rec.commit(f"round/{r}", [_round_record(rr)], ckpt)
         fl_seconds = sum(r.seconds for r in sim.history)  # every round's, resumed or not
-        last = sim.history[-1].accuracy if sim.history else None  # accuracy of the broadcast audited
-        accuracy = last if last is not None else evaluate(sim.model, self.test.images, self.test.labels)
+        last = sim.history[-1] if sim.history else None  # the metrics of the broadcast audited
+        evaluated = last is not None and last.accuracy is not None
+        metrics = {"accuracy": last.accuracy, **last.metrics} if evaluated else sim.evaluate()  # type: ignore[union-attr]
         if cfg.audit.clients > 0:
             self.audit(rec, folder)
-        summary = {"kind": "summary", "final_accuracy": accuracy, "fl_seconds": fl_seconds,
+        finals = {
+            f"final_{k}": v for k, v in metrics.items()
+        }  # final_accuracy, a causal LM's final_perplexity
+        summary = {"kind": "summary", **finals, "fl_seconds": fl_seconds, "task": self.setup.task.name,
                    "total_seconds": time.perf_counter() - self.t0, "num_clients": len(sim.clients),
                    "train_size": len(self.train), "test_size": len(self.test)}  # fmt: skip
         if store is not None:
@@ -388,7 +329,7 @@ class _Run:
             gen = torch.Generator().manual_seed(derive_seed(cfg.experiment.seed, 0xBAD, salt))
             broadcast, secrets = attack.prepare(copy.deepcopy(sim.model), self.public, generator=gen)
         recipe = audit.training if audit.training_public else None
-        shape, classes = self.train.input_shape, self.train.num_classes
+        shape, classes = self.setup.input_shape, self.setup.num_classes
         if not cfg.fl.secure_aggregation:
             if isinstance(attack, ModelModifyingAttack):
                 results = collect_malicious(sim, attack, broadcast, ids, cfg)
@@ -436,17 +377,23 @@ class _Run:
                     log.info("unit %s already stored: skipped", unit)
                     continue
                 gen = torch.Generator().manual_seed(derive_seed(seed, 0xA77C, k))
-                reconstruction = attack.reconstruct(obs, generator=gen)
+                refused, started = None, time.perf_counter()
+                try:
+                    reconstruction = attack.reconstruct(obs, generator=gen)
+                except AttackInputError as exc:  # e.g. a defense left nothing the attack can read
+                    who = obs.update.metadata.get("client_id", "sum")
+                    log.info("%s refused the update of client %s: %s", spec.name, who, exc)
+                    refused, reconstruction = str(exc), Reconstruction(token_ids=[])
+                attack_seconds = time.perf_counter() - started
                 truth = _truth_for(obs, results)
-                scores = score_reconstruction(reconstruction, truth)
-                if reconstruction.images is not None and self.public_data is not None:  # beside its floors
-                    floor_gen = torch.Generator().manual_seed(derive_seed(seed, 0xF1008, i, k))
-                    scores.update(null_floors(truth, self.public_data, floor_gen))
-                    scores.update(beyond_floor(scores))
+                scores = self.setup.score(reconstruction, truth)
+                floor_gen = torch.Generator().manual_seed(derive_seed(seed, 0xF1008, i, k))
+                scores.update(self.setup.floors(attack, obs, truth, scores, floor_gen))  # beside its floors
                 record = {"kind": "attack", "attack": spec.name, "cell": i, "options": dict(spec.options),
                           "client_id": obs.update.metadata.get("client_id"), "aggregated": obs.aggregated,
-                          "num_clients": obs.num_clients, "batch_size": len(truth), **reconstruction.stats,
-                          **scores}  # fmt: skip
+                          "num_clients": obs.num_clients, "batch_size": len(truth), "refused": refused,
+                          "attack_seconds": attack_seconds,
+                          **reconstruction.stats, **scores}  # fmt: skip
                 if folder is not None and reconstruction.images is not None and "matching" in scores:
                     orig, recon, title, caps = _figure(
                         spec.name, obs, reconstruction.images, truth.images, scores

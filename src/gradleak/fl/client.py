@@ -1,7 +1,9 @@
-"""Client-side local training: FedSGD (one gradient) or FedAvg (E epochs of SGD/Adam), with defense hooks.
+"""Client-side local training: FedSGD (one gradient) or FedAvg (E epochs of SGD/Adam/AdamW), with defense
+hooks, for any :class:`~gradleak.tasks.Task` (image classification, text classification, causal LM).
 
 FedSGD (McMahan et al. 2017): the client sends g = dL/dw at the broadcast weights w_0 on one batch.
-FedAvg: the client runs E epochs over its data in batches of B and sends delta = w_T - w_0.
+FedAvg: the client runs E epochs over its data in batches of B and sends delta = w_T - w_0. L is the
+task's loss; the model trains in the task's mode (``Task.mode``), recorded in the update's metadata.
 The returned :class:`ClientResult` keeps the data the update was computed on (``truth``) apart from the
 update itself; only the engine's evaluation code reads it, never an attack.
 """
@@ -14,11 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import Defense, DefenseFailure
 from gradleak.defenses.in_loop import DefendedLoop
+from gradleak.tasks import IMAGE_CLASSIFICATION, Dataset, Task
 from gradleak.types import MODE, LocalTraining, Update
 
 
@@ -28,7 +29,7 @@ class ClientResult:
 
     client_id: int
     update: Update | None
-    truth: ImageDataset | None = None  # FedSGD: the batch; FedAvg: the client's data (metrics only)
+    truth: Dataset | None = None  # FedSGD: the batch; FedAvg: the client's data (metrics only)
     error: str | None = None
     stats: dict[str, float] = field(default_factory=dict)
     # which samples of the client's training data the update was computed on (None: all of them); an
@@ -36,10 +37,14 @@ class ClientResult:
     sample_index: tuple[int, ...] | None = None
 
 
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
+}  # fmt: skip
+
+
 def make_optimizer(params: Sequence[nn.Parameter], training: LocalTraining) -> torch.optim.Optimizer:
-    if training.optimizer == "adam":
-        return torch.optim.Adam(params, lr=training.lr)
-    return torch.optim.SGD(params, lr=training.lr)
+    """The recipe's optimizer over ``params`` (its ``lr`` and ``weight_decay``)."""
+    return OPTIMIZERS[training.optimizer](params, lr=training.lr, weight_decay=training.weight_decay)
 
 
 def _batches(n: int, batch_size: int, shuffle: bool, generator: torch.Generator) -> list[torch.Tensor]:
@@ -54,24 +59,30 @@ def reported_samples(training: LocalTraining, available: int) -> int:
 
 
 def fedsgd_update(
-    model: nn.Module, data: ImageDataset, loop: DefendedLoop, generator: torch.Generator, batch_size: int
+    model: nn.Module,
+    data: Dataset,
+    loop: DefendedLoop,
+    generator: torch.Generator,
+    batch_size: int,
+    task: Task = IMAGE_CLASSIFICATION,
 ) -> tuple[Update, torch.Tensor]:
-    """Gradient of the mean cross-entropy on one batch drawn from ``data`` (first batch of a shuffle);
+    """Gradient of the task's mean loss on one batch drawn from ``data`` (first batch of a shuffle);
     returns it with the batch's (sorted) indices into ``data``."""
     idx = torch.randperm(len(data), generator=generator)[: min(batch_size, len(data))].sort().values
     batch = data.subset(idx)
     model.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(batch.images), batch.labels)
+    loss = task.loss(model, batch)
     loss.backward()
     return loop.gradient(len(batch)), idx
 
 
 def fedavg_update(
     model: nn.Module,
-    data: ImageDataset,
+    data: Dataset,
     training: LocalTraining,
     loop: DefendedLoop,
     generator: torch.Generator,
+    task: Task = IMAGE_CLASSIFICATION,
 ) -> Update:
     """E epochs of mini-batch training in the defended loop; returns delta = w_T - w_0."""
     opt = loop.optimizer
@@ -79,7 +90,7 @@ def fedavg_update(
     for _ in range(training.epochs):
         for idx in _batches(len(data), training.batch_size, training.shuffle, generator):
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(data.images[idx]), data.labels[idx])
+            loss = task.loss(model, data.subset(idx))
             loss.backward()
             opt.step()  # the defenses' on_gradients run first (DefendedLoop's step pre-hook)
         loop.end_epoch()
@@ -89,15 +100,16 @@ def fedavg_update(
 def train_client(
     client_id: int,
     global_model: nn.Module,
-    data: ImageDataset,
+    data: Dataset,
     training: LocalTraining,
     defenses: Sequence[Defense],
     generator: torch.Generator,
     *,
-    private: ImageDataset | None = None,
+    private: Dataset | None = None,
+    task: Task = IMAGE_CLASSIFICATION,
 ) -> ClientResult:
-    """Run one client's local training on a private copy of the broadcast model, through
-    :class:`~gradleak.defenses.in_loop.DefendedLoop` (the same hooks a user's own loop gets).
+    """Run one client's local training of ``task`` on a private copy of the broadcast model, in the task's
+    mode, through :class:`~gradleak.defenses.in_loop.DefendedLoop` (the same hooks a user's own loop gets).
 
     Defenses whose ``setup`` takes ``data`` receive the client's private data: ``private`` when given (the
     client's whole share when the training data is a subset of it, e.g. an audit's ``max_samples``), else
@@ -107,7 +119,7 @@ def train_client(
     the result carries ``update=None`` and the error text.
     """
     model = copy.deepcopy(global_model)
-    model.train()
+    model.train(task.mode == "train")
     fedavg = training.protocol == "fedavg"
     try:
         loop = DefendedLoop(
@@ -120,12 +132,12 @@ def train_client(
         )
         index: tuple[int, ...] | None = None
         if fedavg:
-            update, truth = fedavg_update(model, data, training, loop, generator), data
+            update, truth = fedavg_update(model, data, training, loop, generator, task), data
         else:
-            update, idx = fedsgd_update(model, data, loop, generator, training.batch_size)
+            update, idx = fedsgd_update(model, data, loop, generator, training.batch_size, task)
             truth, index = data.subset(idx), tuple(int(i) for i in idx)
     except DefenseFailure as exc:
         return ClientResult(client_id, None, None, error=str(exc))
-    meta = {**update.metadata, "client_id": client_id, MODE: "train"}  # the mode it trained in
+    meta = {**update.metadata, "client_id": client_id, MODE: task.mode}  # the mode it trained in
     update = Update(update.tensors, update.num_samples, update.kind, meta)
     return ClientResult(client_id, update, truth, sample_index=index)

@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, runtime_checkable
 
-from gradleak.data.base import ImageDataset
 from gradleak.fl.simulation import DefenseFactory, Engine, InProcessEngine
 from gradleak.registry import ENGINES
+from gradleak.tasks import Dataset
 
 T = TypeVar("T")
 
@@ -26,7 +26,7 @@ class EngineRunner(Protocol):
 
     def run(
         self,
-        clients: Sequence[ImageDataset],
+        clients: Sequence[Dataset],
         defenses: DefenseFactory,
         work: Callable[[Engine], T],
         *,
@@ -46,7 +46,7 @@ class InProcessRunner:
 
     def run(
         self,
-        clients: Sequence[ImageDataset],
+        clients: Sequence[Dataset],
         defenses: DefenseFactory,
         work: Callable[[Engine], T],
         *,

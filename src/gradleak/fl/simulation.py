@@ -22,18 +22,17 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import Defense
 from gradleak.fl.client import ClientResult, train_client
 from gradleak.fl.server import (
     apply_update,
-    evaluate,
     sample_clients,
     screen,
     secure_sum,
     update_kind,
     weighted_mean,
 )
+from gradleak.tasks import IMAGE_CLASSIFICATION, Dataset, Task
 from gradleak.types import LocalTraining, Observation, Update
 
 log = logging.getLogger(__name__)
@@ -48,14 +47,16 @@ def derive_seed(*parts: int) -> int:
 
 @dataclass(frozen=True)
 class ClientTask:
-    """One unit of client work an engine executes. ``private`` is the client's whole share when ``data``
-    is a subset of it (an audit's ``max_samples``); data-aware defenses (Aegis) build from it."""
+    """One unit of client work an engine executes: ``task`` trained on ``data`` with ``training``.
+    ``private`` is the client's whole share when ``data`` is a subset of it (an audit's ``max_samples``);
+    data-aware defenses (Aegis) build from it."""
 
     client_id: int
-    data: ImageDataset
+    data: Dataset
     training: LocalTraining
     seed: int
-    private: ImageDataset | None = None
+    private: Dataset | None = None
+    task: Task = IMAGE_CLASSIFICATION
 
 
 class Engine(Protocol):
@@ -120,7 +121,7 @@ class InProcessEngine:
             try:
                 result = train_client(
                     task.client_id, global_model, task.data, task.training, defenses(), gen,
-                    private=task.private,
+                    private=task.private, task=task.task,
                 )  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - one client's crash is that client's failure
                 log.exception("client %d raised during local training", task.client_id)
@@ -157,6 +158,7 @@ class RoundResult:
 
     ``dropped`` lists the clients whose update did not reach the aggregate: a defense failed closed, the
     client withheld an invalid update, or the server rejected it; ``errors`` gives each one's reason.
+    ``metrics``: the task's other test metrics (a causal LM's ``perplexity``), empty when not evaluated.
     """
 
     round: int
@@ -167,21 +169,24 @@ class RoundResult:
     seconds: float
     dropped: list[int] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class FederatedSimulation:
-    """Server loop over ``clients`` (one dataset per client) with a global ``model`` updated in place."""
+    """Server loop over ``clients`` (one dataset per client) with a global ``model`` updated in place;
+    every client trains ``task`` (image classification by default)."""
 
     def __init__(
         self,
         model: nn.Module,
-        clients: Sequence[ImageDataset],
+        clients: Sequence[Dataset],
         config: FLConfig,
         *,
         seed: int,
-        test: ImageDataset | None = None,
+        test: Dataset | None = None,
         engine: Engine | None = None,
         defenses: DefenseFactory = tuple,
+        task: Task = IMAGE_CLASSIFICATION,
     ) -> None:
         if not clients:
             raise ValueError("a federation needs at least one client")
@@ -192,12 +197,15 @@ class FederatedSimulation:
         self.test = test
         self.engine: Engine = engine or InProcessEngine()
         self.defenses = defenses
+        self.task = task
         self._rng = np.random.default_rng(derive_seed(seed, 0xC11E))
         self.history: list[RoundResult] = []
 
     def tasks(self, round_idx: int, client_ids: Sequence[int], training: LocalTraining) -> list[ClientTask]:
         return [
-            ClientTask(cid, self.clients[cid], training, derive_seed(self.seed, round_idx, cid))
+            ClientTask(
+                cid, self.clients[cid], training, derive_seed(self.seed, round_idx, cid), task=self.task
+            )
             for cid in client_ids
         ]
 
@@ -226,17 +234,25 @@ class FederatedSimulation:
                 aggregate = None
             else:
                 apply_update(self.model, aggregate, self.config.server_lr)
-        acc = None
+        metrics: dict[str, float] = {}
         if self.test is not None and (round_idx + 1) % self.config.eval_every == 0:
-            acc = evaluate(self.model, self.test.images, self.test.labels)
+            metrics = self.evaluate()
+        acc = metrics.pop("accuracy", None)
         errors = {r.client_id: r.error or "no update" for r in results if r.client_id not in arrived}
         rr = RoundResult(
-            round_idx, ids, results, aggregate, acc, time.perf_counter() - start, list(errors), errors
-        )
+            round_idx, ids, results, aggregate, acc, time.perf_counter() - start, list(errors), errors,
+            metrics,
+        )  # fmt: skip
         # the history keeps no per-client payloads: ~2.75 MB per client update for paper 000's classifier
         self.history.append(dataclasses.replace(rr, results=[], aggregate=None))
         log.info("round %d: %d clients, accuracy %s, %.2fs", round_idx, len(ids), acc, rr.seconds)
         return rr
+
+    def evaluate(self) -> dict[str, float]:
+        """The task's test metrics of the global model (``accuracy`` always; e.g. ``perplexity``)."""
+        if self.test is None:
+            raise ValueError("this simulation has no test set")
+        return self.task.evaluate(self.model, self.test)
 
     def run(self, rounds: int | None = None, progress: bool = False) -> list[RoundResult]:
         n = self.config.rounds if rounds is None else rounds
@@ -376,7 +392,8 @@ def server_view(
                                    training=training, secrets=secrets)]  # fmt: skip
     out = []
     for r in received:
-        labels = r.truth.labels.clone() if (grant_labels and r.truth is not None) else None
+        truth_labels = None if r.truth is None else r.truth.labels
+        labels = truth_labels.clone() if (grant_labels and truth_labels is not None) else None
         out.append(Observation(w0, r.update, input_shape, num_classes, training, labels, secrets))  # type: ignore[arg-type]
     return out
 

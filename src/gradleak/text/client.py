@@ -24,25 +24,11 @@ from torch import nn
 
 from gradleak.defenses.base import Defense
 from gradleak.defenses.in_loop import DefendedLoop
+from gradleak.tasks import text_loss
 from gradleak.text.data import TextBatch
 from gradleak.types import MODE, Update
 
 _DEFAULT_SEED = 0
-
-
-def text_loss(model: nn.Module, batch: TextBatch, task: str) -> torch.Tensor:
-    """Mean cross-entropy of ``model`` on ``batch`` for ``task`` (causal_lm or classification)."""
-    if task == "causal_lm":
-        labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)
-    elif task == "classification":
-        if batch.labels is None:
-            raise ValueError("classification needs batch.labels")
-        labels = batch.labels
-    else:
-        raise ValueError(f"task must be 'causal_lm' or 'classification', got {task!r}")
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=labels)
-    loss: torch.Tensor = out.loss
-    return loss
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:

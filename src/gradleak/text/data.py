@@ -13,7 +13,7 @@ file, truncated at encoding time.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from gradleak.data.root import check_limit, check_split, require_file, resolve_data_root
-from gradleak.registry import Registry
 
 MAX_TOKENS = 64
 HOW_TO_GET = {
@@ -166,18 +165,23 @@ def load_emotion(
     return _limit(TextDataset("emotion", tuple(texts), tuple(labels), EMOTION_LABELS), limit)
 
 
-TEXT_DATASETS: Registry[Callable[..., TextDataset]] = Registry("text dataset")
-TEXT_DATASETS.register("rotten_tomatoes", load_rotten_tomatoes, summary="RT sentence polarity, 2 labels")
-TEXT_DATASETS.register("wikitext2", load_wikitext2, summary="WikiText-2 test/valid paragraphs, no labels")
-TEXT_DATASETS.register(
-    "financial_phrasebank", load_financial_phrasebank, summary="Financial PhraseBank, 3 labels"
-)
-TEXT_DATASETS.register("emotion", load_emotion, summary="dair-ai Emotion, 6 labels")
+def load_text_dataset(
+    name: str,
+    split: str | None = None,
+    root: str | os.PathLike[str] | None = None,
+    limit: int | None = None,
+) -> TextDataset:
+    """Load a registered text data set (``DATASETS`` entries of modality ``text``) by name: its raw texts."""
+    from gradleak.registry import DATASETS
 
-
-def load_text_dataset(name: str, **kwargs: Any) -> TextDataset:
-    """Load a registered text data set by name (``TEXT_DATASETS.names()``)."""
-    return TEXT_DATASETS.get(name)(**kwargs)
+    entry = DATASETS.entry(name)
+    if entry.modality != "text":
+        raise ValueError(f"dataset {name!r} is not a text data set")
+    kwargs: dict[str, Any] = {"root": root, "limit": limit}
+    if split is not None:
+        kwargs["split"] = split
+    dataset: TextDataset = entry.factory(**kwargs)
+    return dataset
 
 
 @dataclass(frozen=True)
@@ -205,6 +209,82 @@ class TextBatch:
     def sequences(self) -> list[list[int]]:
         """The unpadded token ids of each sequence."""
         return [ids[m.bool()].tolist() for ids, m in zip(self.input_ids, self.attention_mask, strict=True)]
+
+
+@dataclass(frozen=True)
+class TokenDataset:
+    """A tokenized text data set, the text clients' data (as :class:`~gradleak.data.base.ImageDataset` is
+    the image clients'): ``input_ids`` / ``attention_mask`` ``(N, T)`` right-padded, class ``labels`` ``(N,)``
+    int64 (None for language modelling), ``num_classes`` labels, ``groups`` as the image data's, ``pad_id``
+    the id padded positions carry (GPT-2's sequence classifier finds a sequence's last token by it).
+
+    :meth:`batch` is the :class:`TextBatch` a model takes, cut to its longest sequence: a batch's padding
+    does not depend on which other sequences share its data set.
+    """
+
+    name: str
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor | None = None
+    num_classes: int = 0
+    groups: torch.Tensor | None = None
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        TextBatch(self.input_ids, self.attention_mask, self.labels)  # the same shape checks
+        n = int(self.input_ids.shape[0])
+        if self.labels is not None and (self.labels.shape != (n,) or self.labels.dtype != torch.int64):
+            raise ValueError(f"{self.name}: labels must be int64 of shape ({n},)")
+        if n and bool((self.attention_mask.sum(1) == 0).any()):
+            raise ValueError(f"{self.name}: every sequence needs at least one token")
+        if self.groups is not None and self.groups.shape != (n,):
+            raise ValueError(f"{self.name}: groups must be of shape ({n},)")
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def inputs(self) -> torch.Tensor:
+        """The model inputs (token ids), as ``ImageDataset.inputs`` gives the images."""
+        return self.input_ids
+
+    @property
+    def input_shape(self) -> tuple[int]:
+        return (int(self.input_ids.shape[1]),)
+
+    def batch(self) -> TextBatch:
+        width = int(self.attention_mask.sum(1).max()) if len(self) else 0
+        return TextBatch(self.input_ids[:, :width], self.attention_mask[:, :width], self.labels)
+
+    def subset(self, indices: Sequence[int] | torch.Tensor) -> TokenDataset:
+        idx = torch.as_tensor([int(i) for i in indices], dtype=torch.long)
+        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+        return TokenDataset(self.name, self.input_ids[idx], self.attention_mask[idx], pick(self.labels),
+                            self.num_classes, pick(self.groups), self.pad_id)  # fmt: skip
+
+    @staticmethod
+    def concat(parts: Sequence[TokenDataset]) -> TokenDataset:
+        """The data sets one after the other, padded to the widest (the data behind an aggregate)."""
+        if not parts:
+            raise ValueError("nothing to concatenate")
+        width = max(p.input_ids.shape[1] for p in parts)
+        pad = parts[0].pad_id
+
+        def widen(t: torch.Tensor, value: int) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+        ids = torch.cat([widen(p.input_ids, pad) for p in parts])
+        mask = torch.cat([widen(p.attention_mask, 0) for p in parts])
+        labels = None if parts[0].labels is None else torch.cat([p.labels for p in parts])  # type: ignore[misc]
+        return TokenDataset(parts[0].name, ids, mask, labels, parts[0].num_classes, pad_id=pad)
+
+    @staticmethod
+    def from_texts(dataset: TextDataset, tokenizer: Any, *, max_tokens: int = MAX_TOKENS) -> TokenDataset:
+        """``dataset`` tokenized by :func:`encode` (truncated to ``max_tokens``, right-padded)."""
+        batch = encode(list(dataset.texts), tokenizer, max_tokens=max_tokens, labels=dataset.labels)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return TokenDataset(dataset.name, batch.input_ids, batch.attention_mask, batch.labels,
+                            dataset.num_labels, pad_id=int(pad))  # fmt: skip
 
 
 def encode(

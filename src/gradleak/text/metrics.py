@@ -23,7 +23,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
-from gradleak.text.client import text_loss
+from gradleak.tasks import text_loss
 from gradleak.text.data import TextBatch
 from gradleak.text.wordnet import ensure_wordnet
 

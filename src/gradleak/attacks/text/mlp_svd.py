@@ -68,7 +68,9 @@ class MLPSVD:
         if span.rank == 0:
             raise AttackInputError("the first block's MLP-expansion gradient is zero (frozen or masked)")
         if span.full:
-            return Reconstruction(token_ids=[[]], stats={"rank": float(span.rank), "span_full": 1.0})
+            return Reconstruction(
+                token_ids=[[]], stats={"rank": float(span.rank), "span_full": 1.0}, ordered=False
+            )
         module = find_module(model, spec.mlp_inputs[0].format(i=0))[1]
         vocab = torch.arange(vocab_size(model)).unsqueeze(1)
         positions = cfg.positions if spec.positions == "learned" else 1
@@ -87,7 +89,7 @@ class MLPSVD:
             "tokens": float(len(tokens)),
             "seconds": time.perf_counter() - start,
         }
-        return Reconstruction(token_ids=[tokens], stats=stats)
+        return Reconstruction(token_ids=[tokens], stats=stats, ordered=False)
 
 
 ATTACKS.register(

@@ -70,4 +70,4 @@ class RowNormAttack:
         log.info("%s: %d tokens selected", self.channel, len(tokens))
         stats = {"tokens": float(len(tokens)), "nonzero_rows": float((norms > 0).sum()),
                  "seconds": time.perf_counter() - start}  # fmt: skip
-        return Reconstruction(token_ids=[tokens], stats=stats)
+        return Reconstruction(token_ids=[tokens], stats=stats, ordered=False)

@@ -22,7 +22,8 @@ from torch import nn
 
 from gradleak.attacks import create_attack
 from gradleak.data.base import ImageDataset
-from gradleak.experiments.runner import environment, score_reconstruction
+from gradleak.experiments.runner import environment
+from gradleak.experiments.setup import score_reconstruction
 from gradleak.experiments.store import ResultStore, RunRow
 from gradleak.fl.server import secure_sum
 from gradleak.fl.simulation import derive_seed

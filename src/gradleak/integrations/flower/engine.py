@@ -68,12 +68,12 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid, ServerApp
 from torch import nn
 
-from gradleak.data.base import ImageDataset
 from gradleak.fl.client import ClientResult, reported_samples, train_client
 from gradleak.fl.engines import MODULUS_RANGE, FlowerEngineConfig, SecAggPlusConfig
 from gradleak.fl.server import update_kind
 from gradleak.fl.simulation import ClientTask, DefenseFactory, Engine, SecureRound
 from gradleak.integrations.flower.apps import LEGACY_PARAMETERS, module_bytes, module_from, named_arrays
+from gradleak.tasks import Dataset, task_from_spec, task_spec
 from gradleak.types import LocalTraining, Update
 from gradleak.validation import reference_of
 
@@ -88,7 +88,7 @@ def samples_of(task: ClientTask) -> int:
     if task.private is None:
         return -1
     n = len(task.data)
-    if not torch.equal(task.private.subset(np.arange(n)).images, task.data.images):
+    if not torch.equal(task.private.subset(np.arange(n)).inputs, task.data.inputs):
         raise ValueError(
             f"client {task.client_id}'s task data is not the first {n} samples of its share: the Flower "
             "engine can only send a sample count (an audit's max_samples)"
@@ -99,7 +99,8 @@ def samples_of(task: ClientTask) -> int:
 def task_config(task: ClientTask) -> dict[str, Any]:
     """What a node needs to train ``task`` besides the model (the data is the node's own)."""
     return {"client-id": task.client_id, "seed": task.seed, "samples": samples_of(task),
-            "training": json.dumps(dataclasses.asdict(task.training))}  # fmt: skip
+            "training": json.dumps(dataclasses.asdict(task.training)),
+            "learning-task": json.dumps(task_spec(task.task))}  # fmt: skip
 
 
 def task_message(task: ClientTask, model: bytes, node_id: int) -> Message:
@@ -142,20 +143,23 @@ def result_of(reply: Message, task: ClientTask) -> ClientResult:
 
 
 def run_task(
-    data: Sequence[ImageDataset], config: Any, module: bytes, defenses: DefenseFactory
+    data: Sequence[Dataset], config: Any, module: bytes, defenses: DefenseFactory
 ) -> tuple[nn.Module, ClientResult]:
     """Train the task a message's ``config`` (:func:`task_config`) names on the module it sent."""
     cid = int(config["client-id"])
     model = module_from(module)
     training = LocalTraining(**json.loads(str(config["training"])))
+    learning = task_from_spec(json.loads(str(config["learning-task"])))
     n = int(config["samples"])
     share = data[cid]
     train_data, private = (share, None) if n < 0 else (share.subset(np.arange(n)), share)
     gen = torch.Generator().manual_seed(int(config["seed"]))
-    return model, train_client(cid, model, train_data, training, list(defenses()), gen, private=private)
+    result = train_client(cid, model, train_data, training, list(defenses()), gen, private=private,
+                          task=learning)  # fmt: skip
+    return model, result
 
 
-def secure_reply(msg: Message, data: Sequence[ImageDataset], defenses: DefenseFactory) -> Message:
+def secure_reply(msg: Message, data: Sequence[Dataset], defenses: DefenseFactory) -> Message:
     """A SecAgg+ round's train message (legacy ``FitIns``, the task in its config): the update's tensors
     as ``FitRes`` parameters, in the model's parameter order, for ``secaggplus_mod`` to mask. A failed
     client raises (a dropout for the protocol), as does an update outside the clipping range."""
@@ -196,7 +200,7 @@ def secagg_when_asked(msg: Message, ctx: Context, call_next: ClientAppCallable) 
 
 
 def task_client_app(
-    clients: Sequence[ImageDataset], defenses: DefenseFactory, *, secagg: bool = False
+    clients: Sequence[Dataset], defenses: DefenseFactory, *, secagg: bool = False
 ) -> ClientApp:
     """The ClientApp of the Flower engine: it holds every client's data (a simulation) and trains the
     client the task names (module docstring). ``defenses()`` builds a fresh list per task; it travels
@@ -432,7 +436,7 @@ class FlowerRunner:
 
     def run(
         self,
-        clients: Sequence[ImageDataset],
+        clients: Sequence[Dataset],
         defenses: DefenseFactory,
         work: Callable[[Engine], T],
         *,

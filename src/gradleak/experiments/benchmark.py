@@ -1,0 +1,294 @@
+"""Benchmarks as configs of the engine: one TOML per paper table or claim, run by the experiment runner.
+
+A benchmark file is an experiment config (the base every cell shares) plus a ``[benchmark]`` table::
+
+    [benchmark]
+    name = "text_attacks"                       # the result file: benchmarks/results/<name>_<scale>.json
+    claim = "paper 002 Tables III-VI: ..."      # what it measures, in words
+    seeds = [0]                                 # experiment.seed of every cell
+    paper = { dager_rouge1_min = 0.98 }         # the paper's numbers, stored beside ours
+    previous = "text_attacks_{scale}.json"      # a committed result this re-derives (optional)
+
+    [[benchmark.cells]]                         # one experiment (or grid) per cell
+    name = "gpt2_small-rotten_tomatoes"
+    overrides = ["model.name='gpt2_small'"]     # dotted key=value, applied to the base
+    match = { model = "gpt2_small", dataset = "rotten_tomatoes" }   # its rows in ``previous``
+
+    [benchmark.scales.small]                    # smoke | small | paper
+    overrides = ["audit.clients=1"]             # applied after the cell's
+    cells = ["gpt2_small-rotten_tomatoes"]      # optional: the cells this scale runs (default: all)
+
+Every cell runs through :func:`~gradleak.experiments.runner.run_experiment` (or
+:func:`~gradleak.experiments.grid.run_grid` for a ``[grid]`` base) into one store, so an interrupted
+benchmark resumes where it stopped and a finished cell is reused. The result JSON holds the command, git
+commit, machine, seeds and scale, one row per cell, defense and attack (mean, standard deviation and count
+of every privacy score over the attacked updates, utility, cost), the paper's numbers and, with
+``previous``, each row next to the committed row it re-derives.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import statistics
+import sys
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradleak.experiments import columns
+from gradleak.experiments.config import ConfigError, ExperimentConfig, load_config
+from gradleak.experiments.grid import run_grid
+from gradleak.experiments.runner import RunOutcome, environment, run_experiment
+from gradleak.experiments.store import ResultStore
+from gradleak.fileio import atomic_write
+
+log = logging.getLogger(__name__)
+
+SCALES = ("smoke", "small", "paper")
+MEAN = (*columns.keys(), "valid", "attack_seconds")  # averaged over a row's attacked updates, where present
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One experiment of a benchmark: ``overrides`` on the base; ``match`` selects its rows in the committed
+    result it re-derives, ``previous`` (candidate files, the first that exists) overrides the benchmark's."""
+
+    name: str
+    overrides: tuple[str, ...] = ()
+    match: Mapping[str, Any] = field(default_factory=dict)
+    previous: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Scale:
+    overrides: tuple[str, ...] = ()
+    cells: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """A parsed benchmark file: its ``[benchmark]`` table and the base experiment (module docstring)."""
+
+    name: str
+    claim: str
+    base: Mapping[str, Any]
+    cells: tuple[Cell, ...]
+    scales: Mapping[str, Scale]
+    seeds: tuple[int, ...] = (0,)
+    paper: Mapping[str, Any] = field(default_factory=dict)
+    previous: str | None = None
+    source: Path | None = None
+
+    def configs(
+        self, scale: str, seeds: Sequence[int] | None = None
+    ) -> list[tuple[Cell, int, ExperimentConfig]]:
+        """Every cell of ``scale`` for every seed, validated (all before any work)."""
+        if scale not in self.scales:
+            raise ConfigError(f"benchmark {self.name!r} has no scale {scale!r}; it has {sorted(self.scales)}")
+        sc = self.scales[scale]
+        names = [c.name for c in self.cells]
+        unknown = sorted(set(sc.cells or ()) - set(names))
+        if unknown:
+            raise ConfigError(f"benchmark.scales.{scale}.cells names unknown cells {unknown}; cells: {names}")
+        chosen = [c for c in self.cells if sc.cells is None or c.name in sc.cells]
+        out = []
+        for cell in chosen:
+            for seed in seeds if seeds is not None else self.seeds:
+                overrides = [*cell.overrides, *sc.overrides, f"experiment.seed={seed}",
+                             f"experiment.name='{self.name}.{cell.name}'"]  # fmt: skip
+                try:
+                    cfg = load_config(json.loads(json.dumps(self.base)), overrides)
+                except ConfigError as exc:
+                    raise ConfigError(
+                        f"benchmark {self.name!r} cell {cell.name!r} ({scale}): {exc}"
+                    ) from None
+                out.append((cell, seed, cfg))
+        return out
+
+
+def _strings(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+    return tuple(value)
+
+
+def load_benchmark(path: str | Path) -> Benchmark:
+    """Parse and check a benchmark file (module docstring); its cells are validated by :meth:`configs`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"benchmark file {str(path)!r} does not exist")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    spec = raw.pop("benchmark", None)
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"{path}: a benchmark file needs a [benchmark] table")
+    known = {"name", "claim", "seeds", "paper", "previous", "cells", "scales"}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in [benchmark]; valid keys: {sorted(known)}")
+    cells = []
+    for i, c in enumerate(spec.get("cells") or [{"name": "all"}]):
+        if not isinstance(c, Mapping) or not isinstance(c.get("name"), str):
+            raise ConfigError(f"benchmark.cells[{i}] needs a string name, got {c!r}")
+        extra = sorted(set(c) - {"name", "overrides", "match", "previous"})
+        if extra:
+            raise ConfigError(f"unknown key(s) {extra} in benchmark.cells[{i}]")
+        where = f"benchmark.cells[{i}]"
+        overrides = _strings(c.get("overrides", []), f"{where}.overrides")
+        previous = _strings(c.get("previous", []), f"{where}.previous")
+        cells.append(Cell(c["name"], overrides, dict(c.get("match", {})), previous))
+    if len({c.name for c in cells}) != len(cells):
+        raise ConfigError(f"benchmark.cells repeat a name: {[c.name for c in cells]}")
+    scales = {}
+    for name, s in (spec.get("scales") or {}).items():
+        if name not in SCALES:
+            raise ConfigError(f"benchmark.scales.{name}: the scales are {list(SCALES)}")
+        if not isinstance(s, Mapping) or sorted(set(s) - {"overrides", "cells"}):
+            raise ConfigError(f"benchmark.scales.{name} takes overrides and cells, got {s!r}")
+        chosen = _strings(s["cells"], f"benchmark.scales.{name}.cells") if "cells" in s else None
+        scales[name] = Scale(_strings(s.get("overrides", []), f"benchmark.scales.{name}.overrides"), chosen)
+    seeds = spec.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(v, int) for v in seeds):
+        raise ConfigError(f"benchmark.seeds must be a non-empty list of ints, got {seeds!r}")
+    name = spec.get("name", path.stem)
+    if not isinstance(name, str) or not name.replace("_", "").isalnum():
+        raise ConfigError(f"benchmark.name must be letters, digits and underscores, got {name!r}")
+    return Benchmark(name, str(spec.get("claim", "")), raw, tuple(cells), scales or {"small": Scale()},
+                     tuple(seeds), dict(spec.get("paper", {})), spec.get("previous"), path)  # fmt: skip
+
+
+def _mean_rows(cell: Cell, seed: int, outcome: RunOutcome, defense: str) -> list[dict[str, Any]]:
+    """One row per attack of a run: mean, sd and count of each score over its attacked updates."""
+    summary = outcome.of_kind("summary")[0]
+    rows = []
+    for i, spec in enumerate(outcome.config.audit.attacks):
+        records = [r for r in outcome.of_kind("attack") if r.get("cell") == i]
+        row: dict[str, Any] = {"cell": cell.name, "seed": seed, "run_id": outcome.run_id, "defense": defense,
+                               "attack": spec.name, "updates": len(records),
+                               "refused": sum(1 for r in records if r.get("refused")),
+                               **{c.key: summary.get(c.key) for c in columns.UTILITY if c.key in summary},
+                               "fl_seconds": summary.get("fl_seconds")}  # fmt: skip
+        for key in MEAN:
+            values = [float(r[key]) for r in records if isinstance(r.get(key), int | float | bool)]
+            if values:
+                row[key] = statistics.fmean(values)
+                row[f"{key}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
+        rows.append(row)
+    return rows
+
+
+def _with_cost(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """FL time over the ``none`` row's of the same cell and seed (measured in the same run)."""
+    base = {(r["cell"], r["seed"]): r["fl_seconds"] for r in rows if r["defense"] == "none"}
+    for r in rows:
+        b = base.get((r["cell"], r["seed"]))
+        r["cost"] = r["fl_seconds"] / b if b and r.get("fl_seconds") is not None else None
+    return rows
+
+
+def compare(rows: Sequence[dict[str, Any]], cell: Cell, previous: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``cell``'s rows beside the committed rows they re-derive: the previous summary rows whose keys equal
+    the cell's ``match`` and whose attack (``attack`` or ``probe``) and defense (``defense`` or ``setting``,
+    where the previous rows have one) are the row's; ``delta`` = ours - theirs for the shared scores."""
+    prev = previous.get("result", previous).get("summary", [])
+    want = dict(cell.match)
+    out = []
+    for r in rows:
+        if r["cell"] != cell.name or not want:
+            continue
+        found = [p for p in prev if all(p.get(k) == v for k, v in want.items())
+                 and (p.get("attack") or p.get("probe")) == r["attack"]
+                 and (p.get("defense") or p.get("setting") or "none") == r["defense"]]  # fmt: skip
+        if not found:
+            continue
+        p = found[0]
+        shared = [k for k in ("rouge1", "rouge2", "rougeL", "meteor", "exact", "psnr_mean",
+                              "reconstruction_rate", "label_accuracy") if isinstance(p.get(k), int | float)
+                  and isinstance(r.get(k), int | float)]  # fmt: skip
+        scores = {k: {"ours": r[k], "previous": p[k], "delta": r[k] - p[k]} for k in shared}
+        out.append({"cell": r["cell"], "seed": r["seed"], "defense": r["defense"], "attack": r["attack"],
+                    "previous_n": p.get("n"), "updates": r["updates"], **scores})  # fmt: skip
+    return out
+
+
+def machine() -> dict[str, Any]:
+    env = environment()
+    return {"platform": env["platform"], "machine": env["machine"], "python": env["python"],
+            "torch": env["torch"], "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}  # fmt: skip
+
+
+def run_benchmark(
+    bench: Benchmark,
+    scale: str,
+    *,
+    out: Path,
+    store: ResultStore,
+    seeds: Sequence[int] | None = None,
+    previous_dir: Path | None = None,
+) -> Path:
+    """Run every cell of ``scale`` (all validated first), write ``out/<name>_<scale>.json``; returns it."""
+    plan = bench.configs(scale, seeds)
+    store.check()
+    rows: list[dict[str, Any]] = []
+    for cell, seed, cfg in plan:
+        log.info("benchmark %s: cell %s, seed %d", bench.name, cell.name, seed)
+        if cfg.grid.defenses:
+            grid = run_grid(cfg, store=store)
+            for c in grid.cells:
+                rows += _mean_rows(cell, seed, c.outcome, c.label)
+        else:
+            outcome = run_experiment(cfg, store=store)
+            rows += _mean_rows(cell, seed, outcome, _defense(cfg))
+    rows = _with_cost(rows)
+    env = environment()
+    payload: dict[str, Any] = {
+        "benchmark": bench.name, "claim": bench.claim, "scale": scale,
+        "seeds": list(seeds if seeds is not None else bench.seeds),
+        "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "config": str(bench.source) if bench.source else None,
+        "git": {"commit": env["git_commit"]}, "machine": machine(), "store": str(store.path),
+        "paper": dict(bench.paper), "rows": rows,
+    }  # fmt: skip
+    comparisons = []
+    for cell in {c.name: c for c, _, _ in plan}.values():
+        candidates = cell.previous or ((bench.previous,) if bench.previous else ())
+        names = [c.format(scale=scale) for c in candidates]
+        found = next((n for n in names if ((previous_dir or out) / n).is_file()), None)
+        if found is None:
+            if names:
+                log.warning(
+                    "benchmark %s: no committed result among %s for cell %s", bench.name, names, cell.name
+                )
+            continue
+        committed = json.loads(((previous_dir or out) / found).read_text())
+        comparisons += [{"file": found, **row} for row in compare(rows, cell, committed)]
+    if comparisons:
+        payload["previous"] = comparisons
+    path = out / f"{bench.name}_{scale}.json"
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(payload, indent=1, default=str)))
+    return path
+
+
+def _defense(cfg: ExperimentConfig) -> str:
+    from gradleak.experiments.config import cell_label
+
+    return " + ".join(cell_label(s) for s in cfg.defenses) or "none"
+
+
+def describe(path: Path) -> str:
+    """A one-line account of a result file (for the CLI)."""
+    data = json.loads(path.read_text())
+    commit = data["git"]["commit"][:12]
+    return f"{data['benchmark']} ({data['scale']}): {len(data['rows'])} rows, commit {commit}"

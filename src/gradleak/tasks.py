@@ -1,0 +1,187 @@
+"""What a client trains: the learning task (its data type, loss and evaluation metric).
+
+One client loop (:func:`gradleak.fl.client.train_client`), one :class:`~gradleak.fl.FederatedSimulation`
+and one runner serve every task; only the :class:`Task` differs:
+
+- ``image_classification``: :class:`~gradleak.data.base.ImageDataset`, mean cross-entropy of
+  ``model(images)``, top-1 accuracy; trains in train mode (BatchNorm batch statistics, dropout on).
+- ``text_classification``: :class:`~gradleak.text.data.TokenDataset`, the sequence-classification
+  cross-entropy of a transformers model, top-1 accuracy.
+- ``causal_lm``: :class:`~gradleak.text.data.TokenDataset`, mean next-token cross-entropy over real tokens
+  (padded positions carry label -100), perplexity exp(token-weighted mean NLL) and next-token accuracy.
+
+The text tasks train in eval mode by default (no dropout: the deterministic setting of paper 002 and
+DAGER); ``dropout = true`` trains them in train mode. A task is a small frozen dataclass, rebuilt by name
+from :data:`TASKS` where a client runs in another process (Flower's nodes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from gradleak.data.base import ImageDataset
+from gradleak.text.data import TextBatch, TokenDataset
+
+Dataset = ImageDataset | TokenDataset
+EVAL_BATCH = 256
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A learning task: ``loss`` is what the client differentiates, ``evaluate`` the server's utility
+    metrics (always ``accuracy``; a task may add others, e.g. ``perplexity``), ``mode`` the module mode
+    local training runs in (``"train"`` or ``"eval"``), ``modality`` the data it takes."""
+
+    name: ClassVar[str]
+    modality: ClassVar[str]
+
+    @property
+    def mode(self) -> str: ...
+
+    def loss(self, model: nn.Module, data: Any) -> torch.Tensor: ...
+
+    def evaluate(self, model: nn.Module, data: Any) -> dict[str, float]: ...
+
+
+def _check_mode(task: object) -> None:
+    if getattr(task, "mode", None) not in ("train", "eval"):
+        raise ValueError(f"{type(task).__name__}.mode must be 'train' or 'eval', got {task.mode!r}")  # type: ignore[attr-defined]
+
+
+def _check(data: object, kind: type, task: str) -> None:
+    if not isinstance(data, kind):
+        raise TypeError(f"the {task} task trains on a {kind.__name__}, got a {type(data).__name__}")
+
+
+@dataclass(frozen=True)
+class ImageClassification:
+    """Cross-entropy of ``model(images)`` against the labels; top-1 accuracy."""
+
+    name: ClassVar[str] = "image_classification"
+    modality: ClassVar[str] = "image"
+    mode: str = "train"
+
+    def __post_init__(self) -> None:
+        _check_mode(self)
+
+    def loss(self, model: nn.Module, data: ImageDataset) -> torch.Tensor:
+        _check(data, ImageDataset, self.name)
+        return F.cross_entropy(model(data.images), data.labels)
+
+    def evaluate(self, model: nn.Module, data: ImageDataset) -> dict[str, float]:
+        from gradleak.fl.server import evaluate  # the server's one accuracy loop
+
+        return {"accuracy": evaluate(model, data.images, data.labels)}
+
+
+def text_loss(model: nn.Module, batch: TextBatch, task: str) -> torch.Tensor:
+    """Mean cross-entropy of a transformers ``model`` on ``batch`` for ``task`` (causal_lm or
+    classification): the model's own loss with ``labels`` (next-token, padded positions -100; or the
+    class labels)."""
+    if task == "causal_lm":
+        labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)
+    elif task == "classification":
+        if batch.labels is None:
+            raise ValueError("classification needs batch.labels")
+        labels = batch.labels
+    else:
+        raise ValueError(f"task must be 'causal_lm' or 'classification', got {task!r}")
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=labels)
+    loss: torch.Tensor = out.loss
+    return loss
+
+
+def _chunks(data: TokenDataset) -> list[TextBatch]:
+    return [
+        data.subset(range(i, min(i + EVAL_BATCH, len(data)))).batch() for i in range(0, len(data), EVAL_BATCH)
+    ]
+
+
+@dataclass(frozen=True)
+class TextClassification:
+    """Sequence-classification cross-entropy; top-1 accuracy."""
+
+    name: ClassVar[str] = "text_classification"
+    modality: ClassVar[str] = "text"
+    mode: str = "eval"
+
+    def __post_init__(self) -> None:
+        _check_mode(self)
+
+    def loss(self, model: nn.Module, data: TokenDataset) -> torch.Tensor:
+        _check(data, TokenDataset, self.name)
+        return text_loss(model, data.batch(), "classification")
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, data: TokenDataset) -> dict[str, float]:
+        _check(data, TokenDataset, self.name)
+        if data.labels is None:
+            raise ValueError(f"{data.name}: text classification needs labels")
+        was = model.training
+        model.eval()
+        correct = 0
+        for b in _chunks(data):
+            logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+            correct += int((logits.argmax(-1) == b.labels).sum())
+        model.train(was)
+        return {"accuracy": correct / max(1, len(data))}
+
+
+@dataclass(frozen=True)
+class CausalLM:
+    """Next-token cross-entropy over real tokens; perplexity and next-token top-1 accuracy."""
+
+    name: ClassVar[str] = "causal_lm"
+    modality: ClassVar[str] = "text"
+    mode: str = "eval"
+
+    def __post_init__(self) -> None:
+        _check_mode(self)
+
+    def loss(self, model: nn.Module, data: TokenDataset) -> torch.Tensor:
+        _check(data, TokenDataset, self.name)
+        return text_loss(model, data.batch(), "causal_lm")
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, data: TokenDataset) -> dict[str, float]:
+        """``perplexity`` = exp(sum NLL / next-token positions), ``accuracy`` = the share of those positions
+        whose argmax is the next token."""
+        _check(data, TokenDataset, self.name)
+        was = model.training
+        model.eval()
+        nll, hits, count = 0.0, 0, 0
+        for b in _chunks(data):
+            logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
+            target, keep = b.input_ids[:, 1:], (b.attention_mask[:, 1:] * b.attention_mask[:, :-1]).bool()
+            nll += float(F.cross_entropy(logits[keep], target[keep], reduction="sum"))
+            hits += int((logits[keep].argmax(-1) == target[keep]).sum())
+            count += int(keep.sum())
+        model.train(was)
+        if count == 0:
+            raise ValueError(f"{data.name}: no next-token positions to score")
+        return {"accuracy": hits / count, "perplexity": math.exp(nll / count)}
+
+
+TASKS: dict[str, type] = {t.name: t for t in (ImageClassification, TextClassification, CausalLM)}
+IMAGE_CLASSIFICATION = ImageClassification()
+# the model factories' names for the text tasks
+TEXT_TASK_OF_MODEL = {"classification": TextClassification.name, "causal_lm": CausalLM.name}
+
+
+def task_spec(task: Task) -> dict[str, Any]:
+    """A task as JSON: its name and fields (rebuilt by :func:`task_from_spec`)."""
+    return {"name": task.name, **dataclasses.asdict(task)}  # type: ignore[call-overload]
+
+
+def task_from_spec(spec: Mapping[str, Any]) -> Task:
+    fields = {k: v for k, v in spec.items() if k != "name"}
+    task: Task = TASKS[str(spec["name"])](**fields)
+    return task
