@@ -148,3 +148,66 @@ def test_the_report_opens_in_a_real_browser_with_every_image_loaded_and_no_conso
     subprocess.run(["chromium", *flags, f"--screenshot={shot}", "--window-size=1280,2000", report.as_uri()],
                    capture_output=True, timeout=120, check=True)  # fmt: skip
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+
+
+TEXT_GRID = ROOT / "examples" / "wikitext2_gpt2_dager.toml"
+TEXT_TINY = [
+    "data.train_limit=120", "data.test_limit=40", "data.num_clients=6", "fl.fraction=0.5", "fl.rounds=1",
+    "grid.defenses=['none', 'aegis_llm']", "audit.attacks=[{name = 'dager', vocab = 'embedding'}]",
+    "experiment.name='textgrid'",
+]  # fmt: skip
+
+
+class Texts(HTMLParser):
+    """The rows of the report's text tables (true sequence, recovered)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[list[str]] = []
+        self._on = self._cell = False
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table" and dict(attrs).get("class") == "texts":
+            self._on = True
+        elif tag == "tr" and self._on:
+            self.rows.append([])
+        elif tag == "td" and self._on:
+            self._cell = True
+            self.rows[-1].append("")
+
+    def handle_endtag(self, tag):
+        self._on = self._on and tag != "table"
+        self._cell = self._cell and tag != "td"
+
+    def handle_data(self, data):
+        if self._cell:
+            self.rows[-1][-1] += data
+
+
+def test_a_text_grid_report_shows_rouge_beside_its_null_and_the_texts(tmp_path):
+    out = tmp_path / "out"
+    assert main(["--quiet", "run", str(TEXT_GRID), *TEXT_TINY, "--out", str(out)]) == 0
+    html_text = (out / "textgrid" / "report.html").read_text(encoding="utf-8")
+    page = Page()
+    page.feed(html_text)
+    header, *rows = page.rows
+    assert header[:5] == ["defense", "attack", "updates", "R-1 over null", "ROUGE-1"]
+    assert "test ppl" in header and "PSNR dB" not in header
+    assert [(r[0], r[1], r[2]) for r in rows] == [("none", "dager(vocab=embedding)", "2"),
+                                                  ("aegis_llm", "dager(vocab=embedding)", "2")]  # fmt: skip
+    store = ResultStore(out / "results.sqlite")
+    runs = {r.name: r for r in store.runs()}
+    for row, name in zip(rows, ("textgrid.none", "textgrid.aegis_llm"), strict=True):
+        records = store.records(runs[name].run_id, "attack")
+        r1 = [r["rouge1"] for r in records]
+        assert row[4] == f"{statistics.fmean(r1):.2f} ± {statistics.stdev(r1):.2f}"
+        summary = store.records(runs[name].run_id, "summary")[0]
+        assert row[header.index("test ppl")] == f"{summary['final_perplexity']:.3f}"
+    assert rows[0][4] == "1.00 ± 0.00" and rows[1][4] == "0.00 ± 0.00"  # DAGER exact; AEGIS blocks it
+    texts = Texts()
+    texts.feed(html_text)
+    none_records = store.records(runs["textgrid.none"].run_id, "attack")
+    first = next(r for r in none_records if r.get("true_texts"))
+    shown = [r for r in texts.rows if r]  # the rows of the first text table (after its header)
+    assert shown[: len(first["true_texts"])] == [[t, t] for t in first["true_texts"]]  # each true = its match
+    assert page.scripts == 0 and page.external == []

@@ -105,10 +105,12 @@ def execute_grid(cfg: ExperimentConfig, args: argparse.Namespace) -> GridOutcome
                     per_run_folder=True)  # fmt: skip
     rows = grid.summary()
     privacy = [c for c in columns.PRIVACY[modality_of(cfg.data.dataset)] if c.key != "label_accuracy"]
+    ppl = any(r.get("perplexity") is not None for r in rows)  # a causal LM's utility
     table = [[r["defense"], r["attack"], r["updates"], *(_pm(r, c.key) for c in privacy),
-              r.get("label_accuracy"), r["accuracy"], r["cost"]] for r in rows]  # fmt: skip
+              r.get("label_accuracy"), r["accuracy"], *([r["perplexity"]] if ppl else []), r["cost"]]
+             for r in rows]  # fmt: skip
     headers = ["defense", "attack", "updates", *(c.header for c in privacy), "label acc", "test acc",
-               "FL time / none"]  # fmt: skip
+               *(["test ppl"] if ppl else []), "FL time / none"]  # fmt: skip
     print(render(headers, table))
     path = out / cfg.experiment.name / "grid.json"
     cells = [{"defense": c.label, "run_id": c.outcome.run_id, "reused": c.reused} for c in grid.cells]

@@ -8,6 +8,7 @@ A benchmark file is an experiment config (the base every cell shares) plus a ``[
     seeds = [0]                                 # experiment.seed of every cell
     paper = { dager_rouge1_min = 0.98 }         # the paper's numbers, stored beside ours
     previous = "text_attacks_{scale}.json"      # a committed result this re-derives (optional)
+    aliases = { "aegis_llm(flood_mlp=False)" = "aegis_2ch" }   # our defense label -> the committed one's
 
     [[benchmark.cells]]                         # one experiment (or grid) per cell
     name = "gpt2_small-rotten_tomatoes"
@@ -84,6 +85,7 @@ class Benchmark:
     seeds: tuple[int, ...] = (0,)
     paper: Mapping[str, Any] = field(default_factory=dict)
     previous: str | None = None
+    aliases: Mapping[str, str] = field(default_factory=dict)
     source: Path | None = None
 
     def configs(
@@ -131,7 +133,7 @@ def load_benchmark(path: str | Path) -> Benchmark:
     spec = raw.pop("benchmark", None)
     if not isinstance(spec, Mapping):
         raise ConfigError(f"{path}: a benchmark file needs a [benchmark] table")
-    known = {"name", "claim", "seeds", "paper", "previous", "cells", "scales"}
+    known = {"name", "claim", "seeds", "paper", "previous", "aliases", "cells", "scales"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in [benchmark]; valid keys: {sorted(known)}")
@@ -162,8 +164,12 @@ def load_benchmark(path: str | Path) -> Benchmark:
     name = spec.get("name", path.stem)
     if not isinstance(name, str) or not name.replace("_", "").isalnum():
         raise ConfigError(f"benchmark.name must be letters, digits and underscores, got {name!r}")
+    aliases = spec.get("aliases", {})
+    if not isinstance(aliases, Mapping) or not all(isinstance(v, str) for v in aliases.values()):
+        raise ConfigError(f"benchmark.aliases must map defense labels to names, got {aliases!r}")
     return Benchmark(name, str(spec.get("claim", "")), raw, tuple(cells), scales or {"small": Scale()},
-                     tuple(seeds), dict(spec.get("paper", {})), spec.get("previous"), path)  # fmt: skip
+                     tuple(seeds), dict(spec.get("paper", {})), spec.get("previous"), dict(aliases),
+                     path)  # fmt: skip
 
 
 def _mean_rows(cell: Cell, seed: int, outcome: RunOutcome, defense: str) -> list[dict[str, Any]]:
@@ -195,19 +201,26 @@ def _with_cost(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def compare(rows: Sequence[dict[str, Any]], cell: Cell, previous: Mapping[str, Any]) -> list[dict[str, Any]]:
+def compare(
+    rows: Sequence[dict[str, Any]],
+    cell: Cell,
+    previous: Mapping[str, Any],
+    aliases: Mapping[str, str] | None = None,
+) -> list[dict[str, Any]]:
     """``cell``'s rows beside the committed rows they re-derive: the previous summary rows whose keys equal
     the cell's ``match`` and whose attack (``attack`` or ``probe``) and defense (``defense`` or ``setting``,
-    where the previous rows have one) are the row's; ``delta`` = ours - theirs for the shared scores."""
+    where the previous rows have one; ours renamed by ``aliases``) are the row's; ``delta`` = ours - theirs
+    for the shared scores."""
     prev = previous.get("result", previous).get("summary", [])
     want = dict(cell.match)
     out = []
     for r in rows:
         if r["cell"] != cell.name or not want:
             continue
+        defense = (aliases or {}).get(r["defense"], r["defense"])
         found = [p for p in prev if all(p.get(k) == v for k, v in want.items())
                  and (p.get("attack") or p.get("probe")) == r["attack"]
-                 and (p.get("defense") or p.get("setting") or "none") == r["defense"]]  # fmt: skip
+                 and (p.get("defense") or p.get("setting") or "none") == defense]  # fmt: skip
         if not found:
             continue
         p = found[0]
@@ -272,7 +285,7 @@ def run_benchmark(
                 )
             continue
         committed = json.loads(((previous_dir or out) / found).read_text())
-        comparisons += [{"file": found, **row} for row in compare(rows, cell, committed)]
+        comparisons += [{"file": found, **row} for row in compare(rows, cell, committed, bench.aliases)]
     if comparisons:
         payload["previous"] = comparisons
     path = out / f"{bench.name}_{scale}.json"

@@ -73,16 +73,18 @@ def _number(value: Any, digits: int = 3) -> str:
 
 
 def _texts(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """Each text attack's reconstructions beside the client's true sequences (the first update's)."""
+    """Each text attack's reconstructions beside the client's true sequences (the first update's): each
+    true sequence with the reconstruction matched to it (a token-set attack: its recovered tokens)."""
     out = ["<h2>Text reconstructions</h2>"]
     for row in rows:
         rec = next((r for r in row["records"] if r.get("true_texts")), None)
         if rec is None:
             continue
         who = "secure-aggregation sum" if rec.get("aggregated") else f"client {rec.get('client_id')}"
-        out.append(f"<h3>{html.escape(row['defense'])}: {html.escape(row['attack'])} on {who}</h3>"
-                   "<table class='texts'><tr><th>true sequences</th><th>recovered</th></tr>")  # fmt: skip
-        truth, found = rec["true_texts"], rec.get("texts") or []
+        out.append(f"<h3>{html.escape(row['defense'])}: {html.escape(row['attack'])} on {who}</h3>")
+        out.append("<table class='texts'><tr><th>true sequence</th><th>its matched reconstruction</th></tr>")
+        truth = rec["true_texts"]
+        found = rec.get("matched_texts") or rec.get("texts") or []  # a token set: its one text
         for k in range(max(len(truth), len(found))):
             t = html.escape(truth[k]) if k < len(truth) else ""
             f = html.escape(found[k]) if k < len(found) else ""

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from gradleak.attacks import create_attack
 from gradleak.data import partition
+from gradleak.data.base import ImageDataset
 from gradleak.defenses.in_loop import build_defenses
 from gradleak.experiments.config import ConfigError, ExperimentConfig
 from gradleak.experiments.figures import save_reconstruction_grid
@@ -394,7 +395,8 @@ class _Run:
                           "num_clients": obs.num_clients, "batch_size": len(truth), "refused": refused,
                           "attack_seconds": attack_seconds,
                           **reconstruction.stats, **scores}  # fmt: skip
-                if folder is not None and reconstruction.images is not None and "matching" in scores:
+                if (folder is not None and reconstruction.images is not None and "matching" in scores
+                        and isinstance(truth, ImageDataset)):  # fmt: skip
                     orig, recon, title, caps = _figure(
                         spec.name, obs, reconstruction.images, truth.images, scores
                     )

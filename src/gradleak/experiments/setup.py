@@ -220,13 +220,18 @@ class TextSetup:
         tokens), label accuracy, and the first reconstructed and true texts."""
         refs = truth.batch().sequences()
         found = rec.token_ids or []
+        hyps, true = decode(self.tokenizer, found), decode(self.tokenizer, refs)
         if rec.ordered:
-            scores = score_texts(decode(self.tokenizer, found), decode(self.tokenizer, refs))
+            scores = score_texts(hyps, true)
+            matched = [""] * len(true)  # each true sequence's matched reconstruction
+            for i, j in scores.pairs:
+                matched[j] = hyps[i]
         else:
             scores = score_token_set([t for seq in found for t in seq], refs, self.tokenizer)
+            matched = []
         return {**scores.as_dict(), "label_accuracy": label_accuracy(rec.labels, truth.labels),
-                "recovered_sequences": len(found), "texts": decode(self.tokenizer, found)[:SHOWN_TEXTS],
-                "true_texts": decode(self.tokenizer, refs)[:SHOWN_TEXTS]}  # fmt: skip
+                "recovered_sequences": len(found), "texts": hyps[:SHOWN_TEXTS],
+                "true_texts": true[:SHOWN_TEXTS], "matched_texts": matched[:SHOWN_TEXTS]}  # fmt: skip
 
     def floors(
         self, attack: Attack, obs: Observation, truth: TokenDataset, scores: dict[str, Any],
@@ -255,7 +260,7 @@ def text_setup(cfg: ExperimentConfig) -> TextSetup:
     entry = MODELS.entry(cfg.model.name)
     if entry.modality != "text":
         raise ConfigError(f"model.name = {cfg.model.name!r} is not a text model; data.dataset is text")
-    task_name = cfg.model.task or getattr(entry.factory, "default_task", "classification")
+    task_name = str(cfg.model.task or getattr(entry.factory, "default_task", "classification"))
     if task_name == "classification" and raw_train.labels is None:
         raise ConfigError(
             f'data.dataset = {cfg.data.dataset!r} has no labels: set model.task = "causal_lm" '

@@ -11,7 +11,7 @@ update itself; only the engine's evaluation code reads it, never an attack.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +37,7 @@ class ClientResult:
     sample_index: tuple[int, ...] | None = None
 
 
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
 }  # fmt: skip
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from gradleak.data.root import check_limit, check_split, require_file, resolve_data_root
@@ -256,7 +257,7 @@ class TokenDataset:
         width = int(self.attention_mask.sum(1).max()) if len(self) else 0
         return TextBatch(self.input_ids[:, :width], self.attention_mask[:, :width], self.labels)
 
-    def subset(self, indices: Sequence[int] | torch.Tensor) -> TokenDataset:
+    def subset(self, indices: Sequence[int] | torch.Tensor | np.ndarray) -> TokenDataset:
         idx = torch.as_tensor([int(i) for i in indices], dtype=torch.long)
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
         return TokenDataset(self.name, self.input_ids[idx], self.attention_mask[idx], pick(self.labels),
