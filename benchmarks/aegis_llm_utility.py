@@ -74,9 +74,7 @@ SCALES = {
 
 def datasets(task: Task, seed: int) -> tuple[TextDataset, TextDataset]:
     if task.dataset == "wikitext2":
-        return load_text_dataset("wikitext2", split="valid"), load_text_dataset(
-            "wikitext2", split="test"
-        )
+        return load_text_dataset("wikitext2", split="valid"), load_text_dataset("wikitext2", split="test")
     train, test = split(load_text_dataset(task.dataset), [0.8, 0.2], seed=seed)
     return train, test
 
