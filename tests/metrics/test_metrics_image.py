@@ -390,6 +390,12 @@ def test_score_images_end_to_end(gray: torch.Tensor) -> None:
     assert scores.ssim_mean == pytest.approx(float(np.mean(scores.ssim)))
     assert 0 < scores.fsim_mean < 1
     assert scores.lpips is None and scores.lpips_note == LPIPS_UNAVAILABLE_NOTE
+    quick = score_images(
+        recon[order] * 1.1 - 0.05, truth, with_fsim=False
+    )  # the floors' scoring: the same, without FSIM
+    assert quick.fsim == () and quick.fsim_mean is None
+    assert (quick.psnr, quick.ssim, quick.matching) == (scores.psnr, scores.ssim, scores.matching)
+    assert quick.reconstruction_rate == scores.reconstruction_rate
 
 
 def test_score_images_caps_inf_psnr_in_summary(gray: torch.Tensor) -> None:

@@ -9,14 +9,16 @@ A benchmark file is an experiment config (the base every cell shares) plus a ``[
     paper = { dager_rouge1_min = 0.98 }         # the paper's numbers, stored beside ours
     previous = "text_attacks_{scale}.json"      # a committed result this re-derives (optional)
     aliases = { "aegis_llm(flood_mlp=False)" = "aegis_2ch" }   # our defense label -> the committed one's
+    keys = { psnr_mean = "psnr_mean_all" }      # our score -> the committed one's name
 
-    [[benchmark.cells]]                         # one experiment (or grid) per cell
+    [[benchmark.cells]]                         # one experiment (or grid) per cell; or [[benchmark.axes.X]]
+                                                # tables whose product (names joined by "-") are the cells
     name = "gpt2_small-rotten_tomatoes"
     overrides = ["model.name='gpt2_small'"]     # dotted key=value, applied to the base
     match = { model = "gpt2_small", dataset = "rotten_tomatoes" }   # its rows in ``previous``
 
     [benchmark.scales.small]                    # smoke | small | paper
-    overrides = ["audit.clients=1"]             # applied after the cell's
+    overrides = ["audit.clients=1"]             # applied before the cell's (the more specific wins)
     cells = ["gpt2_small-rotten_tomatoes"]      # optional: the cells this scale runs (default: all)
 
 Every cell runs through :func:`~gradleak.experiments.runner.run_experiment` (or
@@ -30,6 +32,7 @@ of every privacy score over the attacked updates, utility, cost), the paper's nu
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
 import logging
 import os
@@ -86,6 +89,7 @@ class Benchmark:
     paper: Mapping[str, Any] = field(default_factory=dict)
     previous: str | None = None
     aliases: Mapping[str, str] = field(default_factory=dict)
+    keys: Mapping[str, str] = field(default_factory=dict)
     source: Path | None = None
 
     def configs(
@@ -103,7 +107,7 @@ class Benchmark:
         out = []
         for cell in chosen:
             for seed in seeds if seeds is not None else self.seeds:
-                overrides = [*cell.overrides, *sc.overrides, f"experiment.seed={seed}",
+                overrides = [*sc.overrides, *cell.overrides, f"experiment.seed={seed}",
                              f"experiment.name='{self.name}.{cell.name}'"]  # fmt: skip
                 try:
                     cfg = load_config(json.loads(json.dumps(self.base)), overrides)
@@ -121,6 +125,35 @@ def _strings(value: Any, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _cell(c: Any, where: str) -> Cell:
+    if not isinstance(c, Mapping) or not isinstance(c.get("name"), str):
+        raise ConfigError(f"{where} needs a string name, got {c!r}")
+    extra = sorted(set(c) - {"name", "overrides", "match", "previous"})
+    if extra:
+        raise ConfigError(f"unknown key(s) {extra} in {where}")
+    overrides = _strings(c.get("overrides", []), f"{where}.overrides")
+    previous = _strings(c.get("previous", []), f"{where}.previous")
+    return Cell(c["name"], overrides, dict(c.get("match", {})), previous)
+
+
+def _list(values: Any, axis: str) -> list[Any]:
+    if not isinstance(values, list) or not values:
+        raise ConfigError(f"benchmark.axes.{axis} must be a non-empty array of cells")
+    return values
+
+
+def _product(parts: Sequence[Cell]) -> Cell:
+    """One cell of the axes' product: names joined by '-', overrides and matches in axis order, the
+    last axis's previous files that name any."""
+    previous = next((p.previous for p in reversed(parts) if p.previous), ())
+    match: dict[str, Any] = {}
+    for p in parts:
+        match.update(p.match)
+    return Cell(
+        "-".join(p.name for p in parts), tuple(o for p in parts for o in p.overrides), match, previous
+    )
+
+
 def load_benchmark(path: str | Path) -> Benchmark:
     """Parse and check a benchmark file (module docstring); its cells are validated by :meth:`configs`."""
     path = Path(path)
@@ -133,21 +166,23 @@ def load_benchmark(path: str | Path) -> Benchmark:
     spec = raw.pop("benchmark", None)
     if not isinstance(spec, Mapping):
         raise ConfigError(f"{path}: a benchmark file needs a [benchmark] table")
-    known = {"name", "claim", "seeds", "paper", "previous", "aliases", "cells", "scales"}
+    known = {"name", "claim", "seeds", "paper", "previous", "aliases", "keys", "cells", "axes", "scales"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in [benchmark]; valid keys: {sorted(known)}")
-    cells = []
-    for i, c in enumerate(spec.get("cells") or [{"name": "all"}]):
-        if not isinstance(c, Mapping) or not isinstance(c.get("name"), str):
-            raise ConfigError(f"benchmark.cells[{i}] needs a string name, got {c!r}")
-        extra = sorted(set(c) - {"name", "overrides", "match", "previous"})
-        if extra:
-            raise ConfigError(f"unknown key(s) {extra} in benchmark.cells[{i}]")
-        where = f"benchmark.cells[{i}]"
-        overrides = _strings(c.get("overrides", []), f"{where}.overrides")
-        previous = _strings(c.get("previous", []), f"{where}.previous")
-        cells.append(Cell(c["name"], overrides, dict(c.get("match", {})), previous))
+    if "cells" in spec and "axes" in spec:
+        raise ConfigError("[benchmark] takes cells or axes, not both")
+    if "axes" in spec:
+        axes = spec["axes"]
+        if not isinstance(axes, Mapping) or not axes:
+            raise ConfigError(f"benchmark.axes must be a table of arrays of cells, got {axes!r}")
+        groups = [[_cell(c, f"benchmark.axes.{axis}[{i}]") for i, c in enumerate(_list(values, axis))]
+                  for axis, values in axes.items()]  # fmt: skip
+        cells = [_product(combo) for combo in itertools.product(*groups)]
+    else:
+        cells = [
+            _cell(c, f"benchmark.cells[{i}]") for i, c in enumerate(spec.get("cells") or [{"name": "all"}])
+        ]
     if len({c.name for c in cells}) != len(cells):
         raise ConfigError(f"benchmark.cells repeat a name: {[c.name for c in cells]}")
     scales = {}
@@ -164,12 +199,13 @@ def load_benchmark(path: str | Path) -> Benchmark:
     name = spec.get("name", path.stem)
     if not isinstance(name, str) or not name.replace("_", "").isalnum():
         raise ConfigError(f"benchmark.name must be letters, digits and underscores, got {name!r}")
-    aliases = spec.get("aliases", {})
-    if not isinstance(aliases, Mapping) or not all(isinstance(v, str) for v in aliases.values()):
-        raise ConfigError(f"benchmark.aliases must map defense labels to names, got {aliases!r}")
+    aliases, keys = spec.get("aliases", {}), spec.get("keys", {})
+    for what, table in (("aliases", aliases), ("keys", keys)):
+        if not isinstance(table, Mapping) or not all(isinstance(v, str) for v in table.values()):
+            raise ConfigError(f"benchmark.{what} must map names to names, got {table!r}")
     return Benchmark(name, str(spec.get("claim", "")), raw, tuple(cells), scales or {"small": Scale()},
                      tuple(seeds), dict(spec.get("paper", {})), spec.get("previous"), dict(aliases),
-                     path)  # fmt: skip
+                     dict(keys), path)  # fmt: skip
 
 
 def _mean_rows(cell: Cell, seed: int, outcome: RunOutcome, defense: str) -> list[dict[str, Any]]:
@@ -201,35 +237,58 @@ def _with_cost(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+COMPARED = ("rouge1", "rouge2", "rougeL", "meteor", "exact", "psnr_mean", "ssim_mean", "reconstruction_rate",
+            "label_accuracy")  # fmt: skip
+UNDER = "_under"  # a match key: a name on the committed row's path (e.g. a results key "organamnist/seed0")
+
+
+def committed_rows(obj: Any, path: tuple[str, ...] = ()) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
+    """Every table row of a committed result (a dict inside a list), with the dict keys on its path."""
+    if isinstance(obj, list):
+        own = [(item, path) for item in obj if isinstance(item, dict)]  # before the rows nested in them
+        return own + [row for item in obj for row in committed_rows(item, path)]
+    if isinstance(obj, dict):
+        return [row for key, value in obj.items() for row in committed_rows(value, (*path, str(key)))]
+    return []
+
+
 def compare(
     rows: Sequence[dict[str, Any]],
     cell: Cell,
     previous: Mapping[str, Any],
     aliases: Mapping[str, str] | None = None,
+    keys: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """``cell``'s rows beside the committed rows they re-derive: the previous summary rows whose keys equal
-    the cell's ``match`` and whose attack (``attack`` or ``probe``) and defense (``defense`` or ``setting``,
-    where the previous rows have one; ours renamed by ``aliases``) are the row's; ``delta`` = ours - theirs
-    for the shared scores."""
-    prev = previous.get("result", previous).get("summary", [])
-    want = dict(cell.match)
+    """``cell``'s rows beside the committed rows they re-derive: the committed rows whose keys equal the
+    cell's ``match`` (``_under``: a name on the row's path; ``{seed}`` is the row's seed) and whose attack
+    (``attack`` or ``probe``) and defense (``defense`` or ``setting``, where they have one; ours renamed by
+    ``aliases``) are the row's. ``keys`` names a score differently in the committed rows (ours -> theirs);
+    ``delta`` = ours - theirs for each score both have."""
+    candidates = committed_rows(previous)
+    names = {k: (keys or {}).get(k, k) for k in COMPARED}
     out = []
     for r in rows:
-        if r["cell"] != cell.name or not want:
+        if r["cell"] != cell.name or not cell.match:
             continue
+        want = {k: v.format(seed=r["seed"]) if isinstance(v, str) else v for k, v in cell.match.items()}
+        under = want.pop(UNDER, None)
         defense = (aliases or {}).get(r["defense"], r["defense"])
-        found = [p for p in prev if all(p.get(k) == v for k, v in want.items())
+        found = [p for p, path in candidates if all(p.get(k) == v for k, v in want.items())
+                 and (under is None or under in path)
                  and (p.get("attack") or p.get("probe")) == r["attack"]
                  and (p.get("defense") or p.get("setting") or "none") == defense]  # fmt: skip
         if not found:
             continue
         p = found[0]
-        shared = [k for k in ("rouge1", "rouge2", "rougeL", "meteor", "exact", "psnr_mean",
-                              "reconstruction_rate", "label_accuracy") if isinstance(p.get(k), int | float)
-                  and isinstance(r.get(k), int | float)]  # fmt: skip
-        scores = {k: {"ours": r[k], "previous": p[k], "delta": r[k] - p[k]} for k in shared}
+        both = [
+            (k, t)
+            for k, t in names.items()
+            if isinstance(p.get(t), int | float) and isinstance(r.get(k), int | float)
+        ]
+        scores = {k: {"ours": r[k], "previous": p[t], "delta": r[k] - p[t]} for k, t in both}
+        n = p.get("n", p.get("images"))
         out.append({"cell": r["cell"], "seed": r["seed"], "defense": r["defense"], "attack": r["attack"],
-                    "previous_n": p.get("n"), "updates": r["updates"], **scores})  # fmt: skip
+                    "previous_n": n, "updates": r["updates"], **scores})  # fmt: skip
     return out
 
 
@@ -285,7 +344,9 @@ def run_benchmark(
                 )
             continue
         committed = json.loads(((previous_dir or out) / found).read_text())
-        comparisons += [{"file": found, **row} for row in compare(rows, cell, committed, bench.aliases)]
+        comparisons += [
+            {"file": found, **row} for row in compare(rows, cell, committed, bench.aliases, bench.keys)
+        ]
     if comparisons:
         payload["previous"] = comparisons
     path = out / f"{bench.name}_{scale}.json"

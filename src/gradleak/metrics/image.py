@@ -215,12 +215,12 @@ class ImageScores:
 
     psnr: tuple[float, ...]
     ssim: tuple[float, ...]
-    fsim: tuple[float, ...]
+    fsim: tuple[float, ...]  # empty when not computed (``with_fsim=False``)
     matching: tuple[int, ...]
     psnr_mean: float
     psnr_var: float
     ssim_mean: float
-    fsim_mean: float
+    fsim_mean: float | None
     reconstruction_rate: float
     psnr_mean_successful: float | None
     ssim_mean_successful: float | None
@@ -267,8 +267,12 @@ def score_images(
     match: bool = True,
     threshold_db: float = 18.0,
     lpips_weights: str | None = None,
+    with_fsim: bool = True,
 ) -> ImageScores:
     """Score reconstructions ``recon`` (N_recon, C, H, W) against ``truth`` (N_truth, C, H, W).
+
+    ``with_fsim=False`` skips FSIM (the costliest score; ``fsim`` empty, ``fsim_mean`` None), for guesses
+    that are reported by PSNR, SSIM and reconstruction rate only (the null floors).
 
     ``recon`` is clamped to [0, 1] (attacks optimise unconstrained pixels; the number of clamped values is
     recorded in ``notes``); NaN in ``recon`` raises ``ValueError``. With ``match=True`` reconstructions are
@@ -296,17 +300,17 @@ def score_images(
     capped = psnr_vals.clamp(max=PSNR_CAP_DB)
     ssim_vals = ssim(r, t).to(torch.float64)
     ok = psnr_vals > threshold_db  # paper 000 also reports means over the successful subset
-    fsim_vals = fsim(r, t).to(torch.float64)
+    fsim_vals = fsim(r, t).to(torch.float64) if with_fsim else None
     reason = lpips_unavailable_reason(lpips_weights)
     return ImageScores(
         psnr=tuple(psnr_vals.tolist()),
         ssim=tuple(ssim_vals.tolist()),
-        fsim=tuple(fsim_vals.tolist()),
+        fsim=() if fsim_vals is None else tuple(fsim_vals.tolist()),
         matching=tuple(perm.tolist()),
         psnr_mean=float(capped.mean()),
         psnr_var=float(capped.var(correction=0)),
         ssim_mean=float(ssim_vals.mean()),
-        fsim_mean=float(fsim_vals.mean()),
+        fsim_mean=None if fsim_vals is None else float(fsim_vals.mean()),
         reconstruction_rate=reconstruction_rate(psnr_vals, threshold_db, n_total=truth.shape[0]),
         psnr_mean_successful=float(capped[ok].mean()) if ok.any() else None,
         ssim_mean_successful=float(ssim_vals[ok].mean()) if ok.any() else None,
