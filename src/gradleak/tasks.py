@@ -106,10 +106,11 @@ def _chunks(data: TokenDataset) -> list[TextBatch]:
 
 
 @dataclass(frozen=True)
-class TextClassification:
-    """Sequence-classification cross-entropy; top-1 accuracy."""
+class _TextTask:
+    """A transformers model on a TokenDataset: ``head`` is :func:`text_loss`'s task."""
 
-    name: ClassVar[str] = "text_classification"
+    name: ClassVar[str]
+    head: ClassVar[str]
     modality: ClassVar[str] = "text"
     mode: str = "eval"
 
@@ -118,45 +119,48 @@ class TextClassification:
 
     def loss(self, model: nn.Module, data: TokenDataset) -> torch.Tensor:
         _check(data, TokenDataset, self.name)
-        return text_loss(model, data.batch(), "classification")
+        return text_loss(model, data.batch(), self.head)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, data: TokenDataset) -> dict[str, float]:
         _check(data, TokenDataset, self.name)
-        if data.labels is None:
-            raise ValueError(f"{data.name}: text classification needs labels")
         was = model.training
         model.eval()
+        try:
+            return self._metrics(model, data)
+        finally:
+            model.train(was)
+
+    def _metrics(self, model: nn.Module, data: TokenDataset) -> dict[str, float]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class TextClassification(_TextTask):
+    """Sequence-classification cross-entropy; top-1 accuracy."""
+
+    name: ClassVar[str] = "text_classification"
+    head: ClassVar[str] = "classification"
+
+    def _metrics(self, model: nn.Module, data: TokenDataset) -> dict[str, float]:
+        if data.labels is None:
+            raise ValueError(f"{data.name}: text classification needs labels")
         correct = 0
         for b in _chunks(data):
             logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
             correct += int((logits.argmax(-1) == b.labels).sum())
-        model.train(was)
         return {"accuracy": correct / max(1, len(data))}
 
 
 @dataclass(frozen=True)
-class CausalLM:
-    """Next-token cross-entropy over real tokens; perplexity and next-token top-1 accuracy."""
+class CausalLM(_TextTask):
+    """Next-token cross-entropy over real tokens; ``perplexity`` = exp(sum NLL / next-token positions) and
+    ``accuracy`` = the share of those positions whose argmax is the next token."""
 
     name: ClassVar[str] = "causal_lm"
-    modality: ClassVar[str] = "text"
-    mode: str = "eval"
+    head: ClassVar[str] = "causal_lm"
 
-    def __post_init__(self) -> None:
-        _check_mode(self)
-
-    def loss(self, model: nn.Module, data: TokenDataset) -> torch.Tensor:
-        _check(data, TokenDataset, self.name)
-        return text_loss(model, data.batch(), "causal_lm")
-
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module, data: TokenDataset) -> dict[str, float]:
-        """``perplexity`` = exp(sum NLL / next-token positions), ``accuracy`` = the share of those positions
-        whose argmax is the next token."""
-        _check(data, TokenDataset, self.name)
-        was = model.training
-        model.eval()
+    def _metrics(self, model: nn.Module, data: TokenDataset) -> dict[str, float]:
         nll, hits, count = 0.0, 0, 0
         for b in _chunks(data):
             logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
@@ -164,7 +168,6 @@ class CausalLM:
             nll += float(F.cross_entropy(logits[keep], target[keep], reduction="sum"))
             hits += int((logits[keep].argmax(-1) == target[keep]).sum())
             count += int(keep.sum())
-        model.train(was)
         if count == 0:
             raise ValueError(f"{data.name}: no next-token positions to score")
         return {"accuracy": hits / count, "perplexity": math.exp(nll / count)}

@@ -38,7 +38,6 @@ import logging
 import os
 import statistics
 import sys
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +46,7 @@ from typing import Any
 import torch
 
 from gradleak.experiments import columns
-from gradleak.experiments.config import ConfigError, ExperimentConfig, load_config
+from gradleak.experiments.config import ConfigError, ExperimentConfig, load_config, read_toml
 from gradleak.experiments.grid import run_grid
 from gradleak.experiments.runner import RunOutcome, environment, run_experiment
 from gradleak.experiments.store import ResultStore
@@ -157,12 +156,7 @@ def _product(parts: Sequence[Cell]) -> Cell:
 def load_benchmark(path: str | Path) -> Benchmark:
     """Parse and check a benchmark file (module docstring); its cells are validated by :meth:`configs`."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"benchmark file {str(path)!r} does not exist")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    raw = read_toml(path, "benchmark file")
     spec = raw.pop("benchmark", None)
     if not isinstance(spec, Mapping):
         raise ConfigError(f"{path}: a benchmark file needs a [benchmark] table")

@@ -385,20 +385,22 @@ def _index(part: str, node: list[Any], path: list[str]) -> int:
     return int(part)
 
 
+def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    """A TOML file as a dict; a missing file or invalid TOML is a :class:`ConfigError` naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} {str(path)!r} does not exist")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+
+
 def load_config(
     source: str | Path | Mapping[str, Any], overrides: list[str] | None = None
 ) -> ExperimentConfig:
     """Parse a TOML file (or an already-loaded mapping), apply overrides, validate everything."""
-    if isinstance(source, Mapping):
-        raw = _plain(dict(source))
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    raw = _plain(dict(source)) if isinstance(source, Mapping) else read_toml(source, "config file")
     raw = apply_overrides(raw, overrides or [])
     plugins = (
         raw.get("experiment", {}).get("plugins", []) if isinstance(raw.get("experiment"), Mapping) else []

@@ -150,22 +150,28 @@ def score_reconstruction(rec: Reconstruction, truth: ImageDataset) -> dict[str, 
 
 
 @dataclass
-class ImageSetup:
-    """Image classification: the CNN every client trains, its data, the server's public images."""
+class _Built:
+    """What every setup holds: the data, the global model and the task."""
 
-    train: ImageDataset
-    test: ImageDataset
+    train: Any
+    test: Any
     model: nn.Module
     task: Task
-    public: ImageDataset | None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
-        return self.train.input_shape
+        return tuple(self.train.input_shape)
 
     @property
     def num_classes(self) -> int:
-        return self.train.num_classes
+        return int(self.train.num_classes)
+
+
+@dataclass
+class ImageSetup(_Built):
+    """Image classification: the CNN every client trains, its data, the server's public images."""
+
+    public: ImageDataset | None
 
     def score(self, rec: Reconstruction, truth: ImageDataset) -> dict[str, Any]:
         return score_reconstruction(rec, truth)
@@ -197,23 +203,11 @@ TEXT_SCORES = ("rouge1", "rouge2", "rougeL", "meteor", "exact")
 
 
 @dataclass
-class TextSetup:
+class TextSetup(_Built):
     """A transformer fine-tuned on tokenized text (text classification or causal LM)."""
 
-    train: TokenDataset
-    test: TokenDataset
-    model: nn.Module
-    task: Task
     tokenizer: Any
     public: ImageDataset | None = None
-
-    @property
-    def input_shape(self) -> tuple[int, ...]:
-        return self.train.input_shape
-
-    @property
-    def num_classes(self) -> int:
-        return self.train.num_classes
 
     def score(self, rec: Reconstruction, truth: TokenDataset) -> dict[str, Any]:
         """ROUGE/METEOR/exact of the matched sequences (an unordered token set: against the batch's
