@@ -353,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.same_lr:
         defenses.append(("aegis-same_lr", M_DEFAULT, {"normalization": "same_lr"}))
     if args.sweep:
-        defenses += [(f"aegis-M{m}", m, {"cache_size": m}) for m in SWEEP if m != M_DEFAULT]
+        defenses += [(f"aegis-M{m}", m, {"cache": {"size": m}}) for m in SWEEP if m != M_DEFAULT]
     per: dict[str, Any] = {}
     for seed in args.seeds:
         for name in args.datasets:

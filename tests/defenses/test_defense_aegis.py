@@ -55,7 +55,9 @@ def test_micro_batches_equal_full_batch_mean_gradient() -> None:
 def test_one_step_per_epoch_with_the_configured_weight(normalization: str, weight: float) -> None:
     model = build_model("aegis_cnn", SHAPE, 3, seed=0)
     cache = cache_of(40)
-    cfg = AegisConfig(cache_size=40, micro_batch=16, normalization=normalization, real_batch_size=8)
+    cfg = AegisConfig(
+        cache=CacheConfig(size=40), micro_batch=16, normalization=normalization, real_batch_size=8
+    )
     assert cfg.synthetic_weight == pytest.approx(weight)
     w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -75,7 +77,7 @@ def test_cache_never_leaves_the_client() -> None:
     cache = cache_of(40)
     model = build_model("aegis_cnn", SHAPE, 3, seed=0)
     training = LocalTraining("fedavg", epochs=2, batch_size=8, optimizer="adam")
-    aegis = aegis_for_client(cache, cache_size=40, micro_batch=16)
+    aegis = aegis_for_client(cache, cache={"size": 40}, micro_batch=16)
     res = train_client(0, model, data, training, [aegis], torch.Generator().manual_seed(0))
     plain = train_client(0, model, data, training, [], torch.Generator().manual_seed(0))
     assert res.update is not None and plain.update is not None and aegis.steps == 2
@@ -99,33 +101,35 @@ def test_fails_closed_without_a_usable_cache() -> None:
     data = synthetic_dataset(n=16, shape=SHAPE, classes=3, seed=1)
     model = build_model("aegis_cnn", SHAPE, 3, seed=0)
     training = LocalTraining("fedavg", epochs=1, batch_size=8)
-    unbound = DEFENSES.create("aegis", cache_size=8)  # no cache bound and no client data: fail closed
+    unbound = DEFENSES.create("aegis", cache={"size": 8})  # no cache bound and no client data: fail closed
     with pytest.raises(DefenseFailure, match="no synthetic cache"):
         DefenseChain([unbound]).setup(model, generator=torch.Generator())
     res = train_client(0, model, data, training, [unbound], torch.Generator())  # builds from the data
     assert res.update is not None and unbound.active_cache is not None and unbound.cache is None
     wrong = SyntheticCache(torch.rand(8, 1, 10, 10), torch.zeros(8, dtype=torch.int64))
-    res = train_client(0, model, data, training, [aegis_for_client(wrong, cache_size=8)], torch.Generator())
+    res = train_client(
+        0, model, data, training, [aegis_for_client(wrong, cache={"size": 8})], torch.Generator()
+    )
     assert res.update is None and "the task's are (1, 12, 12)" in (res.error or "")
     fedsgd = LocalTraining("fedsgd", batch_size=8)
     res = train_client(
-        0, model, data, fedsgd, [aegis_for_client(cache_of(8), cache_size=8)], torch.Generator()
+        0, model, data, fedsgd, [aegis_for_client(cache_of(8), cache={"size": 8})], torch.Generator()
     )
     assert res.update is None and "no synthetic step" in (res.error or "")
     with pytest.raises(ValueError, match="needs M"):
-        aegis_for_client(cache_of(8), cache_size=16)
+        aegis_for_client(cache_of(8), cache={"size": 16})
 
 
 def test_config_validation() -> None:
     with pytest.raises(ValueError, match="normalization"):
         AegisConfig(normalization="mean")
-    with pytest.raises(ValueError, match="cache_size"):
-        AegisConfig(cache_size=0)
+    with pytest.raises(ValueError, match="cache size"):
+        AegisConfig(cache=CacheConfig(size=0))
     with pytest.raises(ValueError, match="budget"):
         CacheConfig(budget=-1.0)
     assert AegisConfig().lam == pytest.approx(32 / 33)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        AegisConfig().cache_size = 3  # type: ignore[misc]
+        AegisConfig().cache = CacheConfig(size=3)  # type: ignore[misc]
 
 
 def test_aegis_lowers_robbing_the_fed_reconstruction_rate() -> None:
@@ -143,7 +147,7 @@ def test_aegis_lowers_robbing_the_fed_reconstruction_rate() -> None:
     rates = {}
     for label, defenses in {
         "none": [],
-        "aegis": [aegis_for_client(cache, cache_size=512, real_batch_size=32)],
+        "aegis": [aegis_for_client(cache, cache={"size": 512}, real_batch_size=32)],
     }.items():
         res = train_client(0, broadcast, data, training, defenses, torch.Generator().manual_seed(2))
         obs = server_view(broadcast, [res], input_shape=data.input_shape, num_classes=11,

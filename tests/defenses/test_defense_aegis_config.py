@@ -14,7 +14,7 @@ from torch import nn
 import gradleak.experiments.runner as runner
 from gradleak.data import load_dataset
 from gradleak.data.base import ImageDataset
-from gradleak.defenses.aegis_cache import SyntheticCache
+from gradleak.defenses.aegis_cache import CacheConfig, SyntheticCache
 from gradleak.defenses.aegis_synthetic import (
     AegisConfig,
     AegisSynthetic,
@@ -94,12 +94,14 @@ def test_a_defense_failing_in_setup_with_data_fails_closed() -> None:
     assert res.update is None and res.truth is None and "this client's data" in (res.error or "")
     # Aegis whose cache cannot be built from the client's data (one image per class: no generator fit)
     single = ImageDataset("one-each", torch.rand(3, *SHAPE), torch.arange(3), 3)
-    aegis = DEFENSES.create("aegis", cache_size=16, micro_batch=16, memo_size=0)
+    aegis = DEFENSES.create("aegis", cache={"size": 16}, micro_batch=16, memo_size=0)
     res = train_client(0, model, single, LocalTraining(epochs=1, batch_size=3), [aegis], torch.Generator())
     assert res.update is None and "failed in setup" in (res.error or "") and "no class" in (res.error or "")
     # a budget no candidate meets: the cache error withholds the update
     share = organ_share(60)
-    strict = DEFENSES.create("aegis", cache_size=32, budget=1e-9, max_candidates_factor=2.0, memo_size=0)
+    strict = DEFENSES.create(
+        "aegis", cache={"size": 32, "budget": 1e-9, "max_candidates_factor": 2.0}, memo_size=0
+    )
     cnn = build_model("aegis_cnn", share.input_shape, 11, seed=0)
     res = train_client(0, cnn, share, LocalTraining(epochs=1, batch_size=32), [strict], torch.Generator())
     assert res.update is None and "candidates accepted" in (res.error or "")
@@ -108,18 +110,20 @@ def test_a_defense_failing_in_setup_with_data_fails_closed() -> None:
 def test_aegis_builds_its_cache_from_the_clients_data_and_memoises_it() -> None:
     clear_cache_memo()
     a, b = organ_share(200), organ_share(200, offset=200)
-    cfg = AegisConfig(cache_size=128, micro_batch=128, real_batch_size=32)
+    cfg = AegisConfig(cache=CacheConfig(size=128), micro_batch=128, real_batch_size=32)
     ca = cache_from_data(a, cfg)
     assert cache_from_data(a, cfg) is ca  # memo hit: same client data, same options
-    assert cache_from_data(a, AegisConfig(cache_size=128, normalization="same_lr")) is ca  # step option only
+    assert (
+        cache_from_data(a, AegisConfig(cache=CacheConfig(size=128), normalization="same_lr")) is ca
+    )  # step option only
     cb = cache_from_data(b, cfg)
     assert cb is not ca and not torch.equal(ca.images, cb.images)  # never shared between clients
-    again = cache_from_data(a, AegisConfig(cache_size=128, memo_size=0))
+    again = cache_from_data(a, AegisConfig(cache=CacheConfig(size=128), memo_size=0))
     assert again is not ca and torch.equal(again.images, ca.images)  # deterministic without the memo
     assert set(ca.labels.tolist()) <= set(a.labels.tolist()) and ca.images.shape == (128, *a.input_shape)
     assert len(memoised_caches()) == 2
     # one instance reused across clients uses each client's own cache
-    aegis = DEFENSES.create("aegis", cache_size=128, micro_batch=128, real_batch_size=32)
+    aegis = DEFENSES.create("aegis", cache={"size": 128}, micro_batch=128, real_batch_size=32)
     model = build_model("aegis_cnn", a.input_shape, 11, seed=0)
     training = LocalTraining(epochs=1, batch_size=32)
     for data, cache in ((a, ca), (b, cb), (a, ca)):
@@ -166,7 +170,7 @@ def test_aegis_from_a_config_dict_through_the_runner(monkeypatch: pytest.MonkeyP
     rates, updates = {}, {}
     for label, defenses in {
         "none": [],
-        "aegis": [{"name": "aegis", "cache_size": 512, "real_batch_size": 32}],
+        "aegis": [{"name": "aegis", "cache": {"size": 512}, "real_batch_size": 32}],
     }.items():
         sent.clear()
         out = run_experiment(_config(defenses))

@@ -30,7 +30,7 @@ def make_defense(name: str) -> Defense:
     """Each image defense with options that keep a trial to a few milliseconds."""
     if name == "aegis":
         cache = synthetic_dataset(n=8, shape=SHAPE, classes=3, seed=7)
-        return aegis_for_client(SyntheticCache(cache.images, cache.labels), cache_size=8, micro_batch=8)
+        return aegis_for_client(SyntheticCache(cache.images, cache.labels), cache={"size": 8}, micro_batch=8)
     options = {"soteria": {"consumer": "classifier.3", "probes": 2}, "dp_noise": {"batch_size": 8}}
     defense: Defense = DEFENSES.create(name, **options.get(name, {}))
     return defense

@@ -23,7 +23,7 @@ DATA = synthetic_dataset(n=24, shape=SHAPE, classes=3, seed=2)
 def fresh(name: str) -> Defense:
     if name == "aegis":
         cache = synthetic_dataset(n=8, shape=SHAPE, classes=3, seed=7)
-        return aegis_for_client(SyntheticCache(cache.images, cache.labels), cache_size=8, micro_batch=8)
+        return aegis_for_client(SyntheticCache(cache.images, cache.labels), cache={"size": 8}, micro_batch=8)
     options = {
         "soteria": {"probes": 2},
         "dp_noise": {"batch_size": 8, "sigma": 0.5},

@@ -44,7 +44,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -65,34 +65,29 @@ GENERATORS = ("gaussian",)
 
 @dataclass(frozen=True)
 class AegisConfig:
-    """``cache_size`` M (the cache must hold at least M images; the first M are used); ``micro_batch``
+    """``cache.size`` M (the cache must hold at least M images; the first M are used); ``micro_batch``
     images per forward/backward; ``normalization`` ``"lambda"`` | ``"same_lr"``; ``real_batch_size`` B in
     ``lambda = M / (B + M)``.
 
     Building the cache from the client's data in ``setup`` (when none is bound): ``generator`` (only the
-    built-in ``"gaussian"``, :class:`~gradleak.generators.ClassGaussianGenerator`) with
-    ``generator_components`` and ``generator_temperature``; the acceptance filter's ``budget`` H (None:
-    calibrated), ``budget_quantile``, ``budget_scale``, ``match_k``, ``max_candidates_factor``
-    (:class:`~gradleak.defenses.aegis_cache.CacheConfig`); ``cache_seed``; ``memo_size`` caches memoised.
+    built-in ``"gaussian"``, :class:`~gradleak.generators.ClassGaussianGenerator`, configured by the nested
+    ``gaussian`` table: ``components``, ``temperature``); the nested ``cache`` table is the acceptance
+    filter (:class:`~gradleak.defenses.aegis_cache.CacheConfig`: ``size`` M, ``budget`` H (None:
+    calibrated), ``budget_quantile``, ``budget_scale``, ``match_k``, ``max_candidates_factor``);
+    ``cache_seed``; ``memo_size`` caches memoised. In TOML: ``cache = { size = 512 }``.
     """
 
-    cache_size: int = 2048
     micro_batch: int = 256
     normalization: str = "lambda"
     real_batch_size: int = 64
+    cache: CacheConfig = field(default_factory=CacheConfig)
     generator: str = "gaussian"
-    generator_components: int = 32
-    generator_temperature: float = 1.0
-    budget: float | None = None
-    budget_quantile: float = 0.9
-    budget_scale: float = 1.0
-    match_k: int = 1
-    max_candidates_factor: float = 8.0
+    gaussian: GaussianGeneratorConfig = field(default_factory=GaussianGeneratorConfig)
     cache_seed: int = 0
     memo_size: int = 100
 
     def __post_init__(self) -> None:
-        for key in ("cache_size", "micro_batch", "real_batch_size"):
+        for key in ("micro_batch", "real_batch_size"):
             v = getattr(self, key)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{key} must be an int >= 1, got {v!r}")
@@ -104,18 +99,11 @@ class AegisConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"{key} must be an int >= 0, got {v!r}")
-        self.cache_config()  # validates the acceptance options
-        self.generator_config()
 
-    def cache_config(self) -> CacheConfig:
-        return CacheConfig(
-            size=self.cache_size, budget=self.budget, budget_quantile=self.budget_quantile,
-            budget_scale=self.budget_scale, match_k=self.match_k,
-            max_candidates_factor=self.max_candidates_factor,
-        )  # fmt: skip
-
-    def generator_config(self) -> GaussianGeneratorConfig:
-        return GaussianGeneratorConfig(self.generator_components, self.generator_temperature)
+    @property
+    def cache_size(self) -> int:
+        """M, the cache images per synthetic step (``cache.size``)."""
+        return self.cache.size
 
     @property
     def lam(self) -> float:
@@ -164,12 +152,12 @@ _MEMO: OrderedDict[tuple[bytes, AegisConfig], SyntheticCache] = OrderedDict()
 def _memo_key(data: ImageDataset, config: AegisConfig) -> tuple[bytes, AegisConfig]:
     # options that do not change the cache (step, weighting, memo size) are not part of the key
     return data_digest(data), AegisConfig(
-        cache_size=config.cache_size, generator=config.generator,
-        generator_components=config.generator_components, generator_temperature=config.generator_temperature,
-        budget=config.budget, budget_quantile=config.budget_quantile, budget_scale=config.budget_scale,
-        match_k=config.match_k, max_candidates_factor=config.max_candidates_factor,
-        cache_seed=config.cache_seed, memo_size=0,
-    )  # fmt: skip
+        cache=config.cache,
+        generator=config.generator,
+        gaussian=config.gaussian,
+        cache_seed=config.cache_seed,
+        memo_size=0,
+    )
 
 
 def cache_from_data(data: ImageDataset, config: AegisConfig) -> SyntheticCache:
@@ -182,11 +170,9 @@ def cache_from_data(data: ImageDataset, config: AegisConfig) -> SyntheticCache:
         return _MEMO[key]
     seed = int.from_bytes(hashlib.blake2b(key[0] + config.cache_seed.to_bytes(8), digest_size=8).digest())
     t0 = time.perf_counter()
-    source = ClassGaussianGenerator.fit(data, config.generator_config())
+    source = ClassGaussianGenerator.fit(data, config.gaussian)
     fit = time.perf_counter() - t0
-    cache = build_cache(
-        source, data, config.cache_config(), generator=torch.Generator().manual_seed(seed >> 1)
-    )
+    cache = build_cache(source, data, config.cache, generator=torch.Generator().manual_seed(seed >> 1))
     cache.stats["generator_fit_seconds"] = fit
     log.info(
         "aegis: built a cache of %d from %d client images in %.2fs (rejection rate %.1f%%)",
@@ -298,10 +284,11 @@ class AegisSynthetic(Defense):
         return update
 
 
-def aegis_for_client(cache: SyntheticCache, **options: object) -> AegisSynthetic:
-    """A client's Aegis defense from config options (as ``DEFENSES.create``) and its own cache."""
+def aegis_for_client(synthetic: SyntheticCache, /, **options: object) -> AegisSynthetic:
+    """A client's Aegis defense from config options (as ``DEFENSES.create``, e.g. ``cache={"size": 512}``)
+    and its own synthetic cache."""
     defense: AegisSynthetic = DEFENSES.create("aegis", **options)
-    return defense.bind(cache)
+    return defense.bind(synthetic)
 
 
 DEFENSES.register(
