@@ -70,7 +70,7 @@ def attack_options(name: str, tm: TextModel) -> dict[str, Any]:
     if tm.family == "gpt2":  # learned positions: one L1 scan per position; rotary models scan once
         opts["vocab"] = "embedding"
     if tm.family == "bert":
-        opts["end_token_id"] = int(tm.tokenizer.sep_token_id)  # the attacker knows the tokenizer
+        opts["encoder"] = {"end_token_id": int(tm.tokenizer.sep_token_id)}  # the attacker knows the tokenizer
     return opts
 
 

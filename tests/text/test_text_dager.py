@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gradleak.attacks.text.baseline import null_observation
-from gradleak.attacks.text.dager import Dager, DagerConfig
+from gradleak.attacks.text.dager import Dager, DagerConfig, DecoderSearch, EncoderSearch
+from gradleak.attacks.text.search import PolishConfig
 from gradleak.registry import ATTACKS
 from gradleak.text.client import fedavg_text_update, fedsgd_text_update
 from gradleak.types import AttackInputError, Observation
@@ -37,13 +38,15 @@ def test_dager_causal_lm_exact_with_last_token_from_lm_head(gpt2_lm, make_batch)
     rec = Dager().reconstruct(obs, generator=_gen())
     assert sorted(rec.token_ids) == sorted(batch.sequences())
     # without the LM-head completion the last token of each sequence is out of reach of the span checks
-    short = Dager(DagerConfig(complete_last_token=False)).reconstruct(obs, generator=_gen())
+    short = Dager(DagerConfig(decoder=DecoderSearch(complete_last_token=False))).reconstruct(
+        obs, generator=_gen()
+    )
     assert sorted(short.token_ids) == sorted(s[:-1] for s in batch.sequences())
 
 
 def test_dager_greedy_search_and_span_ranks(gpt2_cls, make_batch):
     batch = make_batch(gpt2_cls)
-    rec = Dager(DagerConfig(search="greedy")).reconstruct(
+    rec = Dager(DagerConfig(decoder=DecoderSearch(search="greedy"))).reconstruct(
         _observe(gpt2_cls, batch, "classification"), generator=_gen()
     )
     assert sorted(rec.token_ids) == sorted(batch.sequences())
@@ -74,13 +77,13 @@ def test_dager_rejects_frozen_attention(gpt2_cls, make_batch):
 
 def test_dager_config_validation():
     with pytest.raises(ValueError, match="search"):
-        DagerConfig(search="dfs")
+        DecoderSearch(search="dfs")
     with pytest.raises(ValueError, match="l1_threshold"):
         DagerConfig(l1_threshold=2.0)
     with pytest.raises(ValueError, match="held_ngram"):
-        DagerConfig(held_ngram=1)
-    with pytest.raises(ValueError, match="polish_wide"):
-        DagerConfig(polish_wide=-1)
+        EncoderSearch(held_ngram=1)
+    with pytest.raises(ValueError, match="wide"):
+        PolishConfig(wide=-1)
     with pytest.raises(ValueError, match="unknown option"):
         ATTACKS.create("dager", nonsense=1)
 
@@ -137,7 +140,7 @@ def test_dager_rotary_rejects_repeated_token_runs():
 def test_dager_encoder_paths_recover_bert_batch(bert_cls, make_batch, encoder):
     batch = make_batch(bert_cls)
     end = int(bert_cls.tokenizer.sep_token_id)
-    attack = Dager(DagerConfig(encoder=encoder, end_token_id=end))
+    attack = Dager(DagerConfig(encoder=EncoderSearch(method=encoder, end_token_id=end)))
     rec = attack.reconstruct(_observe(bert_cls, batch, "classification"), generator=_gen())
     assert sorted(rec.token_ids) == sorted(batch.sequences())
     assert rec.stats["filled"] == 0
@@ -234,7 +237,6 @@ def test_encoder_site_residuals_match_brute_force(bert_cls, make_batch, insert):
 
 
 def test_encoder_polish_restores_three_dropped_words(bert_cls, make_batch):
-    from gradleak.attacks.text.search import PolishConfig
 
     batch = make_batch(bert_cls)
     search = _l2_search(bert_cls, _observe(bert_cls, batch, "classification"))
@@ -255,7 +257,9 @@ def test_encoder_polish_recovers_a_batch_of_sentences_with_a_shared_first_word(b
     batch = encode(sents, bert_cls.tokenizer, labels=[1, 0])
     obs = _observe(bert_cls, batch, "classification")
     end = int(bert_cls.tokenizer.sep_token_id)
-    rec = Dager(DagerConfig(end_token_id=end)).reconstruct(obs, generator=_gen())  # "polish" by default
+    rec = Dager(DagerConfig(encoder=EncoderSearch(end_token_id=end))).reconstruct(
+        obs, generator=_gen()
+    )  # "polish" by default
     assert sorted(rec.token_ids) == sorted(batch.sequences())
 
 
@@ -273,7 +277,9 @@ def test_dager_causal_lm_returns_prefix_and_repeated_sentences(gpt2_lm, sentence
     batch = encode(list(sentences), gpt2_lm.tokenizer, labels=[0, 0, 0])
     obs = _observe(gpt2_lm, batch, "causal_lm")
     # the decoder search closes a prefix only when nothing extends it, so it returns 2 of the 3 sentences
-    plain = Dager(DagerConfig(prefix_sentences=False)).reconstruct(obs, generator=_gen())
+    plain = Dager(DagerConfig(decoder=DecoderSearch(prefix_sentences=False))).reconstruct(
+        obs, generator=_gen()
+    )
     assert len(plain.token_ids) == 2
     rec = Dager().reconstruct(obs, generator=_gen())
     assert sorted(rec.token_ids) == sorted(batch.sequences())

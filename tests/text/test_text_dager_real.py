@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradleak.attacks.text.dager import Dager, DagerConfig
+from gradleak.attacks.text.dager import Dager, DagerConfig, EncoderSearch
 from gradleak.attacks.text.family import (
     estimate_span,
     family_of,
@@ -79,7 +79,9 @@ def test_minilm_layer1_filter_is_degenerate_and_layer2_exact():
         wrong = [*s[:3], next(t for t in tokens if t != s[3]), *s[4:]]
         assert s2.residual(layer_inputs(tm.model, m2, torch.tensor([wrong]))[0]).max() > 1e-2
     end = int(tm.tokenizer.sep_token_id)
-    rec = Dager(DagerConfig(end_token_id=end)).reconstruct(obs, generator=torch.Generator().manual_seed(0))
+    rec = Dager(DagerConfig(encoder=EncoderSearch(end_token_id=end))).reconstruct(
+        obs, generator=torch.Generator().manual_seed(0)
+    )
     # encoder="polish" (default): 5 of 8 exact on this batch measured; the bar leaves one sentence of
     # headroom for another CPU's rounding in the search
     assert len(rec.token_ids) == 8 and rec.stats["accepted"] >= 4

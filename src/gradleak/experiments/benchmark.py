@@ -305,6 +305,7 @@ def run_benchmark(
     """Run every cell of ``scale`` (all validated first), write ``out/<name>_<scale>.json``; returns it."""
     plan = bench.configs(scale, seeds)
     store.check()
+    env = environment()  # the code that runs the cells (a later commit during a long run is not it)
     rows: list[dict[str, Any]] = []
     for cell, seed, cfg in plan:
         log.info("benchmark %s: cell %s, seed %d", bench.name, cell.name, seed)
@@ -316,14 +317,18 @@ def run_benchmark(
             outcome = run_experiment(cfg, store=store)
             rows += _mean_rows(cell, seed, outcome, _defense(cfg))
     rows = _with_cost(rows)
-    env = environment()
+    by_id = {r.run_id: r for r in store.runs()}
+    run_commits = sorted(
+        {str(by_id[r["run_id"]].environment.get("git_commit")) for r in rows if r["run_id"] in by_id}
+    )
     payload: dict[str, Any] = {
         "benchmark": bench.name, "claim": bench.claim, "scale": scale,
         "seeds": list(seeds if seeds is not None else bench.seeds),
         "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "config": str(bench.source) if bench.source else None,
-        "git": {"commit": env["git_commit"]}, "machine": machine(), "store": str(store.path),
+        "git": {"commit": env["git_commit"], "runs": run_commits}, "machine": machine(),
+        "store": str(store.path),
         "paper": dict(bench.paper), "rows": rows,
     }  # fmt: skip
     comparisons = []

@@ -11,10 +11,10 @@
 3. **Decoders (causal): extension.** Sequences grow left to right from the first tokens whose block-2
    input lies in the L2 span; prefix s + v is kept iff the block-2 input of its last token (which under
    causal attention depends on the prefix only) lies in the L2 span.
-   ``search="greedy"`` keeps each prefix's best extension, ``"beam"`` keeps every accepted one up to
-   ``beam_width`` prefixes. A prefix with no accepted extension is a finished sequence.
+   ``decoder.search="greedy"`` keeps each prefix's best extension, ``"beam"`` keeps every accepted one up
+   to ``beam_width`` prefixes. A prefix with no accepted extension is a finished sequence.
 4. **Encoders (BERT): search.** Bidirectional attention gives no exact prefix check, and with learned
-   positions the L1 filter passes the batch's tokens at (nearly) every position. ``encoder="polish"``
+   positions the L1 filter passes the batch's tokens at (nearly) every position. ``encoder.method="polish"``
    (default): rounds of a left-to-right beam under a prefix-only L2 score, each round's best closures
    (one per first word) polished by exact local search on whole sequences (mean log10 L2 residual;
    substitutions and insertions screened with the full bidirectional context, deletions, moves, swaps;
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -71,42 +71,90 @@ from gradleak.types import AttackInputError, Observation, Reconstruction
 log = logging.getLogger(__name__)
 
 
+def _at_least(obj: object, minimum: int, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {getattr(obj, name)}")
+
+
+@dataclass(frozen=True)
+class DecoderSearch:
+    """Step 3, decoders (causal attention): ``search`` ``"greedy"`` (each prefix's best extension) or
+    ``"beam"``; ``complete_last_token`` reads each sequence's last token off the LM head; with fewer than B
+    sequences found, ``prefix_sentences`` adds prefix / repeated sentences the LM head accepts (residual off
+    the label rows below ``prefix_tol``)."""
+
+    search: str = "beam"
+    complete_last_token: bool = True
+    prefix_sentences: bool = True
+    prefix_tol: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if self.search not in ("greedy", "beam"):
+            raise ValueError(f"search must be 'greedy' or 'beam', got {self.search!r}")
+        if not 0 < self.prefix_tol < 1:
+            raise ValueError(f"prefix_tol must be in (0, 1), got {self.prefix_tol}")
+
+
+@dataclass(frozen=True)
+class EncoderSearch:
+    """Step 4, encoders (bidirectional attention): ``method`` ``"polish"`` (beam + exact local search),
+    ``"beam"`` (+ greedy repair) or ``"sample"``. The beam keeps ``per_prefix`` extensions per prefix once
+    full and runs up to ``rounds`` rounds, each without the held sentences' first words
+    (``fresh_first_words`` on odd rounds), growing no ``held_ngram``-gram of a held sentence (0: off) and
+    preferring block-2 inputs outside the held sentences' span (``novelty``); ``"polish"`` polishes up to
+    ``polish_tries`` closures per round with ``polish`` (:class:`~gradleak.attacks.text.search.PolishConfig`);
+    ``"beam"`` makes ``repair_steps`` local edits per rejected closure; ``"sample"`` evaluates up to
+    ``max_samples`` sequences per length. ``end_token_id``: a token that ends every sequence ([SEP]);
+    ``fill_to_batch`` completes B with the best rejected sequences (partial recovery)."""
+
+    method: str = "polish"
+    per_prefix: int = 4
+    repair_steps: int = 8
+    rounds: int = 8
+    held_ngram: int = 4
+    fresh_first_words: bool = True
+    novelty: float = 3.0
+    polish_tries: int = 8
+    polish: PolishConfig = field(default_factory=PolishConfig)
+    max_samples: int = 4096
+    end_token_id: int | None = None
+    fill_to_batch: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in ("polish", "beam", "sample"):
+            raise ValueError(f"method must be 'polish', 'beam' or 'sample', got {self.method!r}")
+        if self.held_ngram < 0 or self.held_ngram == 1:
+            raise ValueError(f"held_ngram must be 0 (off) or >= 2, got {self.held_ngram}")
+        if not self.novelty >= 0:
+            raise ValueError(f"novelty must be >= 0, got {self.novelty}")
+        _at_least(self, 1, "per_prefix", "rounds", "polish_tries", "max_samples")
+        _at_least(self, 0, "repair_steps")
+
+
 @dataclass(frozen=True)
 class DagerConfig:
-    """Thresholds default (None) to the family's (see ``family.FAMILIES``)."""
+    """Steps 1-2 and 5 (the span tests): thresholds default (None) to the family's (see
+    ``family.FAMILIES``); ``max_positions`` (sequences are at most 64 tokens, paper 002); ``vocab``
+    ``"full"`` or ``"embedding"`` (scan only the embedding row-norm channel's token set);
+    ``max_candidates`` per position (more means the span check is not discriminating); ``beam_width``
+    prefixes kept by either search; ``repeat_tol`` rejects extensions whose block-2 input repeats the
+    previous one (0: off); ``midpoint_weights`` evaluates candidates at w_0 + delta/2 (FedAvg). The
+    nested ``decoder`` and ``encoder`` tables configure steps 3 and 4 (TOML: ``encoder = { end_token_id =
+    102 }``)."""
 
     l1_threshold: float | None = None
     l2_threshold: float | None = None
     rank_tol: float | None = None
-    max_positions: int = 64  # sequences are at most 64 tokens (paper 002)
-    search: str = "beam"  # decoders: "greedy" or "beam"
+    max_positions: int = 64
+    vocab: str = "full"
     beam_width: int = 64
-    encoder: str = (
-        "polish"  # encoders: "polish" (beam + exact local search), "beam" (+ greedy repair), "sample"
-    )
-    per_prefix: int = 4  # encoder beam: extensions kept per prefix once the beam is full
-    repair_steps: int = 8  # encoder beam: local edits per rejected closure (0: none)
-    encoder_rounds: int = 8  # encoder beam: rounds, each without the held sentences' first words
-    held_ngram: int = 4  # encoder polish: later beam rounds grow no n-gram of a held sentence (0: off)
-    fresh_first_words: bool = True  # encoder polish: odd rounds start with tokens no held sentence has
-    polish_tries: int = 8  # encoder polish: closures (distinct first words) polished per round
-    polish_steps: int = 60  # encoder polish: exact-evaluation steps per closure
-    polish_sites: int = 10  # encoder polish: worst positions (and neighbours) screened per step
-    polish_per_site: int = 3  # encoder polish: screened edits per site evaluated exactly
-    polish_moves: int = 3  # encoder polish: worst tokens tried at every other position
-    novelty: float = 3.0  # encoders: later beam rounds prefer block-2 inputs outside the held sentences' span
-    polish_wide: int = 3  # encoder polish, on a stall: every token at this many worst positions (0: off)
-    max_samples: int = 4096  # encoders, "sample": sequences evaluated per length
-    max_candidates: int = 512  # per position; more means the span check is not discriminating
+    max_candidates: int = 512
     chunk: int = 4096
-    midpoint_weights: bool = False  # evaluate candidates at w_0 + delta/2 (FedAvg)
-    complete_last_token: bool = True  # causal LM: read each sequence's last token off the LM head
-    prefix_sentences: bool = True  # causal LM, fewer than B found: add prefix/repeated sentences (LM head)
-    prefix_tol: float = 1e-4  # ... accepted when the LM-head residual off the label rows is below this
-    vocab: str = "full"  # "full" or "embedding": scan only the embedding row-norm channel's token set
-    end_token_id: int | None = None  # encoders: a token that ends every sequence ([SEP]); limits lengths
-    fill_to_batch: bool = True  # encoders: complete B with the best rejected sequences (partial recovery)
-    repeat_tol: float = 1e-4  # decoders: reject extensions whose block-2 input repeats the previous (0: off)
+    repeat_tol: float = 1e-4
+    midpoint_weights: bool = False
+    decoder: DecoderSearch = field(default_factory=DecoderSearch)
+    encoder: EncoderSearch = field(default_factory=EncoderSearch)
 
     def __post_init__(self) -> None:
         for name in ("l1_threshold", "l2_threshold", "rank_tol"):
@@ -115,36 +163,9 @@ class DagerConfig:
                 raise ValueError(f"{name} must be in (0, 1), got {v}")
         if self.vocab not in ("full", "embedding"):
             raise ValueError(f"vocab must be 'full' or 'embedding', got {self.vocab!r}")
-        if self.encoder not in ("polish", "beam", "sample"):
-            raise ValueError(f"encoder must be 'polish', 'beam' or 'sample', got {self.encoder!r}")
-        if self.held_ngram < 0 or self.held_ngram == 1:
-            raise ValueError(f"held_ngram must be 0 (off) or >= 2, got {self.held_ngram}")
-        if not self.novelty >= 0:
-            raise ValueError(f"novelty must be >= 0, got {self.novelty}")
-        for name in ("polish_moves", "polish_wide"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.search not in ("greedy", "beam"):
-            raise ValueError(f"search must be 'greedy' or 'beam', got {self.search!r}")
-        if not 0 < self.prefix_tol < 1:
-            raise ValueError(f"prefix_tol must be in (0, 1), got {self.prefix_tol}")
         if not 0 <= self.repeat_tol < 1:
             raise ValueError(f"repeat_tol must be in [0, 1), got {self.repeat_tol}")
-        for name in (
-            "max_positions",
-            "beam_width",
-            "per_prefix",
-            "encoder_rounds",
-            "polish_tries",
-            "polish_steps",
-            "polish_sites",
-            "polish_per_site",
-            "max_samples",
-            "max_candidates",
-            "chunk",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        _at_least(self, 1, "max_positions", "beam_width", "max_candidates", "chunk")
 
 
 @dataclass(frozen=True)
@@ -192,25 +213,27 @@ class Dager:
         fallback: list[Scored] = []
         b = max(1, obs.update.num_samples)
         c = self.config
-        search = L2Search(model, m2, span2, spec.l2_threshold, c.chunk, c.repeat_tol, m1, novelty=c.novelty)
+        search = L2Search(
+            model, m2, span2, spec.l2_threshold, c.chunk, c.repeat_tol, m1, novelty=c.encoder.novelty
+        )
         if spec.causal:
-            found = search.extend(cands, self.config.search, self.config.beam_width)
-        elif self.config.encoder == "polish":
+            found = search.extend(cands, self.config.decoder.search, self.config.beam_width)
+        elif self.config.encoder.method == "polish":
             found, fallback = self.encoder_polish(search, cands, b)
-        elif self.config.encoder == "beam":
+        elif self.config.encoder.method == "beam":
             found, fallback = self.encoder_rounds(search, cands, b)
         else:
             found, fallback = search.encoder_search(
                 cands,
-                end=self.config.end_token_id,
-                max_samples=self.config.max_samples,
+                end=self.config.encoder.end_token_id,
+                max_samples=self.config.encoder.max_samples,
                 generator=generator,
                 batch=b,
             )
         found.sort(key=lambda sr: (sr[1], -len(sr[0])))
         seqs = [s for s, _ in found[:b]]
         filled = 0
-        if not spec.causal and self.config.fill_to_batch and len(seqs) < b:
+        if not spec.causal and self.config.encoder.fill_to_batch and len(seqs) < b:
             for distinct in (True, False):  # distinct sentences first, then whatever is left
                 for s, _ in sorted(fallback, key=lambda sr: sr[1]):
                     if (
@@ -221,10 +244,10 @@ class Dager:
                         seqs.append(s)
                         filled += 1
         added = 0
-        if self.config.complete_last_token and spec.causal and _has_lm_head(model):
-            if self.config.prefix_sentences and len(seqs) < b:
+        if self.config.decoder.complete_last_token and spec.causal and _has_lm_head(model):
+            if self.config.decoder.prefix_sentences and len(seqs) < b:
                 n = len(seqs)
-                seqs = add_prefix_sentences(obs, model, seqs, b - n, tol=self.config.prefix_tol)
+                seqs = add_prefix_sentences(obs, model, seqs, b - n, tol=self.config.decoder.prefix_tol)
                 added = len(seqs) - n
             seqs = complete_last_tokens(obs, model, seqs)
         stats = {
@@ -255,7 +278,7 @@ class Dager:
         found: list[Scored] = []
         partial: list[Scored] = []
         closures: list[Scored] = []
-        for _ in range(c.encoder_rounds):
+        for _ in range(c.encoder.rounds):
             held = [s for s, _ in found + partial]
             if len(held) >= b:
                 break
@@ -267,7 +290,11 @@ class Dager:
                     break
             search.hold([q for q, _ in found])
             new, rejected = search.encoder_beam(
-                sets, end=c.end_token_id, beam_width=c.beam_width, per_prefix=c.per_prefix, batch=b
+                sets,
+                end=c.encoder.end_token_id,
+                beam_width=c.beam_width,
+                per_prefix=c.encoder.per_prefix,
+                batch=b,
             )
             new = [sr for sr in new if sr[0] not in held]
             found += new
@@ -282,7 +309,13 @@ class Dager:
                 partial.append(best)
         rest = sorted((sr for sr in closures if sr not in partial), key=lambda sr: sr[1])
         found, fills = search.repair_closures(
-            found, partial + rest, cands, end=c.end_token_id, batch=b, steps=c.repair_steps, tries=2 * b
+            found,
+            partial + rest,
+            cands,
+            end=c.encoder.end_token_id,
+            batch=b,
+            steps=c.encoder.repair_steps,
+            tries=2 * b,
         )
         tried = {tuple(s) for s, _ in fills}
         return found, fills + [sr for sr in partial + rest if tuple(sr[0]) not in tried]
@@ -303,21 +336,20 @@ class Dager:
         residual, positive).
         """
         c = self.config
-        end = c.end_token_id
-        cfg = PolishConfig(
-            c.polish_steps, c.polish_sites, c.polish_per_site, c.polish_moves, wide=c.polish_wide
-        )
+        end, cfg = c.encoder.end_token_id, c.encoder.polish
         vocab = sorted(set().union(*cands[1:]) - {end}) if len(cands) > 1 else []
         found: list[Scored] = []
         polished: list[Scored] = []
         closures: list[Scored] = []
         tried: list[list[int]] = []
         skip: set[int] = set()
-        for r in range(c.encoder_rounds):
+        for r in range(c.encoder.rounds):
             if len(found) >= b or len(cands) < 2:
                 break
             firsts = [v for v in cands[1] if v not in skip]
-            if c.fresh_first_words and r % 2 == 1:  # odd rounds: first words no held sentence contains
+            if (
+                c.encoder.fresh_first_words and r % 2 == 1
+            ):  # odd rounds: first words no held sentence contains
                 used = {v for q, _ in found for v in q}
                 firsts = [v for v in firsts if v not in used] or firsts
             sets = [cands[0], firsts, *cands[2:]]
@@ -329,10 +361,10 @@ class Dager:
                 sets,
                 end=end,
                 beam_width=c.beam_width,
-                per_prefix=c.per_prefix,
+                per_prefix=c.encoder.per_prefix,
                 batch=b,
                 held=held,
-                ngram=c.held_ngram,
+                ngram=c.encoder.held_ngram,
             )
             found += [sr for sr in new if sr[0] not in [s for s, _ in found]]
             closures += rejected
@@ -366,7 +398,7 @@ class Dager:
         roots = {s[1] for s in tried}
         out: list[list[int]] = []
         for s, _ in rejected:
-            if len(out) >= self.config.polish_tries:
+            if len(out) >= self.config.encoder.polish_tries:
                 break
             if len(s) < 3 or any(similar(s, q, 0.9) for q, _ in found):
                 continue
