@@ -95,6 +95,11 @@ def test_a_grid_run_writes_a_self_contained_report_with_one_row_per_cell_and_att
         summary = store.records(runs[name].run_id, "summary")[0]
         assert row[11] == f"{summary['final_accuracy']:.3f}"
     assert rows[0][12] == "1.00"  # cost of the none cell
+    # the privacy-utility plot: one inline SVG for the attack, one marked point per defense, named
+    page_text = (out / "grid" / "report.html").read_text(encoding="utf-8")
+    svgs = re.findall(r"<svg class='tradeoff'.*?</svg>", page_text, flags=re.S)
+    assert len(svgs) == 1 and svgs[0].count("<g class='point'>") == 2
+    assert "none (x1.00)" in svgs[0] and "pruning(ratio=0.9) (x" in svgs[0]
     assert page.scripts == 0 and page.external == []
     assert len(page.images) == 4  # one figure per attacked update and cell
     for src in page.images:
@@ -141,6 +146,7 @@ def test_the_report_opens_in_a_real_browser_with_every_image_loaded_and_no_conso
          probed.as_uri()], capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     assert "images:4:loaded" in dom.stdout, dom.stdout[-500:]
+    assert dom.stdout.count('class="tradeoff"') == 1  # the privacy-utility plot, rendered in the DOM
     assert "CONSOLE" not in dom.stderr, [line for line in dom.stderr.splitlines() if "CONSOLE" in line]
     assert dom.stdout.count("<tr>") == 3  # the verdict table: header + 2 cells x 1 attack
     shot = Path(os.environ.get("GRADLEAK_ARTIFACTS", tmp_path)) / "report.png"
@@ -204,6 +210,8 @@ def test_a_text_grid_report_shows_rouge_beside_its_null_and_the_texts(tmp_path):
         summary = store.records(runs[name].run_id, "summary")[0]
         assert row[header.index("test ppl")] == f"{summary['final_perplexity']:.3f}"
     assert rows[0][4] == "1.00 ± 0.00" and rows[1][4] == "0.00 ± 0.00"  # DAGER exact; AEGIS blocks it
+    svgs = re.findall(r"<svg class='tradeoff'.*?</svg>", html_text, flags=re.S)
+    assert len(svgs) == 1 and svgs[0].count("<g class='point'>") == 2 and "R-1 over null" in svgs[0]
     texts = Texts()
     texts.feed(html_text)
     none_records = store.records(runs["textgrid.none"].run_id, "attack")

@@ -14,6 +14,7 @@ import datetime as dt
 import html
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,98 @@ def _mean_sd(values: Sequence[float]) -> str:
         return "n/a"
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{statistics.fmean(values):.2f} &plusmn; {sd:.2f}"
+
+
+MARKERS = ("circle", "square", "triangle", "diamond", "cross", "plus")  # told apart in greyscale
+W, H, PAD = 560, 320, 56
+
+
+def _marker(kind: str, x: float, y: float, r: float) -> str:
+    style = "fill='none' stroke='black' stroke-width='1.6'"
+    if kind == "circle":
+        return f"<circle cx='{x:.1f}' cy='{y:.1f}' r='{r:.1f}' {style}/>"
+    if kind == "square":
+        return f"<rect x='{x - r:.1f}' y='{y - r:.1f}' width='{2 * r:.1f}' height='{2 * r:.1f}' {style}/>"
+    points = {
+        "triangle": [(0, -r), (r, r), (-r, r)],
+        "diamond": [(0, -r), (r, 0), (0, r), (-r, 0)],
+    }.get(kind)
+    if points is not None:
+        pts = " ".join(f"{x + dx:.1f},{y + dy:.1f}" for dx, dy in points)
+        return f"<polygon points='{pts}' {style}/>"
+    d = r * (0.7 if kind == "cross" else 1.0)
+    a, b = ((-d, -d, d, d), (-d, d, d, -d)) if kind == "cross" else ((-d, 0, d, 0), (0, -d, 0, d))
+    return "".join(f"<line x1='{x + u0:.1f}' y1='{y + v0:.1f}' x2='{x + u1:.1f}' y2='{y + v1:.1f}' "
+                   f"stroke='black' stroke-width='1.6'/>" for u0, v0, u1, v1 in (a, b))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Axes:
+    """A plot's data ranges and their map to SVG coordinates."""
+
+    x0: float
+    x1: float
+    y0: float
+    y1: float
+
+    @staticmethod
+    def around(xs: Sequence[float], ys: Sequence[float]) -> _Axes:
+        """Ranges around the points (10 % margins across; up from 0 or the lowest point)."""
+        x0, x1 = min(xs), max(xs)
+        x0, x1 = (x0 - 0.05, x1 + 0.05) if x1 - x0 < 1e-9 else (x0 - 0.1 * (x1 - x0), x1 + 0.1 * (x1 - x0))
+        y0, y1 = min(0.0, min(ys)), max(ys)
+        return _Axes(x0, x1, y0, y1 + (0.1 * (y1 - y0) if y1 > y0 else 1.0))
+
+    def at(self, x: float, y: float) -> tuple[float, float]:
+        return (PAD + (x - self.x0) / (self.x1 - self.x0) * (W - 2 * PAD),
+                H - PAD - (y - self.y0) / (self.y1 - self.y0) * (H - 2 * PAD))  # fmt: skip
+
+
+def tradeoff(rows: Sequence[dict[str, Any]], modality: str) -> list[str]:
+    """Per attack, an inline SVG with one point per defense: utility (test accuracy) across, the headline
+    leakage (the modality's first privacy column: above the null floor) up; each defense its own marker
+    shape (readable in greyscale), labelled with its name and cost ratio; no script."""
+    headline = columns.PRIVACY[modality][0]
+    out = ["<h2>Privacy and utility</h2>",
+           f"<p>One point per defense: {html.escape(headline.header)} (mean over the attacked updates; lower "
+           "is more private) against the test accuracy after the same rounds (higher is more useful); the "
+           "label gives the defense and its FL time over no defense.</p>"]  # fmt: skip
+    defenses = list(dict.fromkeys(r["defense"] for r in rows))
+    for attack in dict.fromkeys(r["attack"] for r in rows):
+        points = []
+        for r in rows:
+            leak = _values(r["records"], headline.key)
+            if r["attack"] == attack and leak and isinstance(r["accuracy"], int | float):
+                points.append((r["defense"], float(r["accuracy"]), statistics.fmean(leak), r["cost"]))
+        if not points:
+            continue
+        ax = _Axes.around([p[1] for p in points], [p[2] for p in points])
+        x0, x1, y0, y1, at = ax.x0, ax.x1, ax.y0, ax.y1, ax.at
+
+        svg = [f"<figure><svg class='tradeoff' role='img' width='{W}' height='{H}' viewBox='0 0 {W} {H}'>"
+               f"<title>{html.escape(attack)}: privacy against utility</title>",
+               f"<line x1='{PAD}' y1='{H - PAD}' x2='{W - PAD}' y2='{H - PAD}' stroke='black'/>",
+               f"<line x1='{PAD}' y1='{PAD}' x2='{PAD}' y2='{H - PAD}' stroke='black'/>",
+               f"<text x='{W / 2}' y='{H - 16}' text-anchor='middle' font-size='12'>test accuracy</text>",
+               f"<text x='14' y='{H / 2}' font-size='12' transform='rotate(-90 14 {H / 2})' "
+               f"text-anchor='middle'>{html.escape(headline.header)}</text>"]  # fmt: skip
+        for value, anchor in ((x0, "start"), (x1, "end")):
+            svg.append(f"<text x='{at(value, y0)[0]:.1f}' y='{H - PAD + 14}' font-size='10' "
+                       f"text-anchor='{anchor}'>{value:.3f}</text>")  # fmt: skip
+        for value in (y0, y1):
+            svg.append(f"<text x='{PAD - 4}' y='{at(x0, value)[1]:.1f}' font-size='10' text-anchor='end'>"
+                       f"{value:.2f}</text>")  # fmt: skip
+        for defense, x, y, cost in points:
+            px, py = at(x, y)
+            kind = MARKERS[defenses.index(defense) % len(MARKERS)]
+            label = defense if cost is None else f"{defense} (x{cost:.2f})"
+            left = px > 0.6 * W  # labels of points on the right run leftwards, inside the plot
+            tx, anchor = (px - 9, "end") if left else (px + 9, "start")
+            svg.append(f"<g class='point'>{_marker(kind, px, py, 6)}<text x='{tx:.1f}' y='{py - 8:.1f}' "
+                       f"font-size='11' text-anchor='{anchor}'>{html.escape(label)}</text></g>")  # fmt: skip
+        svg.append(f"</svg><figcaption>{html.escape(attack)}</figcaption></figure>")
+        out.append("".join(svg))
+    return out
 
 
 def _number(value: Any, digits: int = 3) -> str:
@@ -205,8 +298,10 @@ def render(store: ResultStore, run_ids: Sequence[str], figures: Path | None = No
         f"<li><b>{html.escape(c)}</b>: {html.escape(text)}</li>"
         for c, text in legend(modality, shown_utility)
     ]
+    out.append("</ul>")
+    out += tradeoff(rows, modality)
     out += _texts(rows) if modality == "text" else []
-    out.append("</ul><h2>Reconstructions</h2>")
+    out.append("<h2>Reconstructions</h2>")
     shown = 0
     for row in rows:
         for r in row["records"]:
