@@ -218,4 +218,21 @@ def test_a_text_grid_report_shows_rouge_beside_its_null_and_the_texts(tmp_path):
     first = next(r for r in none_records if r.get("true_texts"))
     shown = [r for r in texts.rows if r]  # the rows of the first text table (after its header)
     assert shown[: len(first["true_texts"])] == [[t, t] for t in first["true_texts"]]  # each true = its match
+    tables = re.findall(r"<table class='texts'>.*?</table>", html_text, flags=re.S)
+    words = sum(len(t.split(" ")) for t in first["true_texts"])
+    assert tables[0].count("<mark>") == words and "<mark>" not in tables[-1]  # all recovered; AEGIS: none
     assert page.scripts == 0 and page.external == []
+
+
+def test_figures_show_the_best_median_and_worst_matches_not_the_first():
+    from gradleak.experiments.runner import representative
+
+    psnr = [float(v) for v in (5, 40, 12, 33, 18, 27, 9, 50, 21, 15, 44, 30, 7, 25, 36, 11, 19, 48, 23, 14)]
+    shown = representative(psnr, per_rank=4)
+    by_rank = {r: [psnr[k] for k, rr in shown if rr == r] for r in ("best", "median", "worst")}
+    ranked = sorted(psnr, reverse=True)
+    assert by_rank["best"] == ranked[:4] and by_rank["worst"] == ranked[-4:]
+    assert by_rank["median"] == ranked[8:12]  # the four around the median of 20
+    assert len({k for k, _ in shown}) == 12
+    few = [3.0, 9.0, 1.0]
+    assert representative(few) == [(1, ""), (0, ""), (2, "")]  # all of them, best first

@@ -29,6 +29,7 @@ th, td { border: 1px solid #888; padding: 0.3rem 0.5rem; text-align: right; }
 th { background: #eee; } td.name { text-align: left; }
 .legend li { margin: 0.2rem 0; } figure { margin: 1rem 0; }
 img { max-width: 100%; image-rendering: pixelated; }
+mark { background: #ddd; font-weight: bold; }
 .note { background: #f6f6f6; border-left: 4px solid #555; padding: 0.5rem 1rem; }
 """
 
@@ -165,10 +166,20 @@ def _number(value: Any, digits: int = 3) -> str:
     return "n/a" if not isinstance(value, int | float) else f"{value:.{digits}f}"
 
 
+def marked(text: str, truth_words: set[str]) -> str:
+    """``text`` escaped, each word that occurs in ``truth_words`` wrapped in ``<mark>`` (recovered)."""
+    return " ".join(
+        f"<mark>{html.escape(w)}</mark>" if w in truth_words else html.escape(w) for w in text.split(" ")
+    )
+
+
 def _texts(rows: Sequence[dict[str, Any]]) -> list[str]:
     """Each text attack's reconstructions beside the client's true sequences (the first update's): each
-    true sequence with the reconstruction matched to it (a token-set attack: its recovered tokens)."""
-    out = ["<h2>Text reconstructions</h2>"]
+    true sequence with the reconstruction matched to it, its words that occur in that sequence marked; a
+    token-set attack's recovered tokens in one row, those that occur in the batch marked."""
+    out = ["<h2>Text reconstructions</h2>",
+           "<p>Marked words of a reconstruction occur in the true sequence beside it (for a token set: "
+           "anywhere in the batch).</p>"]  # fmt: skip
     for row in rows:
         rec = next((r for r in row["records"] if r.get("true_texts")), None)
         if rec is None:
@@ -176,12 +187,16 @@ def _texts(rows: Sequence[dict[str, Any]]) -> list[str]:
         who = "secure-aggregation sum" if rec.get("aggregated") else f"client {rec.get('client_id')}"
         out.append(f"<h3>{html.escape(row['defense'])}: {html.escape(row['attack'])} on {who}</h3>")
         out.append("<table class='texts'><tr><th>true sequence</th><th>its matched reconstruction</th></tr>")
-        truth = rec["true_texts"]
-        found = rec.get("matched_texts") or rec.get("texts") or []  # a token set: its one text
-        for k in range(max(len(truth), len(found))):
-            t = html.escape(truth[k]) if k < len(truth) else ""
-            f = html.escape(found[k]) if k < len(found) else ""
-            out.append(f"<tr><td class='name'>{t}</td><td class='name'>{f}</td></tr>")
+        truth, matched = rec["true_texts"], rec.get("matched_texts") or []
+        for k, t in enumerate(truth):
+            f = matched[k] if k < len(matched) else ""
+            out.append(f"<tr><td class='name'>{html.escape(t)}</td>"
+                       f"<td class='name'>{marked(f, set(t.split(' ')))}</td></tr>")  # fmt: skip
+        if not matched and rec.get("texts"):  # a token set, scored against the whole batch
+            batch = {w for t in truth for w in t.split(" ")}
+            found = " ".join(rec["texts"])
+            out.append(f"<tr><td class='name'><i>recovered token set</i></td>"
+                       f"<td class='name'>{marked(found, batch)}</td></tr>")  # fmt: skip
         out.append("</table>")
     return out
 
@@ -216,14 +231,15 @@ def setup_text(run: RunRow) -> list[str]:
         f"Threat model: the server sees {secure}; {control}.",
         f"Data: {data['dataset']}, {data['num_clients']} clients, partition {data['partition']} "
         f"{data.get('partition_options') or ''}.",
-        f"Model: {model['name']}. FL: {fl['rounds']} rounds, {fl['fraction']:.0%} of clients per round, "
+        f"Model: {model['name']}{f' ({task})' if (task := model.get('task')) else ''}. FL: {fl['rounds']} rounds, {fl['fraction']:.0%} of clients per round, "
         f"{tr['protocol']} ({tr.get('optimizer', 'sgd')}, lr {tr['lr']}, batch {tr['batch_size']}, "
         f"{tr.get('epochs', 1)} epoch(s)).",
         f"Audit: {audit['clients']} sampled client(s), {at['protocol']} on batches of {at['batch_size']}; "
         f"recipe {'known' if audit.get('training_public', True) else 'hidden'} to the attacker; labels "
         f"{'granted' if audit.get('grant_labels') else 'recovered by the attack'}.",
         f"Attacks: {', '.join(_attack_label(a) for a in audit['attacks'])}. Seed {c['experiment']['seed']}. "
-        f"Code: gradleak commit {env.get('git_commit', 'unknown')[:12]}, torch {env.get('torch', '?')}.",
+        f"Code: gradleak {env.get('gradleak', '')} (commit {env.get('git_commit', 'unknown')[:12]}), torch "
+        f"{env.get('torch', '?')}.",
     ]  # fmt: skip
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+import gradleak
 from gradleak.attacks import create_attack
 from gradleak.data import partition
 from gradleak.data.base import ImageDataset
@@ -81,6 +82,7 @@ def environment() -> dict[str, Any]:
     except OSError:
         commit = ""
     return {
+        "gradleak": gradleak.__version__,
         "git_commit": commit or "unknown",
         "machine": platform.machine(),
         "platform": platform.platform(),
@@ -103,15 +105,43 @@ def _truth_for(obs: Observation, results: list[ClientResult]) -> Dataset:
 Figure = tuple[torch.Tensor, torch.Tensor, str, list[str]]  # originals, reconstructions, title, captions
 
 
+SHOWN_PER_RANK = 4  # images shown from the best, the middle and the worst of a figure's matches
+
+
+def representative(psnr: list[float], per_rank: int = SHOWN_PER_RANK) -> list[tuple[int, str]]:
+    """Positions into ``psnr`` (one per matched image) to show, best first, each with its rank: the
+    ``per_rank`` best, the ``per_rank`` around the median and the ``per_rank`` worst (all of them, sorted,
+    when there are at most ``3 * per_rank``): a figure shows the spread, not the first matches."""
+    order = sorted(range(len(psnr)), key=lambda k: -psnr[k])
+    n = len(order)
+    if n <= 3 * per_rank:
+        return [(k, "") for k in order]
+    mid = max(per_rank, min(n // 2 - per_rank // 2, n - 2 * per_rank))
+    ranks = [
+        ("best", order[:per_rank]),
+        ("median", order[mid : mid + per_rank]),
+        ("worst", order[-per_rank:]),
+    ]
+    return [(k, rank) for rank, ks in ranks for k in ks]
+
+
 def _figure(
     name: str, obs: Observation, images: torch.Tensor, truth: torch.Tensor, scores: dict[str, Any]
 ) -> Figure:
-    """Originals and their matched reconstructions (at most 16), captioned with per-image PSNR."""
-    matched = [j for j, i in enumerate(scores["matching"]) if i >= 0][:16]
-    recon = images[[scores["matching"][j] for j in matched]]
-    caps = [f"{scores['psnr'][m]:.1f} dB" for m in range(len(matched))]
-    title = f"{name} on client {obs.update.metadata.get('client_id', 'sum')}"
-    return truth[matched], recon, title, caps
+    """Originals above their matched reconstructions, the best, median and worst matches by PSNR
+    (:func:`representative`), each captioned with its rank and PSNR (capped at 100 dB)."""
+    matched = [j for j, i in enumerate(scores["matching"]) if i >= 0]
+    psnr = [float(scores["psnr"][m]) for m in range(len(matched))]  # psnr[m] scores matched[m]
+    shown = representative(psnr)
+    rows = [matched[k] for k, _ in shown]
+    recon = images[[scores["matching"][j] for j in rows]]
+    caps = [f"{rank} {psnr[k]:.1f} dB".strip() for k, rank in shown]
+    who = f"the secure-aggregation sum of {obs.num_clients} clients" if obs.aggregated else (
+        f"client {obs.update.metadata.get('client_id')}")  # fmt: skip
+    unmatched = len(scores["matching"]) - len(matched)
+    title = (f"{name} on {who}: {len(shown)} of {len(matched)} matched images (best, median, worst by PSNR)"
+             + (f"; {unmatched} not reconstructed" if unmatched else ""))  # fmt: skip
+    return truth[rows], recon, title, caps
 
 
 def served_models(attack: ModelModifyingAttack, broadcast: nn.Module, count: int) -> list[nn.Module]:
