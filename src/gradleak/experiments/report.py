@@ -219,6 +219,7 @@ def setup_text(run: RunRow) -> list[str]:
     c, env = run.config, run.environment
     data, fl, audit, model = c["data"], c["fl"], c["audit"], c["model"]
     tr, at = fl["training"], audit["training"]
+    task = f" ({model['task']})" if model.get("task") else ""
     secure = "only the sum of the round's updates (secure aggregation)" if fl.get("secure_aggregation") else (
         "every sampled client's update")  # fmt: skip
     names = {a["name"] for a in audit["attacks"]}
@@ -231,7 +232,7 @@ def setup_text(run: RunRow) -> list[str]:
         f"Threat model: the server sees {secure}; {control}.",
         f"Data: {data['dataset']}, {data['num_clients']} clients, partition {data['partition']} "
         f"{data.get('partition_options') or ''}.",
-        f"Model: {model['name']}{f' ({task})' if (task := model.get('task')) else ''}. FL: {fl['rounds']} rounds, {fl['fraction']:.0%} of clients per round, "
+        f"Model: {model['name']}{task}. FL: {fl['rounds']} rounds, {fl['fraction']:.0%} of clients per round, "
         f"{tr['protocol']} ({tr.get('optimizer', 'sgd')}, lr {tr['lr']}, batch {tr['batch_size']}, "
         f"{tr.get('epochs', 1)} epoch(s)).",
         f"Audit: {audit['clients']} sampled client(s), {at['protocol']} on batches of {at['batch_size']}; "
