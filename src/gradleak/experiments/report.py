@@ -232,7 +232,8 @@ def setup_text(run: RunRow) -> list[str]:
         f"Threat model: the server sees {secure}; {control}.",
         f"Data: {data['dataset']}, {data['num_clients']} clients, partition {data['partition']} "
         f"{data.get('partition_options') or ''}.",
-        f"Model: {model['name']}{task}. FL: {fl['rounds']} rounds, {fl['fraction']:.0%} of clients per round, "
+        f"Model: {model['name']}{task}. FL: {fl['rounds']} rounds, {fl['fraction']:.0%} of clients "
+        "per round, "
         f"{tr['protocol']} ({tr.get('optimizer', 'sgd')}, lr {tr['lr']}, batch {tr['batch_size']}, "
         f"{tr.get('epochs', 1)} epoch(s)).",
         f"Audit: {audit['clients']} sampled client(s), {at['protocol']} on batches of {at['batch_size']}; "
