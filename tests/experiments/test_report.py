@@ -221,6 +221,16 @@ def test_a_text_grid_report_shows_rouge_beside_its_null_and_the_texts(tmp_path):
     tables = re.findall(r"<table class='texts'>.*?</table>", html_text, flags=re.S)
     words = sum(len(t.split(" ")) for t in first["true_texts"])
     assert tables[0].count("<mark>") == words and "<mark>" not in tables[-1]  # all recovered; AEGIS: none
+    assert "<b>dager</b> (attack)" in html_text and "<b>aegis_llm</b> (defense)" in html_text  # glossary
+    if shutil.which("chromium") is not None:  # the text report renders in the browser too
+        dom = subprocess.run(
+            ["chromium", "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
+             "--virtual-time-budget=5000", "--dump-dom", (out / "textgrid" / "report.html").as_uri()],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        assert "CONSOLE" not in dom.stderr and dom.stdout.count('class="tradeoff"') == 1
+        assert dom.stdout.count('class="texts"') == 2  # one text table per cell
     assert page.scripts == 0 and page.external == []
 
 

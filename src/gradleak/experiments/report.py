@@ -21,6 +21,7 @@ from typing import Any
 from gradleak.experiments import columns
 from gradleak.experiments.config import ComponentSpec, cell_label
 from gradleak.experiments.store import ResultStore, RunRow
+from gradleak.registry import ATTACKS, DEFENSES
 
 CSS = """
 body { font-family: sans-serif; max-width: 72rem; margin: 2rem auto; color: #111; line-height: 1.4; }
@@ -159,6 +160,19 @@ def tradeoff(rows: Sequence[dict[str, Any]], modality: str) -> list[str]:
                        f"font-size='11' text-anchor='{anchor}'>{html.escape(label)}</text></g>")  # fmt: skip
         svg.append(f"</svg><figcaption>{html.escape(attack)}</figcaption></figure>")
         out.append("".join(svg))
+    return out
+
+
+def glossary(runs: Sequence[RunRow]) -> list[str]:
+    """The attacks and defenses of the report in plain words (each registry entry's summary)."""
+    attacks = dict.fromkeys(a["name"] for run in runs for a in run.config["audit"]["attacks"])
+    defenses = dict.fromkeys(d["name"] for run in runs for d in run.config.get("defenses") or [])
+    out = ["<h3>The attacks and defenses</h3><ul class='glossary'>"]
+    for kind, registry, names in (("attack", ATTACKS, attacks), ("defense", DEFENSES, defenses)):
+        for name in names:
+            summary = registry.entry(name).summary if name in registry else "(not registered here)"
+            out.append(f"<li><b>{html.escape(name)}</b> ({kind}): {html.escape(summary)}</li>")
+    out.append("</ul>")
     return out
 
 
@@ -317,6 +331,7 @@ def render(store: ResultStore, run_ids: Sequence[str], figures: Path | None = No
         for c, text in legend(modality, shown_utility)
     ]
     out.append("</ul>")
+    out += glossary(runs)
     out += tradeoff(rows, modality)
     out += _texts(rows) if modality == "text" else []
     out.append("<h2>Reconstructions</h2>")
