@@ -29,7 +29,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -38,12 +38,12 @@ from gradleak.attacks import create_attack
 from gradleak.attacks.text.baseline import is_blocked, is_valid, null_observation
 from gradleak.text.client import fedsgd_text_update
 from gradleak.text.data import encode, load_text_dataset, sample
+from gradleak.text.metrics import decode, score_texts, score_token_set
 from gradleak.text.models import TextModel, build_text_model
 from gradleak.types import AttackInputError, Observation
 
 from _common import configure_torch, make_parser, parse_args, write_result
 from aegis_llm_common import AEGIS_SETTINGS, SETTINGS
-from text_attacks import Scale, attack_options, score
 
 NAME = "aegis_llm_privacy"
 TASK = {"gpt2_tiny": "causal_lm", "gpt2_small": "causal_lm", "gpt2_small_untied": "causal_lm",
@@ -56,6 +56,38 @@ DATA_KW: dict[str, dict[str, Any]] = {
 PRIVACY_SETTINGS = ("none", "aegis_2ch", "aegis", "aegis_rho_fc_0.3", "dp_0.001", "dp_0.01", "dp_0.1",
                     "prune_50", "prune_90", "prune_99", "soteria")  # fmt: skip
 TARGET_R1 = 0.05
+
+
+@dataclass(frozen=True)
+class Scale:
+    models: tuple[str, ...]
+    datasets: tuple[str, ...]
+    batch_size: int
+    max_tokens: int
+    batches: int  # per cell and seed
+
+
+def attack_options(name: str, tm: TextModel) -> dict[str, Any]:
+    """On GPT-2, DAGER scans the embedding channel's token set (paper 002's combined recovery; the full
+    vocabulary gives the same result at 50k/|set| times the L1 cost); on BERT it knows [SEP] ends sequences.
+    SmolLM2 (tied head, trained) scans the full vocabulary: its embedding gradient's output-projection
+    term hides the input rows, and its position-free L1 check needs a single scan anyway."""
+    if name != "dager":
+        return {}
+    opts: dict[str, Any] = {}
+    if tm.family == "gpt2":  # learned positions: one L1 scan per position; rotary models scan once
+        opts["vocab"] = "embedding"
+    if tm.family == "bert":
+        opts["encoder"] = {"end_token_id": int(tm.tokenizer.sep_token_id)}  # the attacker knows the tokenizer
+    return opts
+
+
+def score(name: str, token_ids: list[list[int]], refs: list[list[int]], tm: TextModel) -> dict[str, Any]:
+    if name == "dager":
+        s = score_texts(decode(tm.tokenizer, token_ids), decode(tm.tokenizer, refs))
+    else:
+        s = score_token_set([t for seq in token_ids for t in seq], refs, tm.tokenizer)
+    return s.as_dict()
 
 
 SCALES = {
