@@ -83,7 +83,11 @@ def test_a_benchmark_runs_its_cells_through_the_engine_and_compares_with_the_com
     )
     data = json.loads((out / "tiny_smoke.json").read_text())
     assert data["benchmark"] == "tiny" and data["scale"] == "smoke" and data["seeds"] == [0]
-    assert data["git"]["commit"] and data["machine"]["torch"] and "bench" in data["command"]
+    assert (
+        data["git"]["commit"]
+        and data["machine"]["torch"]
+        and data["command"] == f"gradleak bench {config} --scale smoke"
+    )
     assert data["paper"] == {"dager_rouge1_min": 0.98}
     rows = data["rows"]
     assert [(r["cell"], r["defense"]) for r in rows] == [

@@ -36,7 +36,9 @@ def handle(args: argparse.Namespace) -> int:
     store_path = Path(args.store or Path("benchmarks/.state") / f"{bench.name}_{args.scale}.sqlite")
     store_path.parent.mkdir(parents=True, exist_ok=True)
     previous = Path(args.previous) if args.previous else None
+    command = " ".join(["gradleak bench", args.config, "--scale", args.scale,
+                        *(["--seeds", *map(str, args.seeds)] if args.seeds else [])])  # fmt: skip
     path = run_benchmark(bench, args.scale, out=Path(args.out), store=ResultStore(store_path),
-                         seeds=args.seeds, previous_dir=previous)  # fmt: skip
+                         seeds=args.seeds, previous_dir=previous, command=command)  # fmt: skip
     print(f"wrote {path}: {describe(path)}")
     return 0

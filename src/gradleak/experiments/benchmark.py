@@ -301,8 +301,10 @@ def run_benchmark(
     store: ResultStore,
     seeds: Sequence[int] | None = None,
     previous_dir: Path | None = None,
+    command: str | None = None,
 ) -> Path:
-    """Run every cell of ``scale`` (all validated first), write ``out/<name>_<scale>.json``; returns it."""
+    """Run every cell of ``scale`` (all validated first), write ``out/<name>_<scale>.json``; returns it.
+    ``command``: the command line to record (default: this process's)."""
     plan = bench.configs(scale, seeds)
     store.check()
     env = environment()  # the code that runs the cells (a later commit during a long run is not it)
@@ -325,7 +327,7 @@ def run_benchmark(
         "benchmark": bench.name, "claim": bench.claim, "scale": scale,
         "seeds": list(seeds if seeds is not None else bench.seeds),
         "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": command or " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "config": str(bench.source) if bench.source else None,
         "git": {"commit": env["git_commit"], "runs": run_commits}, "machine": machine(),
         "store": str(store.path),
