@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -99,6 +99,22 @@ def text_loss(model: nn.Module, batch: TextBatch, task: str) -> torch.Tensor:
     return loss
 
 
+@torch.no_grad()
+def next_token_scores(model: nn.Module, batches: Iterable[TextBatch]) -> tuple[float, int, int]:
+    """Over ``batches``: the summed next-token NLL (the model's mean loss times its next-token positions),
+    how many of those positions the argmax predicts, and how many there are."""
+    nll, hits, count = 0.0, 0, 0
+    for b in batches:
+        labels = b.input_ids.masked_fill(b.attention_mask == 0, -100)
+        out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=labels)
+        keep = (b.attention_mask[:, 1:] * b.attention_mask[:, :-1]).bool()
+        n = int(keep.sum())
+        nll += float(out.loss) * n
+        hits += int((out.logits[:, :-1].argmax(-1)[keep] == b.input_ids[:, 1:][keep]).sum())
+        count += n
+    return nll, hits, count
+
+
 def _chunks(data: TokenDataset) -> list[TextBatch]:
     return [
         data.subset(range(i, min(i + EVAL_BATCH, len(data)))).batch() for i in range(0, len(data), EVAL_BATCH)
@@ -143,13 +159,12 @@ class TextClassification(_TextTask):
     head: ClassVar[str] = "classification"
 
     def _metrics(self, model: nn.Module, data: TokenDataset) -> dict[str, float]:
+        from gradleak.text.metrics import accuracy, classify  # the text metrics import this module
+
         if data.labels is None:
             raise ValueError(f"{data.name}: text classification needs labels")
-        correct = 0
-        for b in _chunks(data):
-            logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
-            correct += int((logits.argmax(-1) == b.labels).sum())
-        return {"accuracy": correct / max(1, len(data))}
+        pred, true = classify(model, _chunks(data))
+        return {"accuracy": accuracy(pred, true)}
 
 
 @dataclass(frozen=True)
@@ -161,13 +176,7 @@ class CausalLM(_TextTask):
     head: ClassVar[str] = "causal_lm"
 
     def _metrics(self, model: nn.Module, data: TokenDataset) -> dict[str, float]:
-        nll, hits, count = 0.0, 0, 0
-        for b in _chunks(data):
-            logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
-            target, keep = b.input_ids[:, 1:], (b.attention_mask[:, 1:] * b.attention_mask[:, :-1]).bool()
-            nll += float(F.cross_entropy(logits[keep], target[keep], reduction="sum"))
-            hits += int((logits[keep].argmax(-1) == target[keep]).sum())
-            count += int(keep.sum())
+        nll, hits, count = next_token_scores(model, _chunks(data))
         if count == 0:
             raise ValueError(f"{data.name}: no next-token positions to score")
         return {"accuracy": hits / count, "perplexity": math.exp(nll / count)}

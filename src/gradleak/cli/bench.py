@@ -31,8 +31,7 @@ def add_parser(sub: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    bench = load_benchmark(args.config)
-    bench.configs(args.scale, args.seeds)  # every cell checked before the store is touched
+    bench = load_benchmark(args.config)  # run_benchmark checks every cell before the store is touched
     store_path = Path(args.store or Path("benchmarks/.state") / f"{bench.name}_{args.scale}.sqlite")
     store_path.parent.mkdir(parents=True, exist_ok=True)
     previous = Path(args.previous) if args.previous else None

@@ -36,7 +36,6 @@ import itertools
 import json
 import logging
 import os
-import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,8 +45,8 @@ from typing import Any
 import torch
 
 from gradleak.experiments import columns
-from gradleak.experiments.config import ConfigError, ExperimentConfig, load_config, read_toml
-from gradleak.experiments.grid import run_grid
+from gradleak.experiments.config import ConfigError, ExperimentConfig, defenses_label, load_config, read_toml
+from gradleak.experiments.grid import run_grid, spread
 from gradleak.experiments.runner import RunOutcome, environment, run_experiment
 from gradleak.experiments.store import ResultStore
 from gradleak.fileio import atomic_write
@@ -213,12 +212,7 @@ def _mean_rows(cell: Cell, seed: int, outcome: RunOutcome, defense: str) -> list
                                "refused": sum(1 for r in records if r.get("refused")),
                                **{c.key: summary.get(c.key) for c in columns.UTILITY if c.key in summary},
                                "fl_seconds": summary.get("fl_seconds")}  # fmt: skip
-        for key in MEAN:
-            values = [float(r[key]) for r in records if isinstance(r.get(key), int | float | bool)]
-            if values:
-                row[key] = statistics.fmean(values)
-                row[f"{key}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
-        rows.append(row)
+        rows.append({**row, **spread(records, MEAN)})
     return rows
 
 
@@ -317,7 +311,7 @@ def run_benchmark(
                 rows += _mean_rows(cell, seed, c.outcome, c.label)
         else:
             outcome = run_experiment(cfg, store=store)
-            rows += _mean_rows(cell, seed, outcome, _defense(cfg))
+            rows += _mean_rows(cell, seed, outcome, defenses_label(cfg.defenses))
     rows = _with_cost(rows)
     by_id = {r.run_id: r for r in store.runs()}
     run_commits = sorted(
@@ -354,12 +348,6 @@ def run_benchmark(
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(payload, indent=1, default=str)))
     return path
-
-
-def _defense(cfg: ExperimentConfig) -> str:
-    from gradleak.experiments.config import cell_label
-
-    return " + ".join(cell_label(s) for s in cfg.defenses) or "none"
 
 
 def describe(path: Path) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -325,6 +325,11 @@ def cell_label(spec: ComponentSpec) -> str:
     if not spec.options:
         return spec.name
     return f"{spec.name}({', '.join(f'{k}={v}' for k, v in sorted(spec.options.items()))})"
+
+
+def defenses_label(specs: Sequence[ComponentSpec]) -> str:
+    """A run's defenses in one label: ``none``, ``aegis``, ``pruning(ratio=0.9) + dp_noise(...)``."""
+    return " + ".join(cell_label(s) for s in specs) or "none"
 
 
 def _spec(value: Any, where: str) -> ComponentSpec:

@@ -67,13 +67,20 @@ class GridOutcome:
             for i, spec in enumerate(self.config.audit.attacks):
                 records = [r for r in attacks if r.get("cell") == i]
                 row: dict[str, Any] = {**common, "attack": spec.name, "updates": len(records)}
-                for key in PRIVACY:
-                    values = [float(r[key]) for r in records if isinstance(r.get(key), int | float)]
-                    if values:
-                        row[key] = statistics.fmean(values)
-                        row[f"{key}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
-                rows.append(row)
+                rows.append({**row, **spread(records, PRIVACY)})
         return rows
+
+
+def spread(records: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, float]:
+    """``key`` (the mean) and ``key_sd`` (the sample standard deviation, 0 for one value) of every key the
+    records hold a number for (booleans count as 0 / 1)."""
+    out: dict[str, float] = {}
+    for key in keys:
+        values = [float(r[key]) for r in records if isinstance(r.get(key), int | float)]
+        if values:
+            out[key] = statistics.fmean(values)
+            out[f"{key}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
+    return out
 
 
 def _fl_seconds(outcome: RunOutcome) -> float:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gradleak.experiments import columns
-from gradleak.experiments.config import ComponentSpec, cell_label
+from gradleak.experiments.config import ComponentSpec, cell_label, defenses_label
 from gradleak.experiments.store import ResultStore, RunRow
 from gradleak.registry import ATTACKS, DEFENSES
 
@@ -220,8 +220,9 @@ def _values(records: Sequence[dict[str, Any]], key: str) -> list[float]:
 
 
 def _defense_label(config: dict[str, Any]) -> str:
-    specs = [ComponentSpec(d["name"], d.get("options", {})) for d in config.get("defenses") or []]
-    return " + ".join(cell_label(s) for s in specs) or "none"
+    return defenses_label(
+        [ComponentSpec(d["name"], d.get("options", {})) for d in config.get("defenses") or []]
+    )
 
 
 def _attack_label(spec: dict[str, Any]) -> str:

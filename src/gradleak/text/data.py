@@ -283,9 +283,14 @@ class TokenDataset:
     def from_texts(dataset: TextDataset, tokenizer: Any, *, max_tokens: int = MAX_TOKENS) -> TokenDataset:
         """``dataset`` tokenized by :func:`encode` (truncated to ``max_tokens``, right-padded)."""
         batch = encode(list(dataset.texts), tokenizer, max_tokens=max_tokens, labels=dataset.labels)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return TokenDataset(dataset.name, batch.input_ids, batch.attention_mask, batch.labels,
-                            dataset.num_labels, pad_id=int(pad))  # fmt: skip
+                            dataset.num_labels, pad_id=pad_id(tokenizer))  # fmt: skip
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The id padded positions carry: the tokenizer's pad token, else its end-of-sequence token."""
+    pad = tokenizer.pad_token_id
+    return int(pad if pad is not None else tokenizer.eos_token_id)
 
 
 def encode(
@@ -302,9 +307,8 @@ def encode(
     seqs = [s[:max_tokens] for s in seqs]
     if any(len(s) == 0 for s in seqs):
         raise ValueError("a text encodes to zero tokens")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), int(pad), dtype=torch.long)
+    ids = torch.full((len(seqs), width), pad_id(tokenizer), dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(s)

@@ -23,7 +23,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
-from gradleak.tasks import text_loss
+from gradleak.tasks import next_token_scores
 from gradleak.text.data import TextBatch
 from gradleak.text.wordnet import ensure_wordnet
 
@@ -114,18 +114,13 @@ def decode(tokenizer: Any, sequences: Sequence[Sequence[int]]) -> list[str]:
     return [tokenizer.decode(list(s), skip_special_tokens=True).strip() for s in sequences]
 
 
-@torch.no_grad()
 def perplexity(model: nn.Module, batches: Iterable[TextBatch]) -> float:
     """exp of the token-weighted mean next-token NLL over ``batches`` (causal LMs)."""
-    total, count = 0.0, 0
     model.eval()
-    for b in batches:
-        n = int((b.attention_mask[:, 1:] * b.attention_mask[:, :-1]).sum())
-        total += float(text_loss(model, b, "causal_lm")) * n
-        count += n
+    nll, _, count = next_token_scores(model, batches)
     if count == 0:
         raise ValueError("no next-token positions to score")
-    return math.exp(total / count)
+    return math.exp(nll / count)
 
 
 def accuracy(pred: Sequence[int], true: Sequence[int]) -> float:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from gradleak.data.root import require_file, resolve_data_root
+from gradleak.text.data import pad_id
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,7 @@ class TextModel:
 
     @property
     def pad_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return int(pad if pad is not None else self.tokenizer.eos_token_id)
+        return pad_id(self.tokenizer)
 
 
 def _check_task(task: str, allowed: tuple[str, ...] = TASKS) -> None:
