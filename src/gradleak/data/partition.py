@@ -167,23 +167,35 @@ def dirichlet(
 
 
 def natural(
-    groups: ArrayLike, num_clients: int | None = None, rng: RngLike | None = None, *, pick: str = "first"
+    groups: ArrayLike,
+    num_clients: int | None = None,
+    rng: RngLike | None = None,
+    *,
+    pick: str = "first",
+    min_size: int = 1,
 ) -> list[np.ndarray]:
     """One client per natural owner (e.g. FEMNIST writer), clients in increasing group id order.
 
-    ``num_clients=None`` keeps every group; otherwise ``pick="first"`` keeps the ``num_clients``
-    smallest group ids and ``pick="random"`` a random subset (needs ``rng``). Samples of groups that
-    are not kept belong to no client.
+    Only groups with at least ``min_size`` samples become clients (e.g. paper 001's writers with >= k
+    images). ``num_clients=None`` keeps every such group; otherwise ``pick="first"`` keeps the
+    ``num_clients`` smallest group ids and ``pick="random"`` a random subset (needs ``rng``). Samples of
+    groups that are not kept belong to no client.
     """
     g = _int_vector(groups, "groups")
+    min_size = _check_count("min_size", min_size)
     order = np.argsort(g, kind="stable")
     ids, starts = np.unique(g[order], return_index=True)
     members = np.split(order, starts[1:]) if len(g) else []
+    big = [i for i, m in enumerate(members) if len(m) >= min_size]
+    ids, members = ids[big], [members[i] for i in big]
     chosen = np.arange(len(ids))
     if num_clients is not None:
         n = _check_count("num_clients", num_clients)
         if n > len(ids):
-            raise ValueError(f"natural: asked for {n} clients but there are only {len(ids)} groups")
+            raise ValueError(
+                f"natural: asked for {n} clients but there are only {len(ids)} groups"
+                + (f" with >= {min_size} samples" if min_size > 1 else "")
+            )
         if pick == "first":
             chosen = chosen[:n]
         elif pick == "random":
@@ -228,11 +240,16 @@ def _run_dirichlet(
 
 
 def _run_natural(
-    dataset: ImageDataset, num_clients: int | None, rng: np.random.Generator, *, pick: str = "first"
+    dataset: ImageDataset,
+    num_clients: int | None,
+    rng: np.random.Generator,
+    *,
+    pick: str = "first",
+    min_size: int = 1,
 ) -> list[np.ndarray]:
     if dataset.groups is None:
         raise ValueError(f"natural partition needs per-sample groups; dataset {dataset.name!r} has none")
-    return natural(dataset.groups, num_clients, rng, pick=pick)
+    return natural(dataset.groups, num_clients, rng, pick=pick, min_size=min_size)
 
 
 PARTITIONERS: dict[str, Callable[..., list[np.ndarray]]] = {

@@ -10,12 +10,14 @@ A benchmark file is an experiment config (the base every cell shares) plus a ``[
     previous = "text_attacks_{scale}.json"      # a committed result this re-derives (optional)
     aliases = { "aegis_llm(flood_mlp=False)" = "aegis_2ch" }   # our defense label -> the committed one's
     keys = { psnr_mean = "psnr_mean_all" }      # our score -> the committed one's name
+    stats = ["matching_loss_honest"]            # attack statistics averaged beside the standard scores
 
     [[benchmark.cells]]                         # one experiment (or grid) per cell; or [[benchmark.axes.X]]
                                                 # tables whose product (names joined by "-") are the cells
     name = "gpt2_small-rotten_tomatoes"
     overrides = ["model.name='gpt2_small'"]     # dotted key=value, applied to the base
     match = { model = "gpt2_small", dataset = "rotten_tomatoes" }   # its rows in ``previous``
+    at = { paper = ["audit.training.epochs=20"] }   # the cell's overrides at one scale (after the others)
 
     [benchmark.scales.small]                    # smoke | small | paper
     overrides = ["audit.clients=1"]             # applied before the cell's (the more specific wins)
@@ -26,7 +28,8 @@ Every cell runs through :func:`~gradleak.experiments.runner.run_experiment` (or
 benchmark resumes where it stopped and a finished cell is reused. The result JSON holds the command, git
 commit, machine, seeds and scale, one row per cell, defense and attack (mean, standard deviation and count
 of every privacy score over the attacked updates, utility, cost), the paper's numbers and, with
-``previous``, each row next to the committed row it re-derives.
+``previous``, each row next to the committed rows it re-derives (their mean where several match, e.g. a
+former script's seeds).
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ import datetime as dt
 import itertools
 import json
 import logging
+import math
 import os
+import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,13 +64,15 @@ MEAN = (*columns.keys(), "valid", "attack_seconds")  # averaged over a row's att
 
 @dataclass(frozen=True)
 class Cell:
-    """One experiment of a benchmark: ``overrides`` on the base; ``match`` selects its rows in the committed
-    result it re-derives, ``previous`` (candidate files, the first that exists) overrides the benchmark's."""
+    """One experiment of a benchmark: ``overrides`` on the base (``at``: more at one scale); ``match``
+    selects its rows in the committed result it re-derives, ``previous`` (candidate files, the first that
+    exists) overrides the benchmark's."""
 
     name: str
     overrides: tuple[str, ...] = ()
     match: Mapping[str, Any] = field(default_factory=dict)
     previous: tuple[str, ...] = ()
+    at: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,7 @@ class Benchmark:
     previous: str | None = None
     aliases: Mapping[str, str] = field(default_factory=dict)
     keys: Mapping[str, str] = field(default_factory=dict)
+    stats: tuple[str, ...] = ()
     source: Path | None = None
 
     def configs(
@@ -105,8 +113,14 @@ class Benchmark:
         out = []
         for cell in chosen:
             for seed in seeds if seeds is not None else self.seeds:
-                overrides = [*sc.overrides, *cell.overrides, f"experiment.seed={seed}",
-                             f"experiment.name='{self.name}.{cell.name}'"]  # fmt: skip
+                name = f"experiment.name='{self.name}.{cell.name}'"
+                overrides = [
+                    *sc.overrides,
+                    *cell.overrides,
+                    *cell.at.get(scale, ()),
+                    f"experiment.seed={seed}",
+                    name,
+                ]
                 try:
                     cfg = load_config(json.loads(json.dumps(self.base)), overrides)
                 except ConfigError as exc:
@@ -126,12 +140,16 @@ def _strings(value: Any, where: str) -> tuple[str, ...]:
 def _cell(c: Any, where: str) -> Cell:
     if not isinstance(c, Mapping) or not isinstance(c.get("name"), str):
         raise ConfigError(f"{where} needs a string name, got {c!r}")
-    extra = sorted(set(c) - {"name", "overrides", "match", "previous"})
+    extra = sorted(set(c) - {"name", "overrides", "match", "previous", "at"})
     if extra:
         raise ConfigError(f"unknown key(s) {extra} in {where}")
     overrides = _strings(c.get("overrides", []), f"{where}.overrides")
     previous = _strings(c.get("previous", []), f"{where}.previous")
-    return Cell(c["name"], overrides, dict(c.get("match", {})), previous)
+    at = c.get("at", {})
+    if not isinstance(at, Mapping) or sorted(set(at) - set(SCALES)):
+        raise ConfigError(f"{where}.at maps scales {list(SCALES)} to overrides, got {at!r}")
+    scaled = {k: _strings(v, f"{where}.at.{k}") for k, v in at.items()}
+    return Cell(c["name"], overrides, dict(c.get("match", {})), previous, scaled)
 
 
 def _list(values: Any, axis: str) -> list[Any]:
@@ -147,8 +165,11 @@ def _product(parts: Sequence[Cell]) -> Cell:
     match: dict[str, Any] = {}
     for p in parts:
         match.update(p.match)
+    at = {
+        s: tuple(o for p in parts for o in p.at.get(s, ())) for s in SCALES if any(s in p.at for p in parts)
+    }
     return Cell(
-        "-".join(p.name for p in parts), tuple(o for p in parts for o in p.overrides), match, previous
+        "-".join(p.name for p in parts), tuple(o for p in parts for o in p.overrides), match, previous, at
     )
 
 
@@ -159,7 +180,8 @@ def load_benchmark(path: str | Path) -> Benchmark:
     spec = raw.pop("benchmark", None)
     if not isinstance(spec, Mapping):
         raise ConfigError(f"{path}: a benchmark file needs a [benchmark] table")
-    known = {"name", "claim", "seeds", "paper", "previous", "aliases", "keys", "cells", "axes", "scales"}
+    known = {"name", "claim", "seeds", "paper", "previous", "aliases", "keys", "stats", "cells", "axes",
+             "scales"}  # fmt: skip
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in [benchmark]; valid keys: {sorted(known)}")
@@ -196,13 +218,17 @@ def load_benchmark(path: str | Path) -> Benchmark:
     for what, table in (("aliases", aliases), ("keys", keys)):
         if not isinstance(table, Mapping) or not all(isinstance(v, str) for v in table.values()):
             raise ConfigError(f"benchmark.{what} must map names to names, got {table!r}")
+    stats = _strings(spec.get("stats", []), "benchmark.stats")
     return Benchmark(name, str(spec.get("claim", "")), raw, tuple(cells), scales or {"small": Scale()},
                      tuple(seeds), dict(spec.get("paper", {})), spec.get("previous"), dict(aliases),
-                     dict(keys), path)  # fmt: skip
+                     dict(keys), stats, path)  # fmt: skip
 
 
-def _mean_rows(cell: Cell, seed: int, outcome: RunOutcome, defense: str) -> list[dict[str, Any]]:
-    """One row per attack of a run: mean, sd and count of each score over its attacked updates."""
+def _mean_rows(
+    cell: Cell, seed: int, outcome: RunOutcome, defense: str, stats: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """One row per attack of a run: mean, sd and count of each score (and of the attack statistics
+    ``stats``) over its attacked updates."""
     summary = outcome.of_kind("summary")[0]
     rows = []
     for i, spec in enumerate(outcome.config.audit.attacks):
@@ -212,7 +238,7 @@ def _mean_rows(cell: Cell, seed: int, outcome: RunOutcome, defense: str) -> list
                                "refused": sum(1 for r in records if r.get("refused")),
                                **{c.key: summary.get(c.key) for c in columns.UTILITY if c.key in summary},
                                "fl_seconds": summary.get("fl_seconds")}  # fmt: skip
-        rows.append({**row, **spread(records, MEAN)})
+        rows.append({**row, **spread(records, (*MEAN, *stats))})
     return rows
 
 
@@ -226,7 +252,7 @@ def _with_cost(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 COMPARED = ("rouge1", "rouge2", "rougeL", "meteor", "exact", "psnr_mean", "ssim_mean", "reconstruction_rate",
-            "label_accuracy")  # fmt: skip
+            "label_accuracy", "matching_loss_honest")  # fmt: skip
 UNDER = "_under"  # a match key: a name on the committed row's path (e.g. a results key "organamnist/seed0")
 
 
@@ -251,7 +277,8 @@ def compare(
     cell's ``match`` (``_under``: a name on the row's path; ``{seed}`` is the row's seed) and whose attack
     (``attack`` or ``probe``) and defense (``defense`` or ``setting``, where they have one; ours renamed by
     ``aliases``) are the row's. ``keys`` names a score differently in the committed rows (ours -> theirs);
-    ``delta`` = ours - theirs for each score both have."""
+    ``previous`` is the mean of the score over every matching committed row (``previous_rows`` of them,
+    e.g. one per seed of a former script), ``delta`` = ours - previous for each score both have."""
     candidates = committed_rows(previous)
     names = {k: (keys or {}).get(k, k) for k in COMPARED}
     out = []
@@ -267,17 +294,22 @@ def compare(
                  and (p.get("defense") or p.get("setting") or "none") == defense]  # fmt: skip
         if not found:
             continue
-        p = found[0]
-        both = [
-            (k, t)
-            for k, t in names.items()
-            if isinstance(p.get(t), int | float) and isinstance(r.get(k), int | float)
-        ]
-        scores = {k: {"ours": r[k], "previous": p[t], "delta": r[k] - p[t]} for k, t in both}
-        n = p.get("n", p.get("images"))
+        scores = {}
+        for k, t in names.items():
+            theirs = [p[t] for p in found if _number(p.get(t))]
+            if theirs and _number(r.get(k)):
+                mean = statistics.fmean(theirs)
+                scores[k] = {"ours": r[k], "previous": mean, "delta": r[k] - mean}
+        counts = [p.get("n", p.get("images")) for p in found]
+        n = sum(counts) if all(isinstance(c, int) for c in counts) else None
         out.append({"cell": r["cell"], "seed": r["seed"], "defense": r["defense"], "attack": r["attack"],
-                    "previous_n": n, "updates": r["updates"], **scores})  # fmt: skip
+                    "previous_n": n, "previous_rows": len(found), "updates": r["updates"],
+                    **scores})  # fmt: skip
     return out
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def machine() -> dict[str, Any]:
@@ -308,10 +340,10 @@ def run_benchmark(
         if cfg.grid.defenses:
             grid = run_grid(cfg, store=store)
             for c in grid.cells:
-                rows += _mean_rows(cell, seed, c.outcome, c.label)
+                rows += _mean_rows(cell, seed, c.outcome, c.label, bench.stats)
         else:
             outcome = run_experiment(cfg, store=store)
-            rows += _mean_rows(cell, seed, outcome, defenses_label(cfg.defenses))
+            rows += _mean_rows(cell, seed, outcome, defenses_label(cfg.defenses), bench.stats)
     rows = _with_cost(rows)
     by_id = {r.run_id: r for r in store.runs()}
     run_commits = sorted(

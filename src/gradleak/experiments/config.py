@@ -27,7 +27,7 @@ from typing import Any
 from gradleak.data.partition import partition_options
 from gradleak.fl.engines import FederationCheck
 from gradleak.fl.server import clients_per_round, update_kind
-from gradleak.fl.simulation import FLConfig
+from gradleak.fl.simulation import PICKS, FLConfig
 from gradleak.options import OptionError, check_value
 from gradleak.plugins import PluginError, load_plugins
 from gradleak.registry import ATTACKS, DATASETS, DEFENSES, ENGINES, MODELS, Registry
@@ -128,13 +128,16 @@ class AuditSection:
     ``clients``: how many of the next round's sampled clients to audit (0 disables the audit).
     ``training``: the recipe of the audited round (e.g. FedSGD on a small batch).
     ``training_public``: whether the attacker knows that recipe; ``grant_labels``: whether it knows labels.
-    ``max_samples``: audited clients keep only their first ``max_samples`` samples (None: all).
+    ``max_samples``: audited clients keep only ``max_samples`` of their samples (None: all), the first ones
+    or, with ``pick = "random"``, a seeded random subset (the same for every attack of the audit); the first
+    samples of a client of a class-ordered data set (CIFAR-10) are one or two classes.
     ``public_dataset`` / ``public_split`` / ``public_limit``: the server's auxiliary data for malicious-model
     attacks (imprint bins, autoencoders); by default the experiment's held-out test set, never client data.
     """
 
     clients: int = 1
     max_samples: int | None = None
+    pick: str = "first"
     public_dataset: str | None = None
     public_split: str | None = None
     public_limit: int | None = 1000
@@ -150,6 +153,8 @@ class AuditSection:
             v = getattr(self, key)
             if v is not None and v < 1:
                 raise ConfigError(f"audit.{key} must be >= 1, got {v}")
+        if self.pick not in PICKS:
+            raise ConfigError(f"audit.pick must be one of {list(PICKS)}, got {self.pick!r}")
         if self.public_dataset is not None:
             _known(DATASETS, self.public_dataset, "audit.public_dataset")
 
@@ -233,7 +238,9 @@ class ExperimentConfig:
         if isinstance(engine, FederationCheck):
             try:
                 engine.check_federation(secure_aggregation=self.fl.secure_aggregation, per_round=per_round,
-                                        audited=self.audit.clients)  # fmt: skip
+                                        audited=self.audit.clients,
+                                        random_subset=self.audit.pick == "random"
+                                        and self.audit.max_samples is not None)  # fmt: skip
             except ValueError as exc:
                 raise ConfigError(f"engine.options: {exc}") from None
 

@@ -162,12 +162,16 @@ def collect_malicious(
     """Audited clients train the server's model; a client-customising attack sends each its own variant."""
     a = cfg.audit
     if not isinstance(attack, ClientCustomizingAttack):
-        return sim.collect(ids, a.training, broadcast=broadcast, max_samples=a.max_samples)
+        return sim.collect(ids, a.training, broadcast=broadcast, max_samples=a.max_samples, pick=a.pick)
     return [
         r
         for slot, cid in enumerate(ids)
         for r in sim.collect(
-            [cid], a.training, broadcast=attack.customize(broadcast, slot), max_samples=a.max_samples
+            [cid],
+            a.training,
+            broadcast=attack.customize(broadcast, slot),
+            max_samples=a.max_samples,
+            pick=a.pick,
         )
     ]
 
@@ -366,7 +370,9 @@ class _Run:
                 results = collect_malicious(sim, attack, broadcast, ids, cfg)
             else:
                 if "updates" not in honest:
-                    honest["updates"] = sim.collect(ids, audit.training, max_samples=audit.max_samples)
+                    honest["updates"] = sim.collect(
+                        ids, audit.training, max_samples=audit.max_samples, pick=audit.pick
+                    )
                 results = honest["updates"]
             observations = server_view(
                 broadcast, results, input_shape=shape, num_classes=classes, secure_aggregation=False,
@@ -375,10 +381,14 @@ class _Run:
             return observations, results
         if isinstance(attack, ModelModifyingAttack):
             models = served_models(attack, broadcast, len(ids))
-            secure = sim.collect_secure(ids, audit.training, models=models, max_samples=audit.max_samples)
+            secure = sim.collect_secure(
+                ids, audit.training, models=models, max_samples=audit.max_samples, pick=audit.pick
+            )
         else:
             if "secure" not in honest:
-                honest["secure"] = sim.collect_secure(ids, audit.training, max_samples=audit.max_samples)
+                honest["secure"] = sim.collect_secure(
+                    ids, audit.training, max_samples=audit.max_samples, pick=audit.pick
+                )
             secure = honest["secure"]
         results = [r for r in secure.results if r.client_id in secure.contributors]
         if secure.aggregate is None:

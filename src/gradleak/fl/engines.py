@@ -38,7 +38,9 @@ class EngineRunner(Protocol):
 class FederationCheck(Protocol):
     """An engine config with conditions on the experiment's federation (checked with the config)."""
 
-    def check_federation(self, *, secure_aggregation: bool, per_round: int, audited: int) -> None: ...
+    def check_federation(
+        self, *, secure_aggregation: bool, per_round: int, audited: int, random_subset: bool = False
+    ) -> None: ...
 
 
 class InProcessRunner:
@@ -123,8 +125,17 @@ class FlowerEngineConfig:
     startup_timeout: float = 120.0
     secagg: SecAggPlusConfig = field(default_factory=SecAggPlusConfig)
 
-    def check_federation(self, *, secure_aggregation: bool, per_round: int, audited: int) -> None:
-        """SecAgg+ is the protocol of a secure-aggregation threat model, with rounds it can run."""
+    def check_federation(
+        self, *, secure_aggregation: bool, per_round: int, audited: int, random_subset: bool = False
+    ) -> None:
+        """SecAgg+ is the protocol of a secure-aggregation threat model, with rounds it can run; a node is
+        told how many of its first samples an audit trains on (``random_subset``: a random subset, which it
+        cannot be told)."""
+        if random_subset:
+            raise ValueError(
+                "the Flower engine sends an audited node a sample count, so audit.pick = 'random' (a random "
+                "subset of max_samples) is not available on it; use audit.pick = 'first'"
+            )
         if not self.secagg.enabled:
             return
         if not secure_aggregation:

@@ -38,6 +38,7 @@ from gradleak.types import LocalTraining, Observation, Update
 log = logging.getLogger(__name__)
 
 DefenseFactory = Callable[[], Sequence[Defense]]
+PICKS = ("first", "random")  # which of a client's samples an audit's max_samples keeps
 
 
 def derive_seed(*parts: int) -> int:
@@ -269,29 +270,48 @@ class FederatedSimulation:
         round_idx: int | None = None,
         broadcast: nn.Module | None = None,
         max_samples: int | None = None,
+        pick: str = "first",
     ) -> list[ClientResult]:
         """Have ``client_ids`` train without aggregating: the updates an audit attacks.
 
         ``broadcast`` replaces the global model for this round (a malicious server's modified model);
-        ``max_samples`` keeps each client's first samples only (e.g. paper 001's k = 50 images per client).
+        ``max_samples`` keeps ``max_samples`` of each client's samples (e.g. paper 001's k = 50 images per
+        client): its first ones, or with ``pick="random"`` a seeded random subset (:meth:`audit_tasks`).
         ``round_idx`` defaults to the next round index, so the clients' randomness is that round's.
         """
         r = len(self.history) if round_idx is None else round_idx
-        tasks = self.audit_tasks(r, client_ids, training, max_samples)
+        tasks = self.audit_tasks(r, client_ids, training, max_samples, pick)
         model = self.model if broadcast is None else broadcast
         results = self.engine.train_clients(model, tasks, self.defenses)
         return screen(results, model, round_idx=r, kind=update_kind(training))
 
     def audit_tasks(
-        self, round_idx: int, client_ids: Sequence[int], training: LocalTraining, max_samples: int | None
+        self,
+        round_idx: int,
+        client_ids: Sequence[int],
+        training: LocalTraining,
+        max_samples: int | None,
+        pick: str = "first",
     ) -> list[ClientTask]:
-        """The round's tasks for ``client_ids``, each on its first ``max_samples`` samples if given."""
+        """The round's tasks for ``client_ids``, each on ``max_samples`` of its samples if given: the first
+        ones (``pick="first"``), or a random subset in index order (``pick="random"``, seeded by the
+        simulation's seed, the round and the client, so every attack of an audit sees the same one). The
+        first samples of a client of a class-ordered data set (CIFAR-10's loader) are one or two classes."""
+        if pick not in PICKS:
+            raise ValueError(f"pick must be one of {PICKS}, got {pick!r}")
         tasks = self.tasks(round_idx, client_ids, training)
         if max_samples is None:
             return tasks
-        keep = [np.arange(min(max_samples, len(t.data))) for t in tasks]
+        keep = [self._keep(t, max_samples, round_idx, pick) for t in tasks]
         pairs = zip(tasks, keep, strict=True)
         return [dataclasses.replace(t, data=t.data.subset(k), private=t.data) for t, k in pairs]
+
+    def _keep(self, task: ClientTask, max_samples: int, round_idx: int, pick: str) -> np.ndarray:
+        n = len(task.data)
+        if pick == "first" or max_samples >= n:
+            return np.arange(min(max_samples, n))
+        rng = np.random.default_rng(derive_seed(self.seed, 0x5B5E, round_idx, task.client_id))
+        return np.sort(rng.choice(n, size=max_samples, replace=False))
 
     def collect_secure(
         self,
@@ -300,11 +320,12 @@ class FederatedSimulation:
         *,
         models: Sequence[nn.Module] | None = None,
         max_samples: int | None = None,
+        pick: str = "first",
     ) -> SecureRound:
         """:meth:`collect` under secure aggregation: the sum of the clients' updates is all the server gets
         (client ``client_ids[k]`` trains ``models[k]``, default the global model)."""
         r = len(self.history)
-        tasks = self.audit_tasks(r, client_ids, training, max_samples)
+        tasks = self.audit_tasks(r, client_ids, training, max_samples, pick)
         models = [self.model] * len(tasks) if models is None else list(models)
         return self.secure_round(models, tasks, round_idx=r, weighted=False)
 
