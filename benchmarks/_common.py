@@ -34,6 +34,7 @@ from gradleak.update_io import load_tree, save_tree
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
+CONFIGS = BENCH_DIR / "configs"
 STATE_DIR = BENCH_DIR / ".state"  # resumable run states (model weights): large, not committed
 SCALES = ("smoke", "small", "paper")
 DEFAULT_SEED = 0

@@ -40,10 +40,11 @@ from gradleak.attacks.image.surrogate import (
     run_surrogate,
     weighted_sum,
 )
+from gradleak.experiments.config import load_config
+from gradleak.experiments.runner import audited_updates
 from gradleak.types import Observation
 
-from _common import configure_torch, make_parser, parse_args, summarize, write_result
-from paper001_common import Victim, victim_update
+from _common import CONFIGS, configure_torch, make_parser, parse_args, summarize, write_result
 
 NAME = "paper001_perf"
 WARMUP = 2
@@ -179,7 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     scale = SCALES[args.scale]
     threads = configure_torch(args.threads if args.threads is not None else 1)
     print(f"{NAME} --scale {args.scale}: {scale}, threads {threads}", flush=True)
-    obs, _, _ = victim_update(scale.dataset, Victim(scale.k, scale.batch_size, scale.epochs), args.seeds[0])
+    victim = [f"data.dataset='{scale.dataset}'", f"audit.max_samples={scale.k}", "audit.clients=1",
+              f"audit.training.batch_size={scale.batch_size}", f"audit.training.epochs={scale.epochs}",
+              f"experiment.seed={args.seeds[0]}"]  # fmt: skip
+    ((obs, _),) = audited_updates(load_config(CONFIGS / "base" / "paper001_victim.toml", victim))
     its = scale.iterations + WARMUP
     sme = SME(SMEConfig(max_iterations=its)).settings()
     variants: dict[str, Callable[[], tuple[list[float], list[float]]]] = {

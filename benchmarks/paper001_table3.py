@@ -35,12 +35,13 @@ from torch.nn import functional as F
 
 from gradleak.attacks.image.ig import cosine_distance
 from gradleak.attacks.image.surrogate import bezier, gauss_legendre, weighted_sum
-from gradleak.models import build_model
+from gradleak.experiments.config import load_config
+from gradleak.experiments.runner import audited_updates
 
-from _common import configure_torch, make_parser, parse_args, write_result
-from paper001_common import VICTIM_LR, Victim, client_data, dataset
+from _common import CONFIGS, configure_torch, make_parser, parse_args, write_result
 
 NAME = "paper001_table3"
+LR = 0.01  # the victim's local learning rate (base/paper001_victim.toml; checked against it)
 PAPER = {
     100: {"delta_single": 0.0242, "delta_quad": {2: 0.0079, 3: 0.0065, 5: 0.0055}, "best_position": 0.44},
     250: {"delta_single": 0.0446, "delta_quad": {2: 0.0136, 3: 0.0113, 5: 0.0119}, "best_position": 0.71},
@@ -63,13 +64,33 @@ SCALES = {
 }
 
 
+@dataclass(frozen=True)
+class Victim:
+    k: int  # images on the client
+    batch_size: int
+    epochs: int
+
+    @property
+    def steps(self) -> int:
+        return self.epochs * -(-self.k // self.batch_size)
+
+
 def trajectory(seed: int, victim: Victim) -> tuple[Any, Any, list[list[torch.Tensor]], list[str]]:
-    """The client's data, the model at w_0 and all T + 1 states of plain minibatch SGD (as fl.client does)."""
-    data = client_data("cifar10", victim.k, seed)
-    full = dataset("cifar10")
-    model = build_model("sme_cnn", full.input_shape, full.num_classes, seed=seed)
+    """A CIFAR-10 client of paper 001's victim setting (the engine's, base/paper001_victim.toml), the model
+    at w_0 and all T + 1 states of plain minibatch SGD on its k images (the oracle's own replay)."""
+    overrides = [
+        f"audit.max_samples={victim.k}",
+        "audit.clients=1",
+        f"experiment.seed={seed}",
+        f"audit.training.batch_size={victim.batch_size}",
+        f"audit.training.epochs={victim.epochs}",
+    ]
+    ((obs, data),) = audited_updates(load_config(CONFIGS / "base" / "paper001_victim.toml", overrides))
+    assert obs.training is not None
+    model = obs.model
     work = copy.deepcopy(model)
-    opt = torch.optim.SGD(work.parameters(), lr=VICTIM_LR)
+    assert obs.training.lr == LR, obs.training.lr
+    opt = torch.optim.SGD(work.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(seed)
     states = [[p.detach().clone() for p in work.parameters()]]
     for _ in range(victim.epochs):
@@ -86,7 +107,7 @@ def run_cell(seed: int, victim: Victim, scale: Scale, scaled_fit: bool = False) 
     data, model, states, names = trajectory(seed, victim)
     steps = len(states) - 1
     w0, wt = states[0], states[-1]
-    g_bar = [(a - b) / (VICTIM_LR * steps) for a, b in zip(w0, wt, strict=True)]
+    g_bar = [(a - b) / (LR * steps) for a, b in zip(w0, wt, strict=True)]
 
     def grad_at(ws: Sequence[torch.Tensor], create_graph: bool = False) -> list[torch.Tensor]:
         out = functional_call(model, dict(zip(names, ws, strict=True)), (data.images,))
@@ -178,7 +199,7 @@ def build_payload(runs: list[dict[str, Any]], scale: Scale, t0: float) -> dict[s
         "setting": {
             **asdict(scale),
             "dataset": "cifar10 (stand-in for CIFAR-100)",
-            "victim": f"sme_cnn, plain SGD lr {VICTIM_LR:g}",
+            "victim": f"sme_cnn, plain SGD lr {LR:g} (base/paper001_victim.toml)",
         },
         "summary": summary,
         "wall_seconds": time.perf_counter() - t0,

@@ -11,6 +11,7 @@ A benchmark file is an experiment config (the base every cell shares) plus a ``[
     aliases = { "aegis_llm(flood_mlp=False)" = "aegis_2ch" }   # our defense label -> the committed one's
     keys = { psnr_mean = "psnr_mean_all" }      # our score -> the committed one's name
     stats = ["matching_loss_honest"]            # attack statistics averaged beside the standard scores
+    base = "paper001_victim.toml"               # a shared experiment config under this one
 
     [[benchmark.cells]]                         # one experiment (or grid) per cell; or [[benchmark.axes.X]]
                                                 # tables whose product (names joined by "-") are the cells
@@ -180,13 +181,22 @@ def load_benchmark(path: str | Path) -> Benchmark:
     spec = raw.pop("benchmark", None)
     if not isinstance(spec, Mapping):
         raise ConfigError(f"{path}: a benchmark file needs a [benchmark] table")
-    known = {"name", "claim", "seeds", "paper", "previous", "aliases", "keys", "stats", "cells", "axes",
-             "scales"}  # fmt: skip
+    known = {"name", "claim", "seeds", "paper", "previous", "aliases", "keys", "stats", "base", "cells",
+             "axes", "scales"}  # fmt: skip
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in [benchmark]; valid keys: {sorted(known)}")
     if "cells" in spec and "axes" in spec:
         raise ConfigError("[benchmark] takes cells or axes, not both")
+    if "base" in spec:  # a shared experiment config (several tables of one paper share its setting)
+        if not isinstance(spec["base"], str):
+            raise ConfigError(f"benchmark.base must be a file name, got {spec['base']!r}")
+        base = read_toml(path.parent / spec["base"], "benchmark.base")
+        if "benchmark" in base:
+            raise ConfigError(
+                f"benchmark.base {spec['base']!r} is a benchmark file; it must be an experiment config"
+            )
+        raw = _merged(base, raw)
     if "axes" in spec:
         axes = spec["axes"]
         if not isinstance(axes, Mapping) or not axes:
@@ -224,6 +234,15 @@ def load_benchmark(path: str | Path) -> Benchmark:
                      dict(keys), stats, path)  # fmt: skip
 
 
+def _merged(base: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``own``'s keys over it, table by table (arrays and values replaced whole)."""
+    out = dict(base)
+    for key, value in own.items():
+        old = out.get(key)
+        out[key] = _merged(old, value) if isinstance(old, Mapping) and isinstance(value, Mapping) else value
+    return out
+
+
 def _mean_rows(
     cell: Cell, seed: int, outcome: RunOutcome, defense: str, stats: Sequence[str] = ()
 ) -> list[dict[str, Any]]:
@@ -234,7 +253,7 @@ def _mean_rows(
     for i, spec in enumerate(outcome.config.audit.attacks):
         records = [r for r in outcome.of_kind("attack") if r.get("cell") == i]
         row: dict[str, Any] = {"cell": cell.name, "seed": seed, "run_id": outcome.run_id, "defense": defense,
-                               "attack": spec.name, "updates": len(records),
+                               "attack": spec.name, "options": dict(spec.options), "updates": len(records),
                                "refused": sum(1 for r in records if r.get("refused")),
                                **{c.key: summary.get(c.key) for c in columns.UTILITY if c.key in summary},
                                "fl_seconds": summary.get("fl_seconds")}  # fmt: skip
@@ -275,8 +294,9 @@ def compare(
 ) -> list[dict[str, Any]]:
     """``cell``'s rows beside the committed rows they re-derive: the committed rows whose keys equal the
     cell's ``match`` (``_under``: a name on the row's path; ``{seed}`` is the row's seed) and whose attack
-    (``attack`` or ``probe``) and defense (``defense`` or ``setting``, where they have one; ours renamed by
-    ``aliases``) are the row's. ``keys`` names a score differently in the committed rows (ours -> theirs);
+    (``attack`` or ``probe``), attack options (on the keys both name, where the committed row has
+    ``options``) and defense (``defense`` or ``setting``, where they have one; ours renamed by ``aliases``)
+    are the row's. ``keys`` names a score differently in the committed rows (ours -> theirs);
     ``previous`` is the mean of the score over every matching committed row (``previous_rows`` of them,
     e.g. one per seed of a former script), ``delta`` = ours - previous for each score both have."""
     candidates = committed_rows(previous)
@@ -291,6 +311,7 @@ def compare(
         found = [p for p, path in candidates if all(p.get(k) == v for k, v in want.items())
                  and (under is None or under in path)
                  and (p.get("attack") or p.get("probe")) == r["attack"]
+                 and _same_options(p.get("options"), r.get("options"))
                  and (p.get("defense") or p.get("setting") or "none") == defense]  # fmt: skip
         if not found:
             continue
@@ -306,6 +327,13 @@ def compare(
                     "previous_n": n, "previous_rows": len(found), "updates": r["updates"],
                     **scores})  # fmt: skip
     return out
+
+
+def _same_options(theirs: Any, ours: Any) -> bool:
+    """The committed row's attack options agree with ours on every key both name (none: agree)."""
+    if not isinstance(theirs, Mapping) or not isinstance(ours, Mapping):
+        return True
+    return all(theirs[k] == ours[k] for k in set(theirs) & set(ours))
 
 
 def _number(value: Any) -> bool:

@@ -287,6 +287,24 @@ def run_experiment(
     return RunOutcome(run_id, cfg, records, figures, folder, resumed)
 
 
+def audited_updates(cfg: ExperimentConfig) -> list[tuple[Observation, Dataset]]:
+    """What an honest server observes in ``cfg``'s audited round (after its FL rounds, nothing stored), each
+    observation with the data behind it: what every non-malicious attack of the config is given. For
+    measurements of an attack's internals (its per-iteration cost, the geometry of the client's path) on the
+    engine's clients and recipe."""
+    run = _Run(cfg, None, progress=False)
+
+    def work(engine: Engine) -> list[tuple[Observation, Dataset]]:
+        run.sim.engine = engine
+        for r in range(cfg.fl.rounds):
+            run.sim.run_round(r)
+        ids = run.sim.sample()[: cfg.audit.clients]
+        observations, results = run._observe(None, ids, cfg.fl.rounds, {})
+        return [(obs, _truth_for(obs, results)) for obs in observations]
+
+    return run.engine.run(run.sim.clients, run.sim.defenses, work)
+
+
 class _Run:
     """One run's inputs, built and checked before any work: data, public images, federation."""
 
@@ -352,7 +370,7 @@ class _Run:
         return rec.all()
 
     def _observe(
-        self, attack: object, ids: list[int], salt: int, honest: dict[str, Any]
+        self, attack: object | None, ids: list[int], salt: int, honest: dict[str, Any]
     ) -> tuple[list[Observation], list[ClientResult]]:
         """What the server observes for ``attack`` in the audited round, and the results behind it (for
         scoring): each client's update, or under secure aggregation one aggregate of those that made it.
