@@ -169,3 +169,14 @@ def test_partition_rejects_bad_input() -> None:
         partition("natural", ds, None, seed=0)
     with pytest.raises(ValueError, match="num_clients"):
         partition("iid", ds, None, seed=0)
+
+
+def test_natural_keeps_only_groups_of_min_size() -> None:
+    g = np.array([0, 0, 0, 1, 2, 2, 3, 3, 3, 3])
+    parts = natural(g, min_size=3)
+    assert _same(parts, [np.array([0, 1, 2]), np.array([6, 7, 8, 9])])
+    assert _same(natural(g, 1, min_size=2), [np.array([0, 1, 2])])
+    with pytest.raises(ValueError, match="only 2 groups with >= 3 samples"):
+        natural(g, 3, min_size=3)
+    with pytest.raises(ValueError, match="min_size"):
+        natural(g, min_size=0)

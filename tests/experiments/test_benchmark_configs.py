@@ -153,3 +153,115 @@ def test_a_bad_cell_is_refused_before_any_work(tmp_path):
         load_benchmark(path).configs("smoke")
     with pytest.raises(ConfigError, match="no scale 'paper'"):
         load_benchmark(path).configs("paper")
+
+
+SHARED = """
+[experiment]
+name = "shared"
+seed = 3
+[data]
+dataset = "cifar10"
+num_clients = 10
+[audit]
+clients = 2
+max_samples = 50
+[[audit.attacks]]
+name = "ig"
+"""
+
+USES_BASE = """
+[benchmark]
+name = "sweep"
+claim = "a sweep on a shared setting"
+base = "base/shared.toml"
+stats = ["matching_loss_honest"]
+
+[[benchmark.axes.steps]]
+name = "short"
+at = { smoke = ["audit.training.epochs=2"], paper = ["audit.training.epochs=20"] }
+
+[[benchmark.axes.steps]]
+name = "long"
+overrides = ["audit.max_samples=8"]
+at = { smoke = ["audit.training.epochs=5"] }
+
+[benchmark.scales.smoke]
+overrides = ["audit.max_samples=4"]
+
+[benchmark.scales.paper]
+
+[experiment]
+name = "sweep"
+[data]
+num_clients = 20
+"""
+
+
+def test_a_benchmark_on_a_shared_base_config_with_per_scale_cell_overrides(tmp_path):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "shared.toml").write_text(SHARED)
+    path = tmp_path / "sweep.toml"
+    path.write_text(USES_BASE)
+    bench = load_benchmark(path)
+    assert bench.stats == ("matching_loss_honest",)
+    smoke = {c.name: cfg for c, _, cfg in bench.configs("smoke")}
+    # the base's tables under the file's own: data.dataset from the base, num_clients from the file
+    assert all(c.data.dataset == "cifar10" and c.data.num_clients == 20 for c in smoke.values())
+    assert [a.name for a in smoke["short"].audit.attacks] == ["ig"]
+    # overrides in order: scale, cell, the cell's at this scale (the more specific wins)
+    assert (smoke["short"].audit.max_samples, smoke["short"].audit.training.epochs) == (4, 2)
+    assert (smoke["long"].audit.max_samples, smoke["long"].audit.training.epochs) == (8, 5)
+    paper = {c.name: cfg for c, _, cfg in bench.configs("paper")}
+    assert paper["short"].audit.training.epochs == 20 and paper["long"].audit.training.epochs == 1
+    assert paper["short"].audit.max_samples == 50  # the base's
+    path.write_text(USES_BASE.replace("at = { smoke", "at = { huge"))
+    with pytest.raises(ConfigError, match="at maps scales"):
+        load_benchmark(path)
+    path.write_text(USES_BASE.replace('base = "base/shared.toml"', 'base = "base/none.toml"'))
+    with pytest.raises(ConfigError, match="benchmark.base .*none.toml' does not exist"):
+        load_benchmark(path)
+
+
+def test_a_row_is_compared_with_the_mean_of_every_committed_row_it_matches():
+    """Matching committed rows (e.g. a former script's seeds) are averaged; attack options must agree on
+    the keys both name, so two rows of one attack at two budgets meet their own committed rows."""
+    from gradleak.experiments.benchmark import Cell, compare
+
+    committed = {"runs": [
+        {"dataset": "femnist", "attack": "nlsme", "seed": s, "options": {"max_iterations": b}, "psnr_mean": v,
+         "lsim": 0.1 * s}
+        for s, (b, v) in enumerate([(100, 6.0), (100, 8.0), (500, 7.0), (100, 10.0)])
+    ] + [{"dataset": "cifar10", "attack": "nlsme", "psnr_mean": 99.0}]}  # fmt: skip
+    rows = [
+        {"cell": "c", "seed": 0, "defense": "none", "attack": "nlsme", "updates": 3,
+         "options": {"max_iterations": 100, "nodes": 3}, "psnr_mean": 9.0, "matching_loss_honest": 0.2},
+        {"cell": "c", "seed": 0, "defense": "none", "attack": "nlsme", "updates": 3,
+         "options": {"max_iterations": 500}, "psnr_mean": 5.0, "matching_loss_honest": 0.3},
+    ]  # fmt: skip
+    cell = Cell("c", match={"dataset": "femnist"})
+    out = compare(rows, cell, committed, keys={"matching_loss_honest": "lsim"})
+    assert [o["previous_rows"] for o in out] == [3, 1]
+    assert out[0]["psnr_mean"] == {"ours": 9.0, "previous": pytest.approx(8.0), "delta": pytest.approx(1.0)}
+    assert out[0]["matching_loss_honest"]["previous"] == pytest.approx((0.0 + 0.1 + 0.3) / 3)
+    assert out[1]["psnr_mean"]["previous"] == 7.0 and out[1]["psnr_mean"]["delta"] == -2.0
+
+
+def test_a_row_averages_the_benchmarks_attack_stats_over_its_updates(tmp_path):
+    from gradleak.experiments.benchmark import Cell, _mean_rows
+    from gradleak.experiments.config import load_config
+    from gradleak.experiments.runner import RunOutcome
+
+    cfg = load_config({"audit": {"attacks": [{"name": "ig", "max_iterations": 7}, {"name": "dlg"}]}})
+    records = [{"kind": "summary", "final_accuracy": 0.5, "fl_seconds": 2.0}] + [
+        {"kind": "attack", "cell": i, "psnr_mean": 10.0 + k + i, "matching_loss_honest": 0.1 * k}
+        for i in (0, 1) for k in range(3)
+    ]  # fmt: skip
+    outcome = RunOutcome("r", cfg, records, [], None, False)
+    rows = _mean_rows(Cell("c"), 0, outcome, "none", ("matching_loss_honest",))
+    assert [(r["attack"], r["options"], r["updates"]) for r in rows] == [
+        ("ig", {"max_iterations": 7}, 3), ("dlg", {}, 3)
+    ]  # fmt: skip
+    assert rows[0]["psnr_mean"] == pytest.approx(11.0) and rows[1]["psnr_mean"] == pytest.approx(12.0)
+    assert rows[0]["matching_loss_honest"] == pytest.approx(0.1)
+    assert rows[0]["matching_loss_honest_sd"] == pytest.approx(0.1)
+    assert rows[0]["final_accuracy"] == 0.5
