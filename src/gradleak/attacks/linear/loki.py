@@ -65,7 +65,10 @@ class LokiConfig:
     """``slots``: clients the server customises per round; ``bins_per_slot``: k per client; ``scale``,
     ``back_weight``, ``tuned_for``, ``adam_margin``, ``rel_tol`` as for ``robbing_the_fed`` (the block's
     back-connection weight is ``back_weight * slots``, because the mean runs over every slot's rows and only
-    one slot fires per client: each row then gets the gradient it would get in Robbing the Fed)."""
+    one slot fires per client: each row then gets the gradient it would get in Robbing the Fed);
+    ``max_images`` caps the output (None: the aggregate's sample count, the bins of largest mass; up to
+    ``slots * bins_per_slot`` returns every non-empty bin, an upper bound on what the imprint leaks when
+    a defense's synthetic bins outnumber the real ones)."""
 
     slots: int = 10
     bins_per_slot: int = 256
@@ -74,8 +77,11 @@ class LokiConfig:
     tuned_for: str = "sgd"
     adam_margin: float = 1e-4
     rel_tol: float = 1e-6
+    max_images: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_images is not None and (not isinstance(self.max_images, int) or self.max_images < 1):
+            raise ValueError(f"max_images must be an int >= 1, got {self.max_images!r}")
         if not isinstance(self.slots, int) or self.slots < 1:
             raise ValueError(f"slots must be an int >= 1, got {self.slots!r}")
         if not isinstance(self.bins_per_slot, int) or self.bins_per_slot < 2:
@@ -158,7 +164,7 @@ class Loki:
                 used += 1
                 feats.append(rec.features)
                 masses.append(rec.mass / rec.mass.max())  # comparable across clients
-        limit = max(1, obs.update.num_samples)
+        limit = cfg.max_images or max(1, obs.update.num_samples)
         if feats:
             order = torch.argsort(torch.cat(masses), descending=True)[:limit]
             images = features_to_images(secrets.restore(torch.cat(feats)[order]), obs.input_shape)
