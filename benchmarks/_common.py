@@ -29,13 +29,11 @@ from typing import Any
 import torch
 
 from gradleak.fileio import atomic_write
-from gradleak.update_io import load_tree, save_tree
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 CONFIGS = BENCH_DIR / "configs"
-STATE_DIR = BENCH_DIR / ".state"  # resumable run states (model weights): large, not committed
 SCALES = ("smoke", "small", "paper")
 DEFAULT_SEED = 0
 
@@ -211,30 +209,3 @@ def write_result(
     text = compact_number_lists(json.dumps(record, indent=2, allow_nan=False)) + "\n"
     target = folder / f"{name}_{scale}.json"
     return atomic_write(target, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-
-
-def save_state(path: Path, meta: Mapping[str, Any], state: Mapping[str, Any]) -> Path:
-    """Write a resumable run state atomically: ``meta`` names the run it belongs to, ``state`` is its data
-    (JSON values and tensors, e.g. round rows and model state dicts; safetensors, no pickle).
-
-    Long benchmarks (tens of FL rounds) call this after every round so that a run stopped by the end of a
-    session continues where it stopped (:func:`load_state`) instead of starting again.
-    """
-    return save_tree(path, {"meta": dict(meta), "state": dict(state)})
-
-
-def load_state(path: Path, meta: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The state saved at ``path`` by :func:`save_state` (None if there is none).
-
-    Raises ``ValueError`` naming the differing keys when the saved run's ``meta`` is not ``meta``: resuming
-    another run's state would silently mix two experiments.
-    """
-    path = Path(path)
-    if not path.exists():
-        return None
-    saved: dict[str, Any] = load_tree(path)
-    if saved.get("meta") != dict(meta):
-        old = saved.get("meta", {})
-        diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
-        raise ValueError(f"{path} belongs to another run (differs in {diff}); delete it or change the run")
-    return dict(saved["state"])

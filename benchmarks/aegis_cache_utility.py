@@ -2,13 +2,15 @@
 
 Aegis trains each client on its synthetic cache at the same per-sample weight as its real images (lambda
 weighting: M = 2048 synthetic against ~350 real samples), so the cache's worth *as training data* bounds what
-Aegis costs in accuracy (the FL utility run, ``aegis_table1.py --utility-only``, takes ~2 CPU hours per seed
-for 60 rounds). Per client of paper 000's partition (OrganAMNIST, 100 label-skew clients, <= 5 classes), the
-initial ``aegis_cnn`` is trained with Adam lr 1e-3, B = 64, for the same number of steps (``EPOCHS`` epochs of
-the client's share) on
+Aegis costs in accuracy (the FL utility run, ``configs/aegis_table1.toml`` at paper scale, takes hours per
+seed for 60 rounds). Per client of paper 000's federation (the engine's,
+``configs/base/paper000_setting.toml``: OrganAMNIST, 100 label-skew clients, <= 5 classes), the initial
+``aegis_cnn`` is trained with Adam lr 1e-3, B = 64, for the same number of steps (``EPOCHS`` epochs of the
+client's share) on
 
 - ``real``: the client's own n images;
-- ``cache_n``: n images of its cache (the built-in generator fit on its share, after acceptance);
+- ``cache_n``: n images of its cache (the one its Aegis builds: the built-in generator fit on its share,
+  after acceptance; ``defenses.aegis_synthetic.cache_from_data``);
 - ``other_real_n``: n real images of the client's labels held by other clients (a perfect generator);
 - ``real+cache``: its n real images and the whole cache mixed, every sample weighted alike (lambda);
 
@@ -26,23 +28,24 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from aegis_table1 import federation
-from aegis_table2 import client_cache, other_clients
-from gradleak.data import load_dataset
+from gradleak.data import ImageDataset
+from gradleak.defenses.aegis_cache import CacheConfig
+from gradleak.defenses.aegis_synthetic import AegisConfig, cache_from_data
+from gradleak.experiments.config import load_config
+from gradleak.experiments.runner import build_simulation
 from gradleak.fl import derive_seed, evaluate
 from gradleak.generators import GaussianGeneratorConfig
-from linear_leakage import MODEL, NUM_CLIENTS
 
-from _common import configure_torch, make_parser, parse_args, write_result
+from _common import CONFIGS, configure_torch, make_parser, parse_args, write_result
 
 NAME = "aegis_cache_utility"
 M = 2048
 EPOCHS = 10
-CLIENTS = {"smoke": 2, "small": 12, "paper": NUM_CLIENTS}
+CLIENTS = {"smoke": 2, "small": 12, "paper": 100}
+SETTING = CONFIGS / "base" / "paper000_setting.toml"
 ARMS = ("real", "cache_n", "other_real_n", "real+cache")
 
 
@@ -65,24 +68,34 @@ def train(init: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, seed: i
     return model
 
 
+def others_of(shares: Sequence[ImageDataset], cid: int) -> ImageDataset:
+    """The images of client ``cid``'s labels that the other clients hold."""
+    labels = torch.unique(shares[cid].labels)
+    rest = ImageDataset.concat([s for i, s in enumerate(shares) if i != cid])
+    return rest.subset(torch.nonzero(torch.isin(rest.labels, labels)).flatten().numpy())
+
+
 def run(seed: int, clients: int, gen: GaussianGeneratorConfig) -> dict[str, Any]:
-    pool, parts, init = federation("organamnist", seed)
-    test = load_dataset("organamnist", "test")
+    sim = build_simulation(load_config(SETTING, [f"experiment.seed={seed}", "data.test_limit=100000"]))
+    shares = [c for c in sim.clients if isinstance(c, ImageDataset)]
+    init, test = sim.model, sim.test
+    assert len(shares) == len(sim.clients) and isinstance(test, ImageDataset)
+    aegis = AegisConfig(cache=CacheConfig(size=M), gaussian=gen, cache_seed=seed, memo_size=0)
     rows = []
     for cid in range(clients):
-        share = pool.subset(np.sort(parts[cid]))
+        share = shares[cid]
         n = len(share)
-        cache = client_cache(share, M, seed, cid, generator_config=gen)
+        cache = cache_from_data(share, aegis)
         labels = torch.unique(share.labels)
         mask = torch.isin(test.labels, labels)
         g = torch.Generator().manual_seed(derive_seed(seed, 0xC0DE, cid))
         pick = torch.randperm(len(cache), generator=g)[:n]
-        others = other_clients(pool, parts[cid])
-        other = others[torch.randperm(len(others), generator=g)[:n]]
+        others = others_of(shares, cid)
+        other = torch.randperm(len(others), generator=g)[:n]
         data = {
             "real": (share.images, share.labels),
             "cache_n": (cache.images[pick], cache.labels[pick]),
-            "other_real_n": (pool.images[other], pool.labels[other]),
+            "other_real_n": (others.images[other], others.labels[other]),
             "real+cache": (torch.cat([share.images, cache.images]), torch.cat([share.labels, cache.labels])),
         }
         steps = EPOCHS * -(-n // 64)
@@ -125,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     payload = {
         "setting": {
             "dataset": "organamnist",
-            "model": MODEL,
+            "model": "aegis_cnn",
+            "federation": str(SETTING.relative_to(CONFIGS.parent)),
             "training": f"Adam lr 1e-3, B = 64, {EPOCHS} epochs of the client's share (same steps per arm)",
             "cache": M,
             "generator": {"kind": "gaussian", "components": gen.components, "temperature": gen.temperature},

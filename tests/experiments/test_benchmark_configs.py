@@ -265,3 +265,29 @@ def test_a_row_averages_the_benchmarks_attack_stats_over_its_updates(tmp_path):
     assert rows[0]["matching_loss_honest"] == pytest.approx(0.1)
     assert rows[0]["matching_loss_honest_sd"] == pytest.approx(0.1)
     assert rows[0]["final_accuracy"] == 0.5
+
+
+BASES = sorted((ROOT / "benchmarks" / "configs" / "base").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", BASES, ids=[p.stem for p in BASES])
+def test_the_shared_base_configs_are_experiments_of_their_own(path):
+    from gradleak.experiments.config import load_config
+
+    cfg = load_config(path)
+    assert cfg.audit.clients > 0 and cfg.audit.attacks
+
+
+def test_a_utility_benchmark_row_has_no_attack_and_the_mean_accuracy_of_its_last_rounds():
+    from gradleak.experiments.benchmark import Cell, _mean_rows
+    from gradleak.experiments.config import load_config
+    from gradleak.experiments.runner import RunOutcome
+
+    cfg = load_config({"audit": {"clients": 0}, "fl": {"rounds": 4}})
+    accs = [0.1, 0.5, 0.3, 0.4]
+    records = [{"kind": "round", "round": r, "accuracy": a} for r, a in enumerate(accs)]
+    records.append({"kind": "summary", "final_accuracy": 0.4, "fl_seconds": 8.0})
+    (row,) = _mean_rows(Cell("u"), 0, RunOutcome("r", cfg, records, [], None, False), "aegis", tail=3)
+    assert row["attack"] is None and row["updates"] == 0 and row["defense"] == "aegis"
+    assert row["accuracy_last_3"] == pytest.approx((0.5 + 0.3 + 0.4) / 3)
+    assert row["final_accuracy"] == 0.4 and row["fl_seconds"] == 8.0

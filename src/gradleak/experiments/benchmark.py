@@ -11,6 +11,7 @@ A benchmark file is an experiment config (the base every cell shares) plus a ``[
     aliases = { "aegis_llm(flood_mlp=False)" = "aegis_2ch" }   # our defense label -> the committed one's
     keys = { psnr_mean = "psnr_mean_all" }      # our score -> the committed one's name
     stats = ["matching_loss_honest"]            # attack statistics averaged beside the standard scores
+    tail = 5                                    # also the mean test accuracy of the last 5 rounds
     base = "paper001_victim.toml"               # a shared experiment config under this one
 
     [[benchmark.cells]]                         # one experiment (or grid) per cell; or [[benchmark.axes.X]]
@@ -97,6 +98,7 @@ class Benchmark:
     aliases: Mapping[str, str] = field(default_factory=dict)
     keys: Mapping[str, str] = field(default_factory=dict)
     stats: tuple[str, ...] = ()
+    tail: int = 0
     source: Path | None = None
 
     def configs(
@@ -181,8 +183,8 @@ def load_benchmark(path: str | Path) -> Benchmark:
     spec = raw.pop("benchmark", None)
     if not isinstance(spec, Mapping):
         raise ConfigError(f"{path}: a benchmark file needs a [benchmark] table")
-    known = {"name", "claim", "seeds", "paper", "previous", "aliases", "keys", "stats", "base", "cells",
-             "axes", "scales"}  # fmt: skip
+    known = {"name", "claim", "seeds", "paper", "previous", "aliases", "keys", "stats", "tail", "base",
+             "cells", "axes", "scales"}  # fmt: skip
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in [benchmark]; valid keys: {sorted(known)}")
@@ -229,9 +231,12 @@ def load_benchmark(path: str | Path) -> Benchmark:
         if not isinstance(table, Mapping) or not all(isinstance(v, str) for v in table.values()):
             raise ConfigError(f"benchmark.{what} must map names to names, got {table!r}")
     stats = _strings(spec.get("stats", []), "benchmark.stats")
+    tail = spec.get("tail", 0)
+    if isinstance(tail, bool) or not isinstance(tail, int) or tail < 0:
+        raise ConfigError(f"benchmark.tail must be an int >= 0 (rounds), got {tail!r}")
     return Benchmark(name, str(spec.get("claim", "")), raw, tuple(cells), scales or {"small": Scale()},
                      tuple(seeds), dict(spec.get("paper", {})), spec.get("previous"), dict(aliases),
-                     dict(keys), stats, path)  # fmt: skip
+                     dict(keys), stats, tail, path)  # fmt: skip
 
 
 def _merged(base: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
@@ -244,19 +249,26 @@ def _merged(base: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _mean_rows(
-    cell: Cell, seed: int, outcome: RunOutcome, defense: str, stats: Sequence[str] = ()
+    cell: Cell, seed: int, outcome: RunOutcome, defense: str, stats: Sequence[str] = (), tail: int = 0
 ) -> list[dict[str, Any]]:
-    """One row per attack of a run: mean, sd and count of each score (and of the attack statistics
-    ``stats``) over its attacked updates."""
+    """One row per attack of a run (one row without an attack where the run audits nothing): mean, sd and
+    count of each score (and of the attack statistics ``stats``) over its attacked updates; the utility
+    after the last round, and with ``tail`` the mean test accuracy of the last ``tail`` evaluated rounds
+    (early non-IID FedAvg rounds swing by 10-20 points)."""
     summary = outcome.of_kind("summary")[0]
+    common: dict[str, Any] = {"cell": cell.name, "seed": seed, "run_id": outcome.run_id, "defense": defense,
+                              **{c.key: summary.get(c.key) for c in columns.UTILITY if c.key in summary},
+                              "fl_seconds": summary.get("fl_seconds")}  # fmt: skip
+    if tail:
+        accs = [r["accuracy"] for r in outcome.of_kind("round") if r.get("accuracy") is not None][-tail:]
+        common[f"accuracy_last_{tail}"] = statistics.fmean(accs) if accs else None
+    if outcome.config.audit.clients == 0:
+        return [{**common, "attack": None, "updates": 0}]
     rows = []
     for i, spec in enumerate(outcome.config.audit.attacks):
         records = [r for r in outcome.of_kind("attack") if r.get("cell") == i]
-        row: dict[str, Any] = {"cell": cell.name, "seed": seed, "run_id": outcome.run_id, "defense": defense,
-                               "attack": spec.name, "options": dict(spec.options), "updates": len(records),
-                               "refused": sum(1 for r in records if r.get("refused")),
-                               **{c.key: summary.get(c.key) for c in columns.UTILITY if c.key in summary},
-                               "fl_seconds": summary.get("fl_seconds")}  # fmt: skip
+        row = {**common, "attack": spec.name, "options": dict(spec.options), "updates": len(records),
+               "refused": sum(1 for r in records if r.get("refused"))}  # fmt: skip
         rows.append({**row, **spread(records, (*MEAN, *stats))})
     return rows
 
@@ -368,10 +380,10 @@ def run_benchmark(
         if cfg.grid.defenses:
             grid = run_grid(cfg, store=store)
             for c in grid.cells:
-                rows += _mean_rows(cell, seed, c.outcome, c.label, bench.stats)
+                rows += _mean_rows(cell, seed, c.outcome, c.label, bench.stats, bench.tail)
         else:
             outcome = run_experiment(cfg, store=store)
-            rows += _mean_rows(cell, seed, outcome, defenses_label(cfg.defenses), bench.stats)
+            rows += _mean_rows(cell, seed, outcome, defenses_label(cfg.defenses), bench.stats, bench.tail)
     rows = _with_cost(rows)
     by_id = {r.run_id: r for r in store.runs()}
     run_commits = sorted(

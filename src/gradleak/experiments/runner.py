@@ -287,6 +287,13 @@ def run_experiment(
     return RunOutcome(run_id, cfg, records, figures, folder, resumed)
 
 
+def build_simulation(cfg: ExperimentConfig) -> FederatedSimulation:
+    """``cfg``'s federation, built and checked as :func:`run_experiment` builds it (data, partition, the
+    initial model, the defenses, the task), before any round: for measurements on the engine's clients
+    outside a run (e.g. what a client's Aegis cache is worth as training data)."""
+    return _Run(cfg, None, progress=False).sim
+
+
 def audited_updates(cfg: ExperimentConfig) -> list[tuple[Observation, Dataset]]:
     """What an honest server observes in ``cfg``'s audited round (after its FL rounds, nothing stored), each
     observation with the data behind it: what every non-malicious attack of the config is given. For
