@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,12 +36,14 @@ from gradleak.data import ImageDataset
 from gradleak.defenses.aegis_cache import CacheConfig
 from gradleak.defenses.aegis_synthetic import AegisConfig, cache_from_data
 from gradleak.experiments.config import load_config
+from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
 from gradleak.experiments.runner import build_simulation
 from gradleak.fl import derive_seed, evaluate
 from gradleak.generators import GaussianGeneratorConfig
 
-from _common import CONFIGS, configure_torch, make_parser, parse_args, write_result
-
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
+CONFIGS = HERE / "configs"
 NAME = "aegis_cache_utility"
 M = 2048
 EPOCHS = 10
@@ -119,7 +122,7 @@ def run(seed: int, clients: int, gen: GaussianGeneratorConfig) -> dict[str, Any]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = make_parser(__doc__.splitlines()[0])
+    parser = make_parser(__doc__.splitlines()[0], RESULTS_DIR)
     parser.add_argument("--components", type=int, default=GaussianGeneratorConfig.components)
     parser.add_argument("--temperature", type=float, default=GaussianGeneratorConfig.temperature)
     parser.add_argument("--tag", default="", help="suffix for the result file (e.g. a generator variant)")

@@ -37,14 +37,16 @@ from typing import Any
 import torch
 
 from gradleak.defenses import DefenseChain
+from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
 from gradleak.tasks import text_loss
 from gradleak.text.data import TextBatch, encode, load_text_dataset, sample
 from gradleak.text.models import TextModel, build_text_model
 from gradleak.types import Update
 
-from _common import configure_torch, make_parser, parse_args, write_result
 from aegis_llm_common import SETTINGS
 
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
 NAME = "aegis_llm_cost"
 COST_SETTINGS = ("none", "aegis", "dp_0.01", "prune_90")
 TASK = {"gpt2_tiny": "causal_lm", "gpt2_small": "causal_lm", "smollm2": "causal_lm"}
@@ -170,7 +172,7 @@ def run_model(model_name: str, scale: Scale, seed: int) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = make_parser(__doc__.splitlines()[0])
+    parser = make_parser(__doc__.splitlines()[0], RESULTS_DIR)
     parser.add_argument("--models", nargs="+", default=None, help="override the scale's models")
     args = parse_args(parser, argv)
     scale = SCALES[args.scale]

@@ -36,14 +36,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
 from gradleak.text.client import LocalTrainer
 from gradleak.text.data import TextBatch, TextDataset, load_text_dataset, split
 from gradleak.text.metrics import accuracy, macro_f1, perplexity
 from gradleak.text.models import TextModel, build_text_model
 
-from _common import configure_torch, make_parser, parse_args, write_result
 from aegis_llm_common import SETTINGS, encode_batches
 
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
 NAME = "aegis_llm_horizon"
 LR, WEIGHT_DECAY, WARMUP_FRACTION, PATIENCE = 5e-5, 0.01, 0.1, 5
 TARGET_PPL_RATIO = 1.02
@@ -170,7 +172,7 @@ def compare(row: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = make_parser(__doc__.splitlines()[0])
+    parser = make_parser(__doc__.splitlines()[0], RESULTS_DIR)
     parser.add_argument("--models", nargs="+", default=None, help="run only these models' tasks")
     parser.add_argument("--settings", nargs="+", default=["none", "aegis"], choices=list(SETTINGS))
     parser.add_argument(

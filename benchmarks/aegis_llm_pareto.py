@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import matplotlib
@@ -23,8 +24,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from _common import RESULTS_DIR, make_parser, parse_args, write_result  # noqa: E402
+from gradleak.experiments.measurement import make_parser, parse_args, write_result  # noqa: E402
 
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
 NAME = "aegis_llm_pareto"
 MODELS = {"smollm2": "perplexity", "minilm": "accuracy"}
 
@@ -55,7 +58,7 @@ def points(model: str, scale: str) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(make_parser(__doc__.splitlines()[0]), argv)
+    args = parse_args(make_parser(__doc__.splitlines()[0], RESULTS_DIR), argv)
     table = {m: points(m, args.scale) for m in MODELS}
     table = {m: p for m, p in table.items() if p}
     if not table:

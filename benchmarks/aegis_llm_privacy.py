@@ -30,21 +30,24 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from gradleak.attacks import create_attack
 from gradleak.attacks.text.baseline import is_blocked, is_valid, null_observation
+from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
 from gradleak.text.client import fedsgd_text_update
 from gradleak.text.data import encode, load_text_dataset, sample
 from gradleak.text.metrics import decode, score_texts, score_token_set
 from gradleak.text.models import TextModel, build_text_model
 from gradleak.types import AttackInputError, Observation
 
-from _common import configure_torch, make_parser, parse_args, write_result
 from aegis_llm_common import AEGIS_SETTINGS, SETTINGS
 
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
 NAME = "aegis_llm_privacy"
 TASK = {"gpt2_tiny": "causal_lm", "gpt2_small": "causal_lm", "gpt2_small_untied": "causal_lm",
         "smollm2": "causal_lm"}  # fmt: skip
@@ -228,7 +231,7 @@ def make_payload(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = make_parser(__doc__.splitlines()[0])
+    parser = make_parser(__doc__.splitlines()[0], RESULTS_DIR)
     parser.add_argument("--models", nargs="+", default=None, help="override the scale's models")
     parser.add_argument("--datasets", nargs="+", default=None, help="override the scale's datasets")
     parser.add_argument("--defenses", nargs="+", default=list(PRIVACY_SETTINGS), choices=list(SETTINGS))

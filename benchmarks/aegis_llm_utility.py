@@ -25,19 +25,22 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
 from gradleak.text.client import fedsgd_text_update
 from gradleak.text.data import TextBatch, TextDataset, load_text_dataset, sample, split
 from gradleak.text.metrics import accuracy, classify, macro_f1, perplexity
 from gradleak.text.models import TextModel, build_text_model
 
-from _common import configure_torch, make_parser, parse_args, write_result
 from aegis_llm_common import SETTINGS, encode_batches
 
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
 NAME = "aegis_llm_utility"
 UTILITY_SETTINGS = ("none", "freeze", "embed", "aegis_2ch", "aegis", "aegis_rho_fc_0.3", "dp_0.001",
                     "dp_0.01", "dp_0.1", "prune_50", "prune_90", "prune_99", "soteria")  # fmt: skip
@@ -142,7 +145,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = make_parser(__doc__.splitlines()[0])
+    parser = make_parser(__doc__.splitlines()[0], RESULTS_DIR)
     parser.add_argument("--models", nargs="+", default=None, help="run only these models' tasks")
     parser.add_argument("--settings", nargs="+", default=list(UTILITY_SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--steps", type=int, default=None, help="override the fine-tuning steps (own file)")

@@ -24,18 +24,20 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from gradleak.data import ImageDataset, load_dataset, partition
+from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, summarize, write_result
 from gradleak.fl import FederatedSimulation, FLConfig, derive_seed
 from gradleak.models import build_model
 from gradleak.types import LocalTraining
 
-from _common import configure_torch, make_parser, parse_args, summarize, write_result
-
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
 NAME = "fl_overhead"
 TARGET = 1.05
 WEIGHT_TOL = 1e-5
@@ -189,7 +191,7 @@ def run_seed(dataset: ImageDataset, scale: Scale, seed: int) -> SeedResult:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = make_parser(__doc__.splitlines()[0])
+    parser = make_parser(__doc__.splitlines()[0], RESULTS_DIR)
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per path (default: scale's)")
     args = parse_args(parser, argv)
     scale = SCALES[args.scale]

@@ -32,8 +32,10 @@ from typing import Any
 
 import psutil
 
-from _common import make_parser, parse_args, write_result
+from gradleak.experiments.measurement import make_parser, parse_args, write_result
 
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
 NAME = "flower_scale"
 PER_ROUND = 10
 SAMPLE_EVERY = 0.2
@@ -128,7 +130,7 @@ def measure(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = make_parser(__doc__.splitlines()[0])
+    parser = make_parser(__doc__.splitlines()[0], RESULTS_DIR)
     parser.add_argument("--cell", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cell-out", default=None, type=Path, help=argparse.SUPPRESS)
     args = parse_args(parser, argv)

@@ -22,6 +22,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,11 +42,13 @@ from gradleak.attacks.image.surrogate import (
     weighted_sum,
 )
 from gradleak.experiments.config import load_config
+from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, summarize, write_result
 from gradleak.experiments.runner import audited_updates
 from gradleak.types import Observation
 
-from _common import CONFIGS, configure_torch, make_parser, parse_args, summarize, write_result
-
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
+CONFIGS = HERE / "configs"
 NAME = "paper001_perf"
 WARMUP = 2
 TARGET = 1.1
@@ -175,7 +178,7 @@ def check_vmap_matches(obs: Observation, m: int) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = make_parser(__doc__.splitlines()[0])
+    parser = make_parser(__doc__.splitlines()[0], RESULTS_DIR)
     args = parse_args(parser, argv)
     scale = SCALES[args.scale]
     threads = configure_torch(args.threads if args.threads is not None else 1)

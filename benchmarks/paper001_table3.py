@@ -27,6 +27,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,10 +37,12 @@ from torch.nn import functional as F
 from gradleak.attacks.image.ig import cosine_distance
 from gradleak.attacks.image.surrogate import bezier, gauss_legendre, weighted_sum
 from gradleak.experiments.config import load_config
+from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
 from gradleak.experiments.runner import audited_updates
 
-from _common import CONFIGS, configure_torch, make_parser, parse_args, write_result
-
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
+CONFIGS = HERE / "configs"
 NAME = "paper001_table3"
 LR = 0.01  # the victim's local learning rate (base/paper001_victim.toml; checked against it)
 PAPER = {
@@ -209,7 +212,7 @@ def build_payload(runs: list[dict[str, Any]], scale: Scale, t0: float) -> dict[s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = make_parser(__doc__.splitlines()[0])
+    parser = make_parser(__doc__.splitlines()[0], RESULTS_DIR)
     parser.add_argument("--scaled-fit", action="store_true", help="also fit P1 at lr 0.05 RMS(w_T - w_0)")
     args = parse_args(parser, argv)
     scale = SCALES[args.scale]

@@ -41,7 +41,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
@@ -49,18 +48,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from gradleak.experiments import columns
 from gradleak.experiments.config import ConfigError, ExperimentConfig, defenses_label, load_config, read_toml
 from gradleak.experiments.grid import run_grid, spread
+from gradleak.experiments.measurement import SCALES, machine_info
 from gradleak.experiments.runner import RunOutcome, environment, run_experiment
 from gradleak.experiments.store import ResultStore
 from gradleak.fileio import atomic_write
 
 log = logging.getLogger(__name__)
 
-SCALES = ("smoke", "small", "paper")
 MEAN = (*columns.keys(), "valid", "attack_seconds")  # averaged over a row's attacked updates, where present
 
 
@@ -352,13 +349,6 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def machine() -> dict[str, Any]:
-    env = environment()
-    return {"platform": env["platform"], "machine": env["machine"], "python": env["python"],
-            "torch": env["torch"], "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-            "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}  # fmt: skip
-
-
 def run_benchmark(
     bench: Benchmark,
     scale: str,
@@ -395,7 +385,7 @@ def run_benchmark(
         "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": command or " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "config": str(bench.source) if bench.source else None,
-        "git": {"commit": env["git_commit"], "runs": run_commits}, "machine": machine(),
+        "git": {"commit": env["git_commit"], "runs": run_commits}, "machine": machine_info(),
         "store": str(store.path),
         "paper": dict(bench.paper), "rows": rows,
     }  # fmt: skip

@@ -1,8 +1,10 @@
-"""Benchmark plumbing: common options, the result record, fl_overhead's bare loop matching the engine."""
+"""Scripted measurements (gradleak.experiments.measurement): common options, the result record; and the bare
+FedAvg loop of benchmarks/fl_overhead.py (loaded from its file) matching the engine."""
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -11,30 +13,36 @@ import pytest
 import torch
 
 from gradleak.data.base import ImageDataset
+from gradleak.experiments import measurement
 from gradleak.fl import FederatedSimulation, FLConfig
 from gradleak.models import build_model
 from gradleak.types import LocalTraining
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))  # the scripts import their helpers as `_common`
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+RESULTS = BENCH / "results"
 
-import fl_overhead  # noqa: E402
 
-import _common  # noqa: E402
+def _script(name: str):  # a benchmark script as a module, loaded from its file (benchmarks/ is no package)
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_parse_args_defaults_and_seeds() -> None:
-    p = _common.make_parser("x")
-    a = _common.parse_args(p, [])
-    assert (a.scale, a.seeds, a.out, a.threads) == ("smoke", [0], _common.RESULTS_DIR, None)
-    a = _common.parse_args(p, ["--scale", "small", "--seed", "3", "--seed", "1", "--seeds", "3", "7"])
+    p = measurement.make_parser("x", RESULTS)
+    a = measurement.parse_args(p, [])
+    assert (a.scale, a.seeds, a.out, a.threads) == ("smoke", [0], RESULTS, None)
+    a = measurement.parse_args(p, ["--scale", "small", "--seed", "3", "--seed", "1", "--seeds", "3", "7"])
     assert a.scale == "small" and a.seeds == [3, 1, 7]
     with pytest.raises(SystemExit):
-        _common.parse_args(p, ["--scale", "huge"])
+        measurement.parse_args(p, ["--scale", "huge"])
 
 
 def test_write_result_records_provenance(tmp_path: Path) -> None:
-    path = _common.write_result("demo", "smoke", {"ratio": 1.0}, seeds=[1, 2], out=tmp_path)
+    path = measurement.write_result("demo", "smoke", {"ratio": 1.0}, seeds=[1, 2], out=tmp_path)
     assert path == tmp_path / "demo_smoke.json"
     assert [p.name for p in tmp_path.iterdir()] == ["demo_smoke.json"]  # no temp file left behind
     rec = json.loads(path.read_text())
@@ -44,18 +52,19 @@ def test_write_result_records_provenance(tmp_path: Path) -> None:
     assert {"platform", "cpu_count", "torch", "torch_threads"} <= set(rec["machine"])
     assert rec["command"] and rec["timestamp"]
     with pytest.raises(ValueError):
-        _common.write_result("demo", "huge", {}, seeds=[0], out=tmp_path)
+        measurement.write_result("demo", "huge", {}, seeds=[0], out=tmp_path)
     with pytest.raises(ValueError):  # NaN is not JSON
-        _common.write_result("demo", "smoke", {"x": float("nan")}, seeds=[0], out=tmp_path)
+        measurement.write_result("demo", "smoke", {"x": float("nan")}, seeds=[0], out=tmp_path)
     assert json.loads(path.read_text())["result"] == {"ratio": 1.0}  # a failed write leaves the old file
 
 
 def test_summarize() -> None:
-    s = _common.summarize([3.0, 1.0, 2.0, 4.0])
+    s = measurement.summarize([3.0, 1.0, 2.0, 4.0])
     assert s["median"] == 2.5 and s["min"] == 1.0 and s["max"] == 4.0 and s["n"] == 4
 
 
 def test_bare_round_matches_engine() -> None:
+    fl_overhead = _script("fl_overhead")
     g = torch.Generator().manual_seed(0)
     clients = [
         ImageDataset("syn", torch.rand(n, 1, 12, 12, generator=g), torch.randint(0, 3, (n,), generator=g), 3)

@@ -1,13 +1,16 @@
-"""Shared plumbing for the benchmark scripts in this folder.
+"""Scripted measurements beside the config benchmarks (:mod:`gradleak.experiments.benchmark`): the options
+and the result record of a benchmark that is a script, because what it measures is not an audit (a speed
+ratio of two loops run side by side, the geometry of a client's training path, a generator's worth as
+training data).
 
-Every benchmark is a plain script (``python benchmarks/<name>.py --scale small``) that
+Such a script
 
 1. parses the common options with :func:`make_parser` (``--scale``, ``--seed``/``--seeds``, ``--out``,
    ``--threads``) plus its own, and calls :func:`configure_torch`;
 2. measures, and
 3. calls :func:`write_result`, which records *how* the numbers were obtained (command line, git commit and
-   dirty flag, machine, torch threads, seeds, scale, timestamp) next to them in
-   ``benchmarks/results/<name>_<scale>.json``, written atomically.
+   dirty flag, machine, torch threads, seeds, scale, timestamp) next to them in ``<out>/<name>_<scale>.json``,
+   written atomically.
 """
 
 from __future__ import annotations
@@ -30,16 +33,14 @@ import torch
 
 from gradleak.fileio import atomic_write
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-RESULTS_DIR = BENCH_DIR / "results"
-CONFIGS = BENCH_DIR / "configs"
 SCALES = ("smoke", "small", "paper")
+
 DEFAULT_SEED = 0
 
 
-def make_parser(description: str) -> argparse.ArgumentParser:
-    """A parser with the options every benchmark shares; add the script's own before parsing.
+def make_parser(description: str, results: Path) -> argparse.ArgumentParser:
+    """A parser with the options every benchmark shares (``--out`` defaults to ``results``); add the
+    script's own before parsing.
 
     ``--seed S`` may be repeated and ``--seeds S1 S2 ...`` takes several at once; both add to
     ``args.seeds``. Use :func:`parse_args` to fill in the default seed.
@@ -54,9 +55,7 @@ def make_parser(description: str) -> argparse.ArgumentParser:
         help=f"a run seed; repeatable (default {DEFAULT_SEED})",
     )
     p.add_argument("--seeds", dest="seeds", type=int, nargs="+", action="extend", help="several run seeds")
-    p.add_argument(
-        "--out", type=Path, default=RESULTS_DIR, help=f"results folder (default: {_rel(RESULTS_DIR)}/)"
-    )
+    p.add_argument("--out", type=Path, default=results, help=f"results folder (default: {results}/)")
     p.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's own default)"
     )
@@ -79,18 +78,11 @@ def configure_torch(threads: int | None) -> int:
     return torch.get_num_threads()
 
 
-def _rel(path: Path) -> str:
-    try:
-        return str(path.relative_to(REPO_ROOT))
-    except ValueError:
-        return str(path)
-
-
 def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(
             ["git", "--no-optional-locks", *args],  # read-only: never take the index lock
-            cwd=REPO_ROOT,
+            cwd=Path(__file__).resolve().parent,  # the package's checkout (where the code that ran lives)
             capture_output=True,
             text=True,
             timeout=30,
@@ -185,7 +177,7 @@ def write_result(
     payload: Mapping[str, Any],
     *,
     seeds: Sequence[int],
-    out: Path | str | None = None,
+    out: Path | str,
 ) -> Path:
     """Write ``<out>/<name>_<scale>.json`` atomically (temp file in the same folder, then rename).
 
@@ -194,7 +186,7 @@ def write_result(
     """
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
-    folder = Path(RESULTS_DIR if out is None else out)
+    folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     record = {
         "benchmark": name,
