@@ -331,7 +331,8 @@ def compare(
                 mean = statistics.fmean(theirs)
                 scores[k] = {"ours": r[k], "previous": mean, "delta": r[k] - mean}
         counts = [p.get("n", p.get("images")) for p in found]
-        n = sum(counts) if all(isinstance(c, int) for c in counts) else None
+        ints = [c for c in counts if isinstance(c, int)]
+        n = sum(ints) if len(ints) == len(counts) else None
         out.append({"cell": r["cell"], "seed": r["seed"], "defense": r["defense"], "attack": r["attack"],
                     "previous_n": n, "previous_rows": len(found), "updates": r["updates"],
                     **scores})  # fmt: skip
