@@ -6,7 +6,8 @@ Layout (every section optional except where noted; see ``examples/`` and the emb
     [data]        dataset, train_split, test_split, train_limit, test_limit, num_clients, partition,
                   [data.partition_options]
     [model]       name, [model.options]
-    [fl]          rounds, fraction, server_lr, secure_aggregation, eval_every, [fl.training]
+    [fl]          rounds, fraction, server_lr, server_optimizer, server_weight_decay, secure_aggregation,
+                  eval_every, [fl.training]
     [engine]      name ("inprocess" or "flower": Flower's simulation engine on Ray), [engine.options]
     [audit]       clients, grant_labels, training_public, [audit.training], [[audit.attacks]] (name + options)
     [[defenses]]  name + options

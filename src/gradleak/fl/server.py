@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -128,3 +128,58 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch
         correct += int((model(images[i : i + batch_size]).argmax(1) == labels[i : i + batch_size]).sum())
     model.train()
     return correct / max(1, len(labels))
+
+
+ServerOptimizerFactory = Callable[[list[nn.Parameter], float, float], torch.optim.Optimizer]
+
+SERVER_OPTIMIZERS: dict[str, ServerOptimizerFactory] = {
+    "adam": lambda params, lr, wd: torch.optim.Adam(params, lr=lr, weight_decay=wd),
+    "adamw": lambda params, lr, wd: torch.optim.AdamW(params, lr=lr, weight_decay=wd),
+}  # the adaptive server optimisers of FedOpt; "sgd" is :func:`apply_update` (no state)
+
+
+class ServerOptimizer:
+    """FedOpt's server step (Reddi et al. 2021, Alg. 1): the aggregate as a pseudo-gradient
+    ``g = -delta`` (FedAvg deltas) or ``g`` (FedSGD gradients) fed to a stateful optimiser over the global
+    model's parameters, e.g. FedAdam, or AdamW on FedSGD gradients (a client's own fine-tuning optimiser
+    run by the server, as paper 002's utility protocol does). The optimiser's state (moments, step count)
+    round-trips through :meth:`state_tensors` / :meth:`load` so that a resumed run steps as an
+    uninterrupted one."""
+
+    def __init__(self, name: str, model: nn.Module, lr: float, weight_decay: float = 0.0) -> None:
+        if name not in SERVER_OPTIMIZERS:
+            raise ValueError(f"server optimizer must be one of {sorted(SERVER_OPTIMIZERS)}, got {name!r}")
+        self.names = [n for n, _ in model.named_parameters()]
+        self.params = [p for _, p in model.named_parameters()]
+        self.optimizer = SERVER_OPTIMIZERS[name](self.params, lr, weight_decay)
+
+    def step(self, aggregate: Update) -> None:
+        sign = -1.0 if aggregate.kind == "delta" else 1.0
+        for name, p in zip(self.names, self.params, strict=True):
+            p.grad = sign * aggregate.tensors[name].detach().to(p.dtype)
+        self.optimizer.step()
+        for p in self.params:
+            p.grad = None
+
+    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+        """The optimiser's per-parameter state as named tensors (``server_opt/<param>/<key>``) and its
+        hyper-parameters (JSON-able)."""
+        sd = self.optimizer.state_dict()
+        tensors = {
+            f"server_opt/{self.names[i]}/{k}": v.detach().clone()
+            for i, st in sd["state"].items()
+            for k, v in st.items()
+        }
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+        return tensors, {"param_groups": groups}
+
+    def load(self, tensors: Mapping[str, torch.Tensor], state: Mapping[str, object]) -> None:
+        index = {n: i for i, n in enumerate(self.names)}
+        per: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            _, name, field = key.split("/", 2)  # server_opt/<param name>/<state key>
+            per.setdefault(index[name], {})[field] = value.clone()
+        saved = state["param_groups"]
+        assert isinstance(saved, list), saved
+        groups = [{**g, "params": list(range(len(self.params)))} for g in saved]
+        self.optimizer.load_state_dict({"state": per, "param_groups": groups})

@@ -25,6 +25,8 @@ from tqdm.auto import tqdm
 from gradleak.defenses.base import Defense
 from gradleak.fl.client import ClientResult, train_client
 from gradleak.fl.server import (
+    SERVER_OPTIMIZERS,
+    ServerOptimizer,
     apply_update,
     sample_clients,
     screen,
@@ -133,12 +135,17 @@ class InProcessEngine:
 
 @dataclass(frozen=True)
 class FLConfig:
-    """Federated training schedule. ``fraction`` of clients is sampled each round."""
+    """Federated training schedule. ``fraction`` of clients is sampled each round; the server applies the
+    aggregate with ``server_optimizer``: ``"sgd"`` (``w += server_lr * delta``, FedAvg's own step) or an
+    adaptive FedOpt optimiser (``"adam"``, ``"adamw"``, :class:`~gradleak.fl.server.ServerOptimizer`) at
+    ``server_lr`` with ``server_weight_decay``."""
 
     rounds: int = 3
     fraction: float = 0.1
     training: LocalTraining = field(default_factory=LocalTraining)
     server_lr: float = 1.0
+    server_optimizer: str = "sgd"
+    server_weight_decay: float = 0.0
     secure_aggregation: bool = False
     eval_every: int = 1
 
@@ -151,6 +158,13 @@ class FLConfig:
             raise ValueError(f"server_lr must be a positive finite number, got {self.server_lr!r}")
         if not isinstance(self.eval_every, int) or self.eval_every < 1:
             raise ValueError(f"eval_every must be an int >= 1, got {self.eval_every!r}")
+        if self.server_optimizer != "sgd" and self.server_optimizer not in SERVER_OPTIMIZERS:
+            known = ["sgd", *sorted(SERVER_OPTIMIZERS)]
+            raise ValueError(f"server_optimizer must be one of {known}, got {self.server_optimizer!r}")
+        if not 0 <= self.server_weight_decay < math.inf:
+            raise ValueError(
+                f"server_weight_decay must be a finite number >= 0, got {self.server_weight_decay!r}"
+            )
 
 
 @dataclass
@@ -201,6 +215,11 @@ class FederatedSimulation:
         self.task = task
         self._rng = np.random.default_rng(derive_seed(seed, 0xC11E))
         self.history: list[RoundResult] = []
+        self.server_optimizer = (
+            None
+            if config.server_optimizer == "sgd"
+            else ServerOptimizer(config.server_optimizer, model, config.server_lr, config.server_weight_decay)
+        )
 
     def tasks(self, round_idx: int, client_ids: Sequence[int], training: LocalTraining) -> list[ClientTask]:
         return [
@@ -233,6 +252,8 @@ class FederatedSimulation:
             if bad:  # finite updates can still overflow in the sum: the model is left as it was
                 log.error("round %d: the aggregate overflowed in %s; not applied", round_idx, bad[:3])
                 aggregate = None
+            elif self.server_optimizer is not None:
+                self.server_optimizer.step(aggregate)
             else:
                 apply_update(self.model, aggregate, self.config.server_lr)
         metrics: dict[str, float] = {}
@@ -367,9 +388,14 @@ class FederatedSimulation:
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
         """What resuming needs after the last finished round: the global model's state (parameters and
-        buffers) and the sampler's state with the number of rounds run (JSON-able)."""
+        buffers, and an adaptive server optimiser's moments) and the sampler's state with the number of
+        rounds run (JSON-able)."""
         tensors = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        return tensors, {"rounds": len(self.history), "sampler": self._rng.bit_generator.state}
+        state: dict[str, object] = {"rounds": len(self.history), "sampler": self._rng.bit_generator.state}
+        if self.server_optimizer is not None:
+            opt_tensors, state["server_optimizer"] = self.server_optimizer.state_tensors()
+            tensors.update(opt_tensors)
+        return tensors, state
 
     def restore(
         self, tensors: Mapping[str, torch.Tensor], state: Mapping[str, object], history: Sequence[RoundResult]
@@ -380,7 +406,11 @@ class FederatedSimulation:
             raise ValueError(
                 f"checkpoint after {state.get('rounds')} rounds, but {len(history)} round records"
             )
-        self.model.load_state_dict(dict(tensors), strict=True)
+        model = {k: v for k, v in tensors.items() if not k.startswith("server_opt/")}
+        self.model.load_state_dict(model, strict=True)
+        if self.server_optimizer is not None:
+            opt = {k: v for k, v in tensors.items() if k.startswith("server_opt/")}
+            self.server_optimizer.load(opt, state["server_optimizer"])  # type: ignore[arg-type]
         self._rng.bit_generator.state = state["sampler"]  # type: ignore[assignment]
         self.history = list(history)
 
