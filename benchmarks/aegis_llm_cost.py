@@ -2,8 +2,9 @@
 
 One full local training step = forward + backward + defense + AdamW step on a fixed batch (B sequences of
 ``tokens`` tokens), per model (GPT-2 arch 124M from config, SmolLM2-135M, all-MiniLM-L6-v2) and setting
-(none, aegis, dp_0.01, prune_90; benchmarks/aegis_llm_common.py). Each setting trains its own copy of the
-model, set up once (AEGIS freezes attention before the optimiser is built, so AdamW holds no state for it).
+(none, aegis_llm, and the presets dp_0.01 and prune_90 of ``gradleak list``). Each setting trains its own
+copy of the model, set up once (AEGIS freezes attention before the optimiser is built, so AdamW holds no
+state for it).
 
 * Step time: the settings' steps are interleaved round by round (order rotated every round) after warm-up
   rounds, so machine noise hits all settings alike; we report each setting's median and the median of the
@@ -37,18 +38,17 @@ from typing import Any
 import torch
 
 from gradleak.defenses import DefenseChain
+from gradleak.defenses.in_loop import build_defenses
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
 from gradleak.tasks import text_loss
 from gradleak.text.data import TextBatch, encode, load_text_dataset, sample
 from gradleak.text.models import TextModel, build_text_model
 from gradleak.types import Update
 
-from aegis_llm_common import SETTINGS
-
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
 NAME = "aegis_llm_cost"
-COST_SETTINGS = ("none", "aegis", "dp_0.01", "prune_90")
+COST_SETTINGS = ("none", "aegis_llm", "dp_0.01", "prune_90")  # defenses or presets (gradleak list)
 TASK = {"gpt2_tiny": "causal_lm", "gpt2_small": "causal_lm", "smollm2": "causal_lm"}
 TARGET_TIME_RATIO = 1.10
 GIB = 2**30
@@ -76,7 +76,7 @@ class Trainer:
 
     def __init__(self, tm: TextModel, setting: str, seed: int, *, private_copy: bool = True) -> None:
         self.model = copy.deepcopy(tm.model) if private_copy else tm.model
-        self.chain = DefenseChain(SETTINGS[setting](tm))
+        self.chain = DefenseChain(build_defenses([setting]))
         self.chain.setup(self.model, generator=torch.Generator().manual_seed(seed))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=5e-5, weight_decay=0.0)
@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     seed = args.seeds[0]
     print(f"{NAME} --scale {args.scale}: {scale}, settings {COST_SETTINGS}, seed {seed}", flush=True)
     results = [run_model(m, scale, seed) for m in scale.models]
-    aegis = [r["settings"]["aegis"] for r in results]
+    aegis = [r["settings"]["aegis_llm"] for r in results]
     payload = {
         "setting": {**asdict(scale), "settings": list(COST_SETTINGS), "optimizer": "AdamW lr 5e-5",
                     "batch": "the longest of 4 x batch_size seeded WikiText-2 test lines, <= `tokens`"},

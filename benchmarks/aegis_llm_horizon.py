@@ -16,7 +16,8 @@ validation and test (seeded); SmolLM2-135M (``paper`` scale only: ~11 s per step
 (90 % train / 10 % validation), test perplexity on WikiText-2 test. Each run writes the validation curve, so
 the gap between the settings can be read at every evaluation.
 
-    python benchmarks/aegis_llm_horizon.py --scale smoke|small|paper --settings none aegis [--models minilm]
+    python benchmarks/aegis_llm_horizon.py --scale smoke|small|paper --settings none aegis_llm \
+        [--models minilm]
 
 Run one setting per process to use both cores, then merge them (no training) with
 ``--combine FILE FILE`` (or pass ``--reference`` the undefended result file to a defended run).
@@ -36,16 +37,31 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from gradleak.defenses.in_loop import build_defenses
+from gradleak.defenses.presets import PRESETS
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
+from gradleak.registry import DEFENSES
 from gradleak.text.client import LocalTrainer
-from gradleak.text.data import TextBatch, TextDataset, load_text_dataset, split
+from gradleak.text.data import TextBatch, TextDataset, encode, load_text_dataset, split
 from gradleak.text.metrics import accuracy, macro_f1, perplexity
 from gradleak.text.models import TextModel, build_text_model
 
-from aegis_llm_common import SETTINGS, encode_batches
-
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
+# the text defenses at their defaults and the presets (Soteria needs the model's layers: not offered here)
+SETTINGS = sorted({*(e.name for e in DEFENSES if e.modality != "image" and e.name != "soteria"), *PRESETS})
+
+
+def encode_batches(data: TextDataset, size: int, tm: TextModel, max_tokens: int) -> list[TextBatch]:
+    """``data`` in order, cut into consecutive batches of ``size`` sequences (labels kept when present)."""
+    out = []
+    for i in range(0, len(data), size):
+        part = data.subset(range(i, min(i + size, len(data))))
+        labels = list(part.labels) if part.labels is not None else None
+        out.append(encode(list(part.texts), tm.tokenizer, max_tokens=max_tokens, labels=labels))
+    return out
+
+
 NAME = "aegis_llm_horizon"
 LR, WEIGHT_DECAY, WARMUP_FRACTION, PATIENCE = 5e-5, 0.01, 0.1, 5
 TARGET_PPL_RATIO = 1.02
@@ -125,7 +141,7 @@ def run(task: Task, setting: str, seed: int, device: str = "cpu") -> dict[str, A
     trainer = LocalTrainer(
         tm.model, task.task, lr=LR, optimizer="adamw", weight_decay=WEIGHT_DECAY,
         warmup_steps=max(1, int(WARMUP_FRACTION * total)), total_steps=total, dropout=True,
-        defenses=SETTINGS[setting](tm), generator=torch.Generator().manual_seed(seed),
+        defenses=build_defenses([setting]), generator=torch.Generator().manual_seed(seed),
     )  # fmt: skip
     curve = [{"step": 0, **evaluate(tm, task, val)}]
     best, best_state, bad = curve[0]["loss"], copy.deepcopy(tm.model.state_dict()), 0
@@ -174,7 +190,7 @@ def compare(row: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser(__doc__.splitlines()[0], RESULTS_DIR)
     parser.add_argument("--models", nargs="+", default=None, help="run only these models' tasks")
-    parser.add_argument("--settings", nargs="+", default=["none", "aegis"], choices=list(SETTINGS))
+    parser.add_argument("--settings", nargs="+", default=["none", "aegis_llm"], choices=SETTINGS)
     parser.add_argument(
         "--reference", type=Path, default=None, help="a result file of this script with the undefended run"
     )

@@ -33,7 +33,7 @@ MODELS = {"smollm2": "perplexity", "minilm": "accuracy"}
 
 
 def _load(name: str) -> dict[str, Any] | None:
-    path = RESULTS_DIR / name
+    path = RESULTS_DIR / "legacy" / name  # the former scripts' per-model results
     return json.loads(path.read_text())["result"] if path.exists() else None
 
 

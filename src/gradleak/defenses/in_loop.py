@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure
+from gradleak.defenses.presets import PRESETS
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
 from gradleak.validation import InvalidUpdateError, check_update
@@ -44,11 +45,14 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 def build_defenses(specs: Sequence[DefenseSpec]) -> list[Defense]:
-    """Defense instances from instances, registered names, or ``(name, options)`` pairs."""
+    """Defense instances from instances, registered names or preset names (:mod:`~gradleak.defenses.presets`),
+    or ``(name, options)`` pairs."""
     out: list[Defense] = []
     for spec in specs:
         if isinstance(spec, Defense):
             out.append(spec)
+        elif isinstance(spec, str) and spec not in DEFENSES and spec in PRESETS:
+            out.append(DEFENSES.create(PRESETS[spec].defense, **dict(PRESETS[spec].options)))
         elif isinstance(spec, str):
             out.append(DEFENSES.create(spec))
         elif isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str):

@@ -280,7 +280,7 @@ def _with_cost(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 COMPARED = ("rouge1", "rouge2", "rougeL", "meteor", "exact", "psnr_mean", "ssim_mean", "reconstruction_rate",
-            "label_accuracy", "matching_loss_honest")  # fmt: skip
+            "label_accuracy", "matching_loss_honest", "final_accuracy", "final_perplexity")  # fmt: skip
 UNDER = "_under"  # a match key: a name on the committed row's path (e.g. a results key "organamnist/seed0")
 
 

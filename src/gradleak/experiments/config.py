@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gradleak.data.partition import partition_options
+from gradleak.defenses.presets import PRESETS
 from gradleak.fl.engines import FederationCheck
 from gradleak.fl.server import clients_per_round, update_kind
 from gradleak.fl.simulation import PICKS, FLConfig
@@ -50,10 +51,12 @@ def _known(registry: Registry[Any], name: str, key: str) -> None:
 
 @dataclass(frozen=True)
 class ComponentSpec:
-    """A registered component by name plus its options (validated against its config dataclass)."""
+    """A registered component by name plus its options (validated against its config dataclass);
+    ``label``: the preset it was named by (:mod:`gradleak.defenses.presets`), its name in tables."""
 
     name: str
     options: Mapping[str, Any] = field(default_factory=dict)
+    label: str | None = None
 
 
 @dataclass(frozen=True)
@@ -228,7 +231,8 @@ class ExperimentConfig:
                 except OptionError as exc:
                     raise ConfigError(f"{key}[{i}]: {exc}") from None
         self._check_modalities()
-        self._check_attack_needs()
+        if self.audit.clients > 0:
+            self._check_attack_needs()
         per_round = clients_per_round(self.data.num_clients, self.fl.fraction)
         if self.audit.clients > per_round:
             raise ConfigError(
@@ -264,12 +268,12 @@ class ExperimentConfig:
                 )
 
     def _check_modalities(self) -> None:
-        """Every attack, defense and model must work on the data set's modality (an image task today)."""
+        """Every attack (of an audit that runs: ``audit.clients > 0``), defense and model must work on the
+        data set's modality."""
         task = DATASETS.entry(self.data.dataset).modality
         parts: list[tuple[str, str | None]] = [("model.name", MODELS.entry(self.model.name).modality)]
-        parts += [
-            (f"audit.attacks[{i}]", ATTACKS.entry(s.name).modality) for i, s in enumerate(self.audit.attacks)
-        ]
+        attacks = self.audit.attacks if self.audit.clients > 0 else ()
+        parts += [(f"audit.attacks[{i}]", ATTACKS.entry(s.name).modality) for i, s in enumerate(attacks)]
         parts += [(f"defenses[{i}]", DEFENSES.entry(s.name).modality) for i, s in enumerate(self.defenses)]
         parts += [
             (f"grid.defenses[{i}]", DEFENSES.entry(s.name).modality) for i, s in enumerate(self.grid.defenses)
@@ -317,7 +321,7 @@ def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
         elif typing.get_origin(hint) is tuple:
             if not isinstance(value, list):
                 raise ConfigError(f"{sub}: expected an array of tables, got {type(value).__name__}")
-            kwargs[key] = tuple(_spec(v, f"{sub}[{i}]") for i, v in enumerate(value))
+            kwargs[key] = tuple(_spec(v, f"{sub}[{i}]", key == "defenses") for i, v in enumerate(value))
         else:
             kwargs[key] = _check_type(value, hint, sub)
     try:
@@ -329,7 +333,9 @@ def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
 
 
 def cell_label(spec: ComponentSpec) -> str:
-    """A grid cell's name: ``none``, ``aegis``, ``dp_noise(sigma=0.01)``."""
+    """A grid cell's name: ``none``, ``aegis``, ``dp_noise(sigma=0.01)``, a preset's name (``aegis_2ch``)."""
+    if spec.label is not None:
+        return spec.label
     if not spec.options:
         return spec.name
     return f"{spec.name}({', '.join(f'{k}={v}' for k, v in sorted(spec.options.items()))})"
@@ -340,19 +346,29 @@ def defenses_label(specs: Sequence[ComponentSpec]) -> str:
     return " + ".join(cell_label(s) for s in specs) or "none"
 
 
-def _spec(value: Any, where: str) -> ComponentSpec:
+def _spec(value: Any, where: str, presets: bool = False) -> ComponentSpec:
+    """A component from TOML: a name, or a table of name and options (or the ``to_dict`` form, ``name``,
+    ``options``, ``label``); with ``presets`` (defense lists), a preset's name stands for its defense and
+    options, options beside it overriding the preset's."""
     if isinstance(value, str):
-        return ComponentSpec(value)
+        value = {"name": value}
     if not isinstance(value, Mapping) or "name" not in value:
         raise ConfigError(f"{where}: expected a table with a 'name' key, got {value!r}")
     if not isinstance(value["name"], str):
         raise ConfigError(
             f"{where}.name: expected a string, got {type(value['name']).__name__} {value['name']!r}"
         )
+    name = str(value["name"])
     opts = {k: v for k, v in value.items() if k != "name"}
-    if "options" in opts and isinstance(opts["options"], Mapping) and len(opts) == 1:
-        opts = dict(opts["options"])
-    return ComponentSpec(str(value["name"]), opts)
+    label = None
+    if isinstance(opts.get("options"), Mapping) and set(opts) <= {"options", "label"}:
+        label, opts = opts.get("label"), dict(opts["options"])  # a spec written back by to_dict
+        return ComponentSpec(name, opts, label)
+    if presets and name in PRESETS and name not in DEFENSES:
+        preset = PRESETS[name]
+        extra = ", ".join(f"{k}={v}" for k, v in sorted(opts.items()))
+        return ComponentSpec(preset.defense, {**preset.options, **opts}, f"{name}({extra})" if opts else name)
+    return ComponentSpec(name, opts)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

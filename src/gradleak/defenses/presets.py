@@ -1,0 +1,53 @@
+"""Named defense presets: a defense at the settings a paper or a table names, usable wherever a config
+names a defense (``defenses = ["aegis_2ch"]``, ``[grid] defenses = ["none", "dp_0.01", "prune_90"]``).
+
+A preset is a registered defense plus options; the grid labels its cell with the preset's name, and options
+given beside the name override the preset's (``{ name = "dp_0.01", clip = 0.5 }``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Preset:
+    defense: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    summary: str = ""
+
+
+_NO_FLOODS = {"flood_embedding": False, "flood_mlp": False, "flood_layernorm": False, "flood_lm_head": False,
+              "flood_other_embeddings": False}  # fmt: skip
+
+PRESETS: dict[str, Preset] = {
+    "aegis_freeze": Preset(
+        "aegis_llm", _NO_FLOODS, "AEGIS Channel 1 alone: attention frozen, no flood (paper 002 Table II)"
+    ),
+    "aegis_embed": Preset(
+        "aegis_llm", {**_NO_FLOODS, "freeze_attention": False, "flood_embedding": True},
+        "AEGIS Channel 2 alone: the embedding flood, attention trained (paper 002 Table II)",
+    ),
+    "aegis_2ch": Preset(
+        "aegis_llm", {"flood_mlp": False},
+        "AEGIS-dagger (paper 002): attention frozen + embedding flood, the MLP channel open",
+    ),
+    "aegis_rho_fc_0.3": Preset(
+        "aegis_llm", {"rho_fc": 0.3}, "AEGIS with the MLP retain ratio of paper 002's Table V"
+    ),
+    **{
+        f"dp_{s:g}": Preset(
+            "dp_noise", {"clip": 1.0, "sigma": s, "batch_size": 1},
+            f"the batch gradient clipped to norm 1 plus N(0, {s:g}^2) per entry (paper 002 Figs. 3/4)",
+        )
+        for s in (0.001, 0.01, 0.1)
+    },
+    **{
+        f"prune_{p}": Preset(
+            "pruning", {"ratio": p / 100}, f"magnitude pruning of {p} % of the update (paper 002 Figs. 3/4)"
+        )
+        for p in (50, 90, 99)
+    },
+}  # fmt: skip
