@@ -110,6 +110,11 @@ def test_a_benchmark_runs_its_cells_through_the_engine_and_compares_with_the_com
         assert p["rouge1"]["ours"] == row["rouge1"] and p["rouge1"]["delta"] == pytest.approx(
             row["rouge1"] - want
         )
+    # --compare runs nothing and writes the same comparison again (e.g. after a run with another --out)
+    result = out / "tiny_smoke.json"
+    result.write_text(json.dumps({k: v for k, v in data.items() if k != "previous"}))
+    assert main(["--quiet", "bench", str(config), "--compare", str(result), "--previous", str(out)]) == 0
+    assert json.loads(result.read_text())["previous"] == prev
     # run again: every cell is found finished in the store and reused, the rows are the same
     assert (
         main(["--quiet", "bench", str(config), "--scale", "smoke", "--out", str(out), "--store", str(store)])

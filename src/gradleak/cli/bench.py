@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from gradleak.experiments.benchmark import SCALES, describe, load_benchmark, run_benchmark
+from gradleak.experiments.benchmark import SCALES, describe, load_benchmark, recompare, run_benchmark
 from gradleak.experiments.store import ResultStore
 
 
@@ -27,11 +27,17 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--previous", default=None, help="folder of the committed result to compare with "
                    "(default: --out)")  # fmt: skip
+    p.add_argument("--compare", default=None, metavar="RESULT", help="run nothing: compare the written "
+                   "result RESULT with the committed ones again (rewrites it)")  # fmt: skip
     p.set_defaults(handler=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
     bench = load_benchmark(args.config)  # run_benchmark checks every cell before the store is touched
+    if args.compare:
+        path = recompare(bench, Path(args.compare), Path(args.previous or args.out))
+        print(f"compared {path}: {describe(path)}")
+        return 0
     store_path = Path(args.store or Path("benchmarks/.state") / f"{bench.name}_{args.scale}.sqlite")
     store_path.parent.mkdir(parents=True, exist_ok=True)
     previous = Path(args.previous) if args.previous else None

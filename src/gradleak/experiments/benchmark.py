@@ -390,27 +390,51 @@ def run_benchmark(
         "store": str(store.path),
         "paper": dict(bench.paper), "rows": rows,
     }  # fmt: skip
-    comparisons = []
-    for cell in {c.name: c for c, _, _ in plan}.values():
-        candidates = cell.previous or ((bench.previous,) if bench.previous else ())
-        names = [c.format(scale=scale) for c in candidates]
-        found = next((n for n in names if ((previous_dir or out) / n).is_file()), None)
-        if found is None:
-            if names:
-                log.warning(
-                    "benchmark %s: no committed result among %s for cell %s", bench.name, names, cell.name
-                )
-            continue
-        committed = json.loads(((previous_dir or out) / found).read_text())
-        comparisons += [
-            {"file": found, **row} for row in compare(rows, cell, committed, bench.aliases, bench.keys)
-        ]
+    comparisons = comparisons_for(bench, scale, rows, previous_dir or out)
     if comparisons:
         payload["previous"] = comparisons
     path = out / f"{bench.name}_{scale}.json"
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(payload, indent=1, default=str)))
     return path
+
+
+def comparisons_for(
+    bench: Benchmark, scale: str, rows: Sequence[dict[str, Any]], previous_dir: Path
+) -> list[dict[str, Any]]:
+    """Every row of ``rows`` beside the committed rows it re-derives (:func:`compare`), each cell against
+    its first ``previous`` file that exists under ``previous_dir``."""
+    comparisons = []
+    ran = {r["cell"] for r in rows}
+    for cell in (c for c in bench.cells if c.name in ran):
+        candidates = cell.previous or ((bench.previous,) if bench.previous else ())
+        names = [c.format(scale=scale) for c in candidates]
+        found = next((n for n in names if (previous_dir / n).is_file()), None)
+        if found is None:
+            if names:
+                log.warning(
+                    "benchmark %s: no committed result among %s for cell %s", bench.name, names, cell.name
+                )
+            continue
+        committed = json.loads((previous_dir / found).read_text())
+        comparisons += [
+            {"file": found, **row} for row in compare(rows, cell, committed, bench.aliases, bench.keys)
+        ]
+    return comparisons
+
+
+def recompare(bench: Benchmark, result: Path, previous_dir: Path) -> Path:
+    """Compare a written result of ``bench`` with the committed results again (no cell is run), e.g. after a
+    run whose ``--out`` held no committed files; rewrites ``result`` with its ``previous`` section."""
+    data = json.loads(result.read_text())
+    if data.get("benchmark") != bench.name:
+        raise ConfigError(f"{result} is a result of {data.get('benchmark')!r}, not of {bench.name!r}")
+    comparisons = comparisons_for(bench, data["scale"], data["rows"], previous_dir)
+    data.pop("previous", None)
+    if comparisons:
+        data["previous"] = comparisons
+    atomic_write(result, lambda tmp: tmp.write_text(json.dumps(data, indent=1, default=str)))
+    return result
 
 
 def describe(path: Path) -> str:
