@@ -104,7 +104,8 @@ def test_a_run_killed_mid_audit_resumes_without_recomputing_or_duplicating(tmp_p
 def test_concurrent_runs_sharing_an_output_folder_and_a_store_do_not_mix(tmp_path):
     db, out = tmp_path / "shared.sqlite", tmp_path / "same"
     tiny = ["data.train_limit=300", "data.test_limit=50", "data.num_clients=5", "fl.rounds=1",
-            "fl.fraction=0.2", "audit.attacks.0.max_iterations=5", "audit.training.batch_size=2"]  # fmt: skip
+            "fl.fraction=0.2", "audit.attacks.0.max_iterations=5", "audit.training.batch_size=2",
+            "audit.clients=1"]  # fmt: skip
     procs = [
         gradleak("run", demo_path(), *tiny, f"experiment.seed={i}", "--out", str(out), "--store", str(db))
         for i in range(3)

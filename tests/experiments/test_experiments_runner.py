@@ -13,7 +13,7 @@ from gradleak.experiments import ResultStore, load_config, run_experiment
 
 TINY = [
     "data.train_limit=600", "data.test_limit=200", "data.num_clients=10", "fl.rounds=1", "fl.fraction=0.2",
-    "fl.training.epochs=1", "audit.attacks.0.max_iterations=20", "audit.training.batch_size=2",
+    "fl.training.epochs=1", "audit.attacks.0.max_iterations=20", "audit.training.batch_size=2", "audit.clients=1",
 ]  # fmt: skip
 
 
@@ -147,3 +147,20 @@ def test_cli_run_list_and_errors(tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
     assert main(["run", demo_config_path(), "audit.attacks.0.name=dlgx", "--out", str(tmp_path / "bad")]) == 2
     assert "unknown attack 'dlgx'" in capsys.readouterr().err
+
+
+def test_audited_updates_are_what_the_runs_attacks_are_given():
+    """runner.audited_updates (for measurements outside a run) observes the clients the run audits, with
+    their data; build_simulation is the run's federation."""
+    from gradleak.experiments.runner import audited_updates, build_simulation
+
+    cfg = demo_cfg(["audit.clients=2", "fl.fraction=0.3"])
+    sim = build_simulation(cfg)
+    assert len(sim.clients) == cfg.data.num_clients
+    observed = audited_updates(cfg)
+    run = run_experiment(cfg)
+    attacked = [r for r in run.records if r["kind"] == "attack"]
+    assert [o.update.metadata["client_id"] for o, _ in observed] == [r["client_id"] for r in attacked]
+    for (obs, truth), rec in zip(observed, attacked, strict=True):
+        assert len(truth) == rec["batch_size"] == cfg.audit.training.batch_size
+        assert obs.update.kind == "gradient" and obs.training == cfg.audit.training
