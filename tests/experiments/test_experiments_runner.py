@@ -13,7 +13,8 @@ from gradleak.experiments import ResultStore, load_config, run_experiment
 
 TINY = [
     "data.train_limit=600", "data.test_limit=200", "data.num_clients=10", "fl.rounds=1", "fl.fraction=0.2",
-    "fl.training.epochs=1", "audit.attacks.0.max_iterations=20", "audit.training.batch_size=2", "audit.clients=1",
+    "fl.training.epochs=1", "audit.attacks.0.max_iterations=20", "audit.training.batch_size=2",
+    "audit.clients=1",
 ]  # fmt: skip
 
 
