@@ -2,7 +2,8 @@
 
 The short-horizon utility benchmark (configs/aegis_llm_utility.toml) measures AEGIS after a fixed 20-1067
 steps. Paper 002 fine-tunes for up to 8 epochs or 12,000 steps with early stopping, and its utility claim
-(test perplexity at or below the undefended baseline) is made there. This script follows that protocol on one client:
+(test perplexity at or below the undefended baseline) is made there.
+This script follows that protocol on one client:
 
 * the client's own loop (:class:`gradleak.text.client.LocalTrainer`): AEGIS ``setup`` freezes attention before
   the optimiser is built, every step floods the gradient and AdamW steps on it (paper 002, Algorithm 1);
