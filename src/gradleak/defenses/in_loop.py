@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure
-from gradleak.defenses.presets import PRESETS
+from gradleak.defenses.presets import preset_of
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
 from gradleak.validation import InvalidUpdateError, check_update
@@ -51,8 +51,8 @@ def build_defenses(specs: Sequence[DefenseSpec]) -> list[Defense]:
     for spec in specs:
         if isinstance(spec, Defense):
             out.append(spec)
-        elif isinstance(spec, str) and spec not in DEFENSES and spec in PRESETS:
-            out.append(DEFENSES.create(PRESETS[spec].defense, **dict(PRESETS[spec].options)))
+        elif isinstance(spec, str) and (preset := preset_of(spec)) is not None:
+            out.append(DEFENSES.create(preset.defense, **dict(preset.options)))
         elif isinstance(spec, str):
             out.append(DEFENSES.create(spec))
         elif isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str):

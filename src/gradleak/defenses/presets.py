@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gradleak.registry import DEFENSES
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -51,3 +53,8 @@ PRESETS: dict[str, Preset] = {
         for p in (50, 90, 99)
     },
 }  # fmt: skip
+
+
+def preset_of(name: str) -> Preset | None:
+    """The preset ``name`` stands for; None for a registered defense's name (which wins) or an unknown one."""
+    return None if name in DEFENSES else PRESETS.get(name)

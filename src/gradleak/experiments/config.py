@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gradleak.data.partition import partition_options
-from gradleak.defenses.presets import PRESETS
+from gradleak.defenses.presets import preset_of
 from gradleak.fl.engines import FederationCheck
 from gradleak.fl.server import clients_per_round, update_kind
 from gradleak.fl.simulation import PICKS, FLConfig
@@ -360,12 +360,10 @@ def _spec(value: Any, where: str, presets: bool = False) -> ComponentSpec:
         )
     name = str(value["name"])
     opts = {k: v for k, v in value.items() if k != "name"}
-    label = None
     if isinstance(opts.get("options"), Mapping) and set(opts) <= {"options", "label"}:
-        label, opts = opts.get("label"), dict(opts["options"])  # a spec written back by to_dict
-        return ComponentSpec(name, opts, label)
-    if presets and name in PRESETS and name not in DEFENSES:
-        preset = PRESETS[name]
+        return ComponentSpec(name, dict(opts["options"]), opts.get("label"))  # a spec written by to_dict
+    preset = preset_of(name) if presets else None
+    if preset is not None:
         extra = ", ".join(f"{k}={v}" for k, v in sorted(opts.items()))
         return ComponentSpec(preset.defense, {**preset.options, **opts}, f"{name}({extra})" if opts else name)
     return ComponentSpec(name, opts)
