@@ -98,6 +98,7 @@ class Registry(Generic[T]):
         self.package = package  # imported on first lookup: its modules register the built-in entries
         self.check = check  # of each factory, when it is registered
         self._entries: dict[str, Entry[T]] = {}
+        self._renamed: dict[str, tuple[str, str]] = {}  # old name -> (new name, why)
         self._populated = package is None
 
     def _populate(self) -> None:
@@ -134,11 +135,21 @@ class Registry(Generic[T]):
         self._entries[key] = Entry(key, factory, config_cls, summary, modality)
         return factory
 
+    def rename(self, old: str, new: str, why: str) -> None:
+        """``old`` was renamed ``new``: looking ``old`` up is an error that says so (and why), not a
+        silent alias, so that a config that used it is read again."""
+        if new.lower() not in self._entries:
+            raise ValueError(f"{self.kind} {new!r} is not registered")
+        self._renamed[old.lower()] = (new.lower(), why)
+
     def entry(self, name: str) -> Entry[T]:
         self._populate()
         try:
             return self._entries[name.lower()]
         except KeyError:
+            if name.lower() in self._renamed:
+                new, why = self._renamed[name.lower()]
+                raise UnknownNameError(f"{self.kind} {name!r} was renamed {new!r}: {why}") from None
             known = ", ".join(sorted(self._entries)) or "(none)"
             raise UnknownNameError(f"unknown {self.kind} {name!r}; known {self.kind}s: {known}") from None
 

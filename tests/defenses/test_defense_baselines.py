@@ -7,10 +7,10 @@ import torch
 from torch.nn import functional as F
 
 from gradleak.defenses.baselines import (
+    BatchNoise,
+    BatchNoiseConfig,
     Compression,
     CompressionConfig,
-    DPNoise,
-    DPNoiseConfig,
     Soteria,
     SoteriaConfig,
 )
@@ -43,9 +43,9 @@ def test_compression_keeps_top_k_and_feeds_back_the_rest() -> None:
         torch.testing.assert_close(p.grad + comp.residual[n], grads[n])  # type: ignore[operator]
 
 
-def test_dp_noise_clips_and_adds_seeded_noise() -> None:
+def test_batch_noise_clips_and_adds_seeded_noise() -> None:
     model, _, _ = model_with_grads()
-    dp = DPNoise(DPNoiseConfig(clip=1e-3, sigma=0.0))
+    dp = BatchNoise(BatchNoiseConfig(clip=1e-3, sigma=0.0))
     dp.setup(model, generator=torch.Generator())
     dp.on_gradients(model, 0)
     norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))  # type: ignore[union-attr]
@@ -53,7 +53,7 @@ def test_dp_noise_clips_and_adds_seeded_noise() -> None:
     outs = []
     for seed in (0, 0, 1):
         model, _, _ = model_with_grads()
-        dp = DPNoise(DPNoiseConfig(sigma=1.0))
+        dp = BatchNoise(BatchNoiseConfig(sigma=1.0))
         dp.setup(model, generator=torch.Generator().manual_seed(seed))
         dp.on_gradients(model, 0)
         outs.append(torch.cat([p.grad.flatten() for p in model.parameters()]))  # type: ignore[union-attr]
@@ -85,7 +85,7 @@ def test_baselines_run_in_the_client_and_fail_closed() -> None:
     data = synthetic_dataset(n=16, shape=SHAPE, classes=3, seed=1)
     model = build_model("aegis_cnn", SHAPE, 3, seed=0)
     training = LocalTraining("fedavg", epochs=1, batch_size=8, optimizer="adam")
-    for name in ("compression", "dp_noise", "soteria"):
+    for name in ("compression", "batch_noise", "soteria"):
         res = train_client(
             0, model, data, training, [DEFENSES.create(name)], torch.Generator().manual_seed(0)
         )

@@ -31,7 +31,7 @@ def make_defense(name: str) -> Defense:
     if name == "aegis":
         cache = synthetic_dataset(n=8, shape=SHAPE, classes=3, seed=7)
         return aegis_for_client(SyntheticCache(cache.images, cache.labels), cache={"size": 8}, micro_batch=8)
-    options = {"soteria": {"consumer": "classifier.3", "probes": 2}, "dp_noise": {"batch_size": 8}}
+    options = {"soteria": {"consumer": "classifier.3", "probes": 2}, "batch_noise": {"batch_size": 8}}
     defense: Defense = DEFENSES.create(name, **options.get(name, {}))
     return defense
 
@@ -76,7 +76,7 @@ def inject(defense: Defense, hook: str, fault: str, at_call: int) -> dict[str, i
 
 @pytest.mark.parametrize("name", IMAGE_DEFENSES)
 def test_a_fault_in_any_hook_lets_no_update_out(name):
-    assert {"aegis", "compression", "dp_noise", "pruning", "soteria"} <= set(IMAGE_DEFENSES)
+    assert {"aegis", "compression", "batch_noise", "pruning", "soteria"} <= set(IMAGE_DEFENSES)
     data = synthetic_dataset(n=16, shape=SHAPE, classes=3, seed=1)
     model = build_model("aegis_cnn", SHAPE, 3, seed=0)
     rng = np.random.default_rng(0)
@@ -106,7 +106,7 @@ def test_a_fault_in_any_hook_lets_no_update_out(name):
 
 # aegis_llm (text only) gets the full 100 trials; the modality-agnostic defenses had theirs on the image
 # client above, here 25 each check the text client's own loops (top-k over a 50k-token embedding is slow)
-TEXT_TRIALS = {"aegis_llm": TRIALS, "compression": 25, "dp_noise": 25, "pruning": 25}
+TEXT_TRIALS = {"aegis_llm": TRIALS, "compression": 25, "batch_noise": 25, "pruning": 25}
 
 
 @pytest.mark.parametrize("name", sorted(TEXT_TRIALS))

@@ -26,7 +26,7 @@ def fresh(name: str) -> Defense:
         return aegis_for_client(SyntheticCache(cache.images, cache.labels), cache={"size": 8}, micro_batch=8)
     options = {
         "soteria": {"probes": 2},
-        "dp_noise": {"batch_size": 8, "sigma": 0.5},
+        "batch_noise": {"batch_size": 8, "sigma": 0.5},
         "compression": {"ratio": 0.2},
     }
     defense: Defense = DEFENSES.create(name, **options.get(name, {}))
@@ -134,8 +134,8 @@ def test_the_optimizer_is_built_after_setup_over_the_parameters_left_trainable()
 
 
 def test_defense_specs_and_their_errors():
-    built = build_defenses(["pruning", ("dp_noise", {"sigma": 0.1}), Explodes()])
-    assert [d.name for d in built] == ["pruning", "dp_noise", "explodes"]
+    built = build_defenses(["pruning", ("batch_noise", {"sigma": 0.1}), Explodes()])
+    assert [d.name for d in built] == ["pruning", "batch_noise", "explodes"]
     with pytest.raises(TypeError, match="a registered name or"):
         build_defenses([42])
     with pytest.raises(KeyError, match="unknown defense"):

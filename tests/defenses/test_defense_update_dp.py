@@ -51,3 +51,33 @@ def test_without_setup_it_fails_rather_than_sending_unnoised():
         d.on_update(_update(1.0))
     with pytest.raises(ValueError, match="finite"):
         DEFENSES.create("update_noise", sigma=math.inf)
+
+
+def test_epsilon_delta_give_flowers_local_dp_noise_and_are_recorded():
+    # Flower's LocalDpMod: s = sensitivity * sqrt(2 ln(1.25 / delta)) / epsilon; sensitivity 2C by default
+    d = DEFENSES.create("update_noise", clip=0.5, epsilon=0.5, delta=1e-5)
+    expected = 2 * 0.5 * math.sqrt(2 * math.log(1.25 / 1e-5)) / 0.5
+    assert d.config.std == pytest.approx(expected, rel=1e-12)
+    d.setup(torch.nn.Module(), generator=torch.Generator().manual_seed(1))
+    out = d.on_update(Update({"w": torch.zeros(200_000)}, 4))
+    assert float(out.tensors["w"].std()) == pytest.approx(expected, rel=0.01)
+    meta = out.metadata
+    assert meta["update_noise/epsilon"] == 0.5 and meta["update_noise/delta"] == 1e-5
+    assert meta["update_noise/sensitivity"] == 1.0 and meta["update_noise/std"] == pytest.approx(expected)
+    own = DEFENSES.create("update_noise", clip=0.5, epsilon=0.5, delta=1e-5, sensitivity=0.5)
+    assert own.config.std == pytest.approx(expected / 2, rel=1e-12)  # the user's stated sensitivity
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"epsilon": 2.0, "delta": 1e-5}, "classic Gaussian"),  # the bound holds for epsilon < 1 only
+        ({"epsilon": 0.5}, "delta"),
+        ({"epsilon": 0.5, "delta": 1e-5, "sigma": 1.0}, "not both"),
+        ({"delta": 1e-5}, "give epsilon"),
+        ({"epsilon": 0.5, "delta": 1e-5, "sensitivity": 0.0}, "sensitivity"),
+    ],
+)
+def test_bad_epsilon_settings_are_refused_before_any_work(options, match):
+    with pytest.raises(ValueError, match=match):
+        DEFENSES.create("update_noise", **options)

@@ -84,7 +84,7 @@ def test_a_defense_preset_stands_for_its_defense_and_options_and_labels_its_cell
     single = load_config({**text, "grid": {}, "defenses": ["prune_90"]})
     none, two, dp = cfg.grid.defenses
     assert (two.name, dict(two.options), cell_label(two)) == ("aegis_llm", {"flood_mlp": False}, "aegis_2ch")
-    assert dp.name == "dp_noise" and dict(dp.options) == {**PRESETS["dp_0.01"].options, "clip": 0.5}
+    assert dp.name == "batch_noise" and dict(dp.options) == {**PRESETS["dp_0.01"].options, "clip": 0.5}
     assert cell_label(dp) == "dp_0.01(clip=0.5)" and cell_label(none) == "none"
     assert defenses_label(single.defenses) == "prune_90" and single.defenses[0].options == {"ratio": 0.9}
     assert load_config(cfg.to_dict()) == cfg  # the stored form reads back as the same config

@@ -21,7 +21,7 @@ GRID = ROOT / "examples" / "organamnist_grid.toml"
 TINY = [
     "data.train_limit=1500", "data.test_limit=300", "data.num_clients=20", "fl.rounds=1", "fl.fraction=0.2",
     "audit.clients=2", "audit.training.batch_size=2", "audit.attacks.0.max_iterations=4",
-    "grid.defenses=['none', {name = 'dp_noise', clip = 1.0, sigma = 0.5, batch_size = 2}]",
+    "grid.defenses=['none', {name = 'batch_noise', clip = 1.0, sigma = 0.5, batch_size = 2}]",
 ]  # fmt: skip
 
 
@@ -29,7 +29,7 @@ def test_the_cells_share_the_federation_and_a_restart_reuses_finished_cells(tmp_
     cfg = load_config(GRID, TINY)
     store = ResultStore(tmp_path / "grid.sqlite")
     grid = run_grid(cfg, store=store)
-    assert [c.label for c in grid.cells] == ["none", "dp_noise(batch_size=2, clip=1.0, sigma=0.5)"]
+    assert [c.label for c in grid.cells] == ["none", "batch_noise(batch_size=2, clip=1.0, sigma=0.5)"]
     none, dp = (c.outcome for c in grid.cells)
     # the same federation: the same clients sampled in the round, the same audited clients
     assert none.of_kind("round")[0]["clients"] == dp.of_kind("round")[0]["clients"]
@@ -37,7 +37,7 @@ def test_the_cells_share_the_federation_and_a_restart_reuses_finished_cells(tmp_
     assert audited[0] == audited[1] and len(audited[0]) == 2
     rows = grid.summary()
     assert [(r["defense"], r["attack"], r["updates"]) for r in rows] == [
-        ("none", "ig", 2), ("dp_noise(batch_size=2, clip=1.0, sigma=0.5)", "ig", 2)
+        ("none", "ig", 2), ("batch_noise(batch_size=2, clip=1.0, sigma=0.5)", "ig", 2)
     ]  # fmt: skip
     assert rows[0]["cost"] == pytest.approx(1.0) and rows[1]["cost"] > 0
     for row, outcome in zip(rows, (none, dp), strict=True):  # privacy: mean and spread over the updates
@@ -76,7 +76,10 @@ def test_the_command_prints_the_grid_and_writes_its_summary(tmp_path, capsys):
     text = capsys.readouterr().out
     assert re.search(r"\|\s+none \|\s+ig \|\s+2 \|", text) and "FL time / none" in text
     summary = json.loads((out / "grid" / "grid.json").read_text())
-    assert [c["defense"] for c in summary["cells"]] == ["none", "dp_noise(batch_size=2, clip=1.0, sigma=0.5)"]
+    assert [c["defense"] for c in summary["cells"]] == [
+        "none",
+        "batch_noise(batch_size=2, clip=1.0, sigma=0.5)",
+    ]
     assert len(summary["summary"]) == 2 and summary["summary"][0]["cost"] == 1.0
 
 

@@ -165,3 +165,18 @@ def test_audited_updates_are_what_the_runs_attacks_are_given():
     for (obs, truth), rec in zip(observed, attacked, strict=True):
         assert len(truth) == rec["batch_size"] == cfg.audit.training.batch_size
         assert obs.update.kind == "gradient" and obs.training == cfg.audit.training
+
+
+def test_a_dp_defenses_epsilon_is_recorded_with_every_attacked_update(tmp_path):
+    """dp_sgd at a stated sample rate: each attack record carries the accountant's epsilon for the audited
+    FedSGD step (one step at q = 0.1, sigma 1), and its delta; a run without a DP defense carries none."""
+    from gradleak.defenses.dp_sgd import epsilon
+
+    extra = ["audit.clients=2", "defenses=[{name = 'dp_sgd', sample_rate = 0.1, noise_multiplier = 1.0}]"]
+    out = run_experiment(demo_cfg(extra), store=ResultStore(tmp_path / "r.sqlite"))
+    attacks = out.of_kind("attack")
+    assert len(attacks) == 2
+    for a in attacks:
+        assert a["epsilon"] == pytest.approx(epsilon(1.0, 0.1, 1, 1e-5), rel=1e-12) and a["delta"] == 1e-5
+    plain = run_experiment(demo_cfg(), store=ResultStore(tmp_path / "p.sqlite")).of_kind("attack")
+    assert "epsilon" not in plain[0]

@@ -117,7 +117,7 @@ def test_after_flowers_fixed_clipping_mod_it_prunes_the_clipped_update():
 
 
 def test_a_defense_that_needs_the_training_loop_is_refused_with_the_in_loop_api_named():
-    for name in ("dp_noise", "compression", "soteria", "aegis", "aegis_llm"):
+    for name in ("batch_noise", "compression", "soteria", "aegis", "aegis_llm"):
         assert not is_update_level(DEFENSES.create(name)), name
         with pytest.raises(UnsupportedModError, match=r"in_loop\.defend"):
             DefenseMod([name])

@@ -6,7 +6,9 @@ A defense is a set of optional hooks called by the client's local training loop,
   the client's private data (Aegis builds its synthetic cache from it) declares a keyword-only
   ``data: ImageDataset | None = None`` parameter on its ``setup``, and :meth:`DefenseChain.setup` passes
   the client's data to it (only to it: defenses whose ``setup`` has no ``data`` parameter are called as
-  before, so existing subclasses and callers of ``setup(model, generator=g)`` keep working);
+  before, so existing subclasses and callers of ``setup(model, generator=g)`` keep working); likewise a
+  ``train_data`` parameter receives the samples local training draws from (DP-SGD's sampling rate),
+  which is a subset of ``data`` when an audit trains on part of a client's share;
 - ``on_gradients(model, step)`` after each backward, before the optimizer step (clipping + noise, pruning);
 - ``on_epoch_end(model, optimizer)`` after each local epoch (e.g. Aegis' synthetic logical batch);
 - ``on_update(update) -> Update`` on the outgoing payload (compression, noise on the delta).
@@ -17,7 +19,7 @@ If any hook raises, the client raises :class:`DefenseFailure` and sends nothing:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +30,23 @@ from gradleak.validation import InvalidUpdateError, check_tensors
 
 if TYPE_CHECKING:
     from gradleak.data.base import ImageDataset
+
+
+CLAIMS = ("epsilon", "delta")  # what a defense may state about the update it formed
+
+
+def claims(metadata: Mapping[str, object]) -> dict[str, float]:
+    """The formal privacy a defense stated for an update: the ``<defense>/epsilon`` and ``<defense>/delta``
+    entries of its metadata (dp_sgd, update_noise), as ``{"epsilon": ..., "delta": ...}``; empty when none
+    did. Two defenses that both state one are refused: their composition is not one number here."""
+    out: dict[str, float] = {}
+    for key, value in metadata.items():
+        prefix, _, name = key.rpartition("/")
+        if prefix and name in CLAIMS and isinstance(value, int | float):
+            if name in out:
+                raise ValueError(f"two defenses state an {name} for one update ({key}); chain one DP defense")
+            out[name] = float(value)
+    return out
 
 
 class DefenseFailure(RuntimeError):
@@ -55,13 +74,19 @@ class Defense:
         return update
 
 
-def accepts_data(defense: Defense) -> bool:
-    """Whether ``defense.setup`` takes the client's data: it declares ``data`` (or ``**kwargs``)."""
+def accepts(defense: Defense, name: str) -> bool:
+    """Whether ``defense.setup`` takes the keyword ``name`` (``data``, ``train_data``): it declares it (or
+    ``**kwargs``)."""
     try:
         params = inspect.signature(defense.setup).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any(p.name == "data" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def accepts_data(defense: Defense) -> bool:
+    """Whether ``defense.setup`` takes the client's data: it declares ``data`` (or ``**kwargs``)."""
+    return accepts(defense, "data")
 
 
 class DefenseChain:
@@ -78,15 +103,23 @@ class DefenseChain:
                 raise DefenseFailure(f"defense {d.name!r} failed in {hook}: {exc}") from exc
 
     def setup(
-        self, model: nn.Module, *, generator: torch.Generator, data: ImageDataset | None = None
+        self,
+        model: nn.Module,
+        *,
+        generator: torch.Generator,
+        data: ImageDataset | None = None,
+        train_data: object | None = None,
     ) -> None:
-        """Every defense's ``setup``; ``data`` (the client's private data, optional) goes only to the
-        defenses whose ``setup`` accepts it (:func:`accepts_data`). A failure raises
-        :class:`DefenseFailure`, as in every hook."""
+        """Every defense's ``setup``; ``data`` (the client's private data, optional) and ``train_data``
+        (what local training draws from; ``data`` when not given) go only to the defenses whose ``setup``
+        accepts them (:func:`accepts`). A failure raises :class:`DefenseFailure`, as in every hook."""
+        train_data = data if train_data is None else train_data
         for d in self.defenses:
             kwargs: dict[str, object] = {"generator": generator}
-            if data is not None and accepts_data(d):
+            if data is not None and accepts(d, "data"):
                 kwargs["data"] = data
+            if train_data is not None and accepts(d, "train_data"):
+                kwargs["train_data"] = train_data
             try:
                 d.setup(model, **kwargs)  # type: ignore[arg-type]
             except Exception as exc:  # any failure withholds the update

@@ -3,11 +3,11 @@
 - ``compression`` (gradient compression, "GC"): each step's gradient is sparsified to its top ``ratio``
   fraction of entries by magnitude per tensor, the dropped remainder is kept locally and added to the next
   step's gradient (error feedback, as in Deep Gradient Compression, Lin et al. ICLR 2018).
-- ``dp_noise`` (gradient-descent noise, "GD"; DP-SGD style, Abadi et al. CCS 2016): each step's mini-batch
-  gradient is clipped to global norm ``clip`` and Gaussian noise ``N(0, (sigma * clip / B)^2)`` is added,
-  drawn from the client's ``torch.Generator``. **Deviation**: the hooks see the batch gradient, not per-sample
-  gradients (``on_gradients`` receives no labels), so clipping is per batch and no privacy accounting is
-  claimed.
+- ``batch_noise`` (gradient-descent noise, "GD" in paper 000's Table 1; formerly ``dp_noise``): each step's
+  mini-batch gradient is clipped to global norm ``clip`` and Gaussian noise ``N(0, (sigma * clip / B)^2)``
+  is added, drawn from the client's ``torch.Generator``. It is **not DP-SGD**: the clipping bounds the batch
+  gradient, not each sample's, so no epsilon follows from it. DP-SGD with per-sample clipping and an
+  accountant is ``dp_sgd`` (:mod:`gradleak.defenses.dp_sgd`, through Opacus).
 - ``soteria`` (Sun et al., CVPR 2021): for the representation ``r`` (here the input of the layer
   ``consumer``, the FC-512 output on ``aegis_cnn``), compute per feature ``i`` the ratio
   ``||r_i|| / ||dr_i / dX||`` over the current batch ``X`` and zero the gradient columns of ``consumer`` for
@@ -68,7 +68,7 @@ class Compression(Defense):
 
 
 @dataclass(frozen=True)
-class DPNoiseConfig:
+class BatchNoiseConfig:
     clip: float = 1.0
     sigma: float = 1.0  # noise multiplier
     batch_size: int = 64  # B in the noise scale sigma * clip / B
@@ -78,11 +78,11 @@ class DPNoiseConfig:
             raise ValueError(f"need finite clip > 0, finite sigma >= 0, batch_size >= 1; got {self}")
 
 
-class DPNoise(Defense):
-    name = "dp_noise"
+class BatchNoise(Defense):
+    name = "batch_noise"
 
-    def __init__(self, config: DPNoiseConfig | None = None) -> None:
-        self.config = config or DPNoiseConfig()
+    def __init__(self, config: BatchNoiseConfig | None = None) -> None:
+        self.config = config or BatchNoiseConfig()
         self.generator: torch.Generator | None = None
 
     def setup(self, model: nn.Module, *, generator: torch.Generator) -> None:
@@ -91,7 +91,7 @@ class DPNoise(Defense):
     @torch.no_grad()
     def on_gradients(self, model: nn.Module, step: int) -> None:
         if self.generator is None:
-            raise RuntimeError("dp_noise needs setup() before on_gradients()")
+            raise RuntimeError("batch_noise needs setup() before on_gradients()")
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norm = torch.sqrt(sum((g.pow(2).sum() for g in grads), torch.tensor(0.0)))
         factor = min(1.0, self.config.clip / (float(norm) + 1e-12))
@@ -235,7 +235,9 @@ class NoDefense(Defense):
 DEFENSES.register("none", NoDefense, summary="no defense: the baseline cell of a grid")
 DEFENSES.register("compression", Compression, config_cls=CompressionConfig,
                   summary="top-k gradient sparsification each step with error feedback (GC)")  # fmt: skip
-DEFENSES.register("dp_noise", DPNoise, config_cls=DPNoiseConfig,
-                  summary="clip the batch gradient, add Gaussian noise each step (DP-SGD style)")  # fmt: skip
+DEFENSES.register("batch_noise", BatchNoise, config_cls=BatchNoiseConfig,
+                  summary="clip the batch gradient, add Gaussian noise each step (no epsilon)")  # fmt: skip
+DEFENSES.rename("dp_noise", "batch_noise",
+                "it clips the batch gradient, not each sample's: not DP-SGD, which is dp_sgd")  # fmt: skip
 DEFENSES.register("soteria", Soteria, config_cls=SoteriaConfig,
                   summary="prune the representation gradient by ||r||/||dr/dX|| (Sun et al.)")  # fmt: skip

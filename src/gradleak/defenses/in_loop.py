@@ -4,7 +4,7 @@ The shape of Opacus' ``make_private``: :func:`defend` takes the model, an optimi
 optimizer is built after the defenses' ``setup``, which may freeze parameters, e.g. AEGIS freezes
 attention) and the defenses, and returns a :class:`DefendedLoop`. Then, in the user's own loop::
 
-    loop = defend(model, lambda ps: torch.optim.Adam(ps, lr=1e-3), ["dp_noise"], generator=g)
+    loop = defend(model, lambda ps: torch.optim.Adam(ps, lr=1e-3), ["batch_noise"], generator=g)
     for epoch in range(E):
         for x, y in batches:
             loop.optimizer.zero_grad()
@@ -73,6 +73,7 @@ class DefendedLoop:
         *,
         generator: torch.Generator,
         data: object | None = None,
+        train_data: object | None = None,
         source: str = "client",
     ) -> None:
         self.model, self.source = model, source
@@ -83,7 +84,7 @@ class DefendedLoop:
         # w_0 for the FedAvg delta (FedSGD needs no copy of the weights)
         self.w0 = {n: p.detach().clone() for n, p in model.named_parameters()} if optimizer else None
         self.reference = {n: p.detach() for n, p in model.named_parameters()}  # names, shapes, dtypes
-        self._guard(lambda: self.chain.setup(model, generator=generator, data=data))  # type: ignore[arg-type]
+        self._guard(lambda: self.chain.setup(model, generator=generator, data=data, train_data=train_data))  # type: ignore[arg-type]
         self.optimizer: torch.optim.Optimizer | None = None
         if optimizer is not None:
             self.optimizer = optimizer([p for p in model.parameters() if p.requires_grad])
@@ -183,6 +184,7 @@ def defend(
     *,
     generator: torch.Generator | None = None,
     data: object | None = None,
+    train_data: object | None = None,
     copy_model: bool = False,
     source: str = "client",
 ) -> DefendedLoop:
@@ -192,12 +194,14 @@ def defend(
     FedSGD, which takes no step). ``generator`` drives the defenses' randomness (noise); by default it is
     seeded from the operating system (:func:`private_generator`), since noise drawn from a seed the server
     can guess can be subtracted. ``data`` is the client's private data for data-aware defenses (Aegis);
-    it stays on the client. ``copy_model`` trains a private copy (then use ``loop.model``). ``source``
-    names the client in errors. Raises :class:`DefenseFailure` if a ``setup`` fails.
+    it stays on the client. ``train_data`` is what local training draws its batches from, when not all
+    of ``data`` (DP-SGD accounts its sampling rate from it). ``copy_model`` trains a private copy (then
+    use ``loop.model``). ``source`` names the client in errors. Raises :class:`DefenseFailure` if a
+    ``setup`` fails.
     """
     work = copy.deepcopy(model) if copy_model else model
     return DefendedLoop(work, optimizer, defenses, generator=generator or private_generator(), data=data,
-                        source=source)  # fmt: skip
+                        train_data=train_data, source=source)  # fmt: skip
 
 
 def private_generator() -> torch.Generator:

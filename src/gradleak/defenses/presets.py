@@ -41,11 +41,27 @@ PRESETS: dict[str, Preset] = {
     ),
     **{
         f"dp_{s:g}": Preset(
-            "dp_noise", {"clip": 1.0, "sigma": s, "batch_size": 1},
+            "batch_noise", {"clip": 1.0, "sigma": s, "batch_size": 1},
             f"the batch gradient clipped to norm 1 plus N(0, {s:g}^2) per entry (paper 002 Figs. 3/4)",
         )
         for s in (0.001, 0.01, 0.1)
     },
+    **{
+        f"dp_sgd_eps{e:g}": Preset(
+            "dp_sgd", {"clip": 1.0, "target_epsilon": e, "budget_steps": 1, "delta": 1e-5},
+            f"DP-SGD (Opacus): per-sample clip 1, sigma for epsilon {e:g} at delta 1e-5 over one step (a "
+            "FedSGD round; set budget_steps for more)",
+        )
+        for e in (1.0, 8.0)
+    },
+    "dp_sgd_clip": Preset(
+        "dp_sgd", {"clip": 1.0, "noise_multiplier": 0.0},
+        "DP-SGD's per-sample clipping to 1 without noise (epsilon infinite): what clipping alone does",
+    ),
+    "update_dp_eps0.5": Preset(
+        "update_noise", {"clip": 1.0, "epsilon": 0.5, "delta": 1e-5},
+        "the whole update clipped to 1, Gaussian noise for epsilon 0.5 at delta 1e-5 (Flower's LocalDpMod)",
+    ),
     **{
         f"prune_{p}": Preset(
             "pruning", {"ratio": p / 100}, f"magnitude pruning of {p} % of the update (paper 002 Figs. 3/4)"

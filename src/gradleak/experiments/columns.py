@@ -48,7 +48,12 @@ TEXT = (
     Column("label_accuracy", "label acc", "share of the true labels the attack recovered"),
 )  # fmt: skip
 
-PRIVACY: Mapping[str, tuple[Column, ...]] = {"image": IMAGE, "text": TEXT}
+# the formal guarantee a defense states for the update it formed (gradleak.defenses.base.claims)
+GUARANTEE = Column("epsilon", "epsilon", "the (epsilon, delta)-DP the update's defense states for it, at "
+                   "the delta of its config (dp_sgd: Opacus' accountant for this round's steps; "
+                   "update_noise: the Gaussian mechanism); blank: no formal claim")  # fmt: skip
+
+PRIVACY: Mapping[str, tuple[Column, ...]] = {"image": (*IMAGE, GUARANTEE), "text": (*TEXT, GUARANTEE)}
 
 NOTES = {
     "image": "Reconstruction rate = share of images with PSNR > 18 dB; 'over floor' = the score minus the "

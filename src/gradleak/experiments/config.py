@@ -333,7 +333,7 @@ def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
 
 
 def cell_label(spec: ComponentSpec) -> str:
-    """A grid cell's name: ``none``, ``aegis``, ``dp_noise(sigma=0.01)``, a preset's name (``aegis_2ch``)."""
+    """A grid cell's name: ``none``, ``aegis``, ``batch_noise(sigma=0.01)``, a preset (``aegis_2ch``)."""
     if spec.label is not None:
         return spec.label
     if not spec.options:
@@ -342,7 +342,7 @@ def cell_label(spec: ComponentSpec) -> str:
 
 
 def defenses_label(specs: Sequence[ComponentSpec]) -> str:
-    """A run's defenses in one label: ``none``, ``aegis``, ``pruning(ratio=0.9) + dp_noise(...)``."""
+    """A run's defenses in one label: ``none``, ``aegis``, ``pruning(ratio=0.9) + batch_noise(...)``."""
     return " + ".join(cell_label(s) for s in specs) or "none"
 
 

@@ -1,6 +1,6 @@
 """Defense x attack grids from one config: which defense to switch on, against which attacks, at what cost.
 
-``[grid] defenses = ["none", "aegis", { name = "dp_noise", sigma = 0.01 }]`` runs the experiment once per
+``[grid] defenses = ["none", "aegis", { name = "batch_noise", sigma = 0.01 }]`` runs the experiment once per
 defense (a *cell*), each with every attack of ``[audit]``. Every cell has the config's seed, so the same
 partition, the same sampled clients in every round and the same audited clients (the grid's records carry
 their ids, and :func:`run_grid` checks them). Each cell is an ordinary run in the results store: an

@@ -34,6 +34,7 @@ import gradleak
 from gradleak.attacks import create_attack
 from gradleak.data import partition
 from gradleak.data.base import ImageDataset
+from gradleak.defenses.base import claims
 from gradleak.defenses.in_loop import build_defenses
 from gradleak.experiments.config import ConfigError, ExperimentConfig
 from gradleak.experiments.figures import save_reconstruction_grid
@@ -458,7 +459,7 @@ class _Run:
                 record = {"kind": "attack", "attack": spec.name, "cell": i, "options": dict(spec.options),
                           "client_id": obs.update.metadata.get("client_id"), "aggregated": obs.aggregated,
                           "num_clients": obs.num_clients, "batch_size": len(truth), "refused": refused,
-                          "attack_seconds": attack_seconds,
+                          "attack_seconds": attack_seconds, **claims(obs.update.metadata),
                           **reconstruction.stats, **scores}  # fmt: skip
                 if (folder is not None and reconstruction.images is not None and "matching" in scores
                         and isinstance(truth, ImageDataset)):  # fmt: skip

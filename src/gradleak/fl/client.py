@@ -128,6 +128,7 @@ def train_client(
             defenses,
             generator=generator,
             data=data if private is None else private,
+            train_data=data,
             source=f"client {client_id}",
         )
         index: tuple[int, ...] | None = None

@@ -5,7 +5,7 @@ the model the ClientApp replies with (``w_T``). So a mod can run exactly the def
 outgoing update (only an ``on_update`` hook, e.g. ``pruning``, ``update_noise``): it forms the update
 ``w_T - w_0`` of the floating-point arrays, passes it through the defenses and the update validation, and
 replies with ``w_0 + defended update`` (Flower's convention: a train reply carries weights). Defenses that
-act on every step's gradient or at epoch end (``dp_noise``, ``compression``, ``soteria``, ``aegis``,
+act on every step's gradient or at epoch end (``batch_noise``, ``compression``, ``soteria``, ``aegis``,
 ``aegis_llm``) need the training loop: :class:`DefenseMod` refuses them, naming
 :func:`gradleak.defenses.in_loop.defend` for the ClientApp's ``@app.train()`` function.
 
