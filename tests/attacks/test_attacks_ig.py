@@ -84,3 +84,26 @@ def test_attack_errors_are_clear(cifar):
     wrong = Update({"classifier.1.weight": torch.zeros(3, 3)}, 1, kind="gradient")
     with pytest.raises(ValueError, match="shape"):
         Observation(model, wrong, (3, 32, 32), 10)
+
+
+@pytest.mark.parametrize("ratio", [0.9, 0.99])
+def test_masked_ig_loss_is_zero_at_the_true_image_under_pruning_where_plain_igs_is_not(cifar, ratio):
+    """ig_masked knows pruning zeroes coordinates: at the client's true image its matching loss is exactly
+    0 (the pruned true gradient is the update), while plain IG's is 1 - ||M g|| / ||g|| > 0 there, so plain
+    IG's optimum moves away from the truth as pruning grows."""
+    from gradleak.registry import DEFENSES
+
+    model = build_model("sme_cnn", (3, 32, 32), 10, seed=0)
+    img, lab = cifar.images[32:33], cifar.labels[32:33]
+    obs = fedsgd_observation(model, img, lab, 10, grant_labels=True)
+    pruned = DEFENSES.create("pruning", ratio=ratio).on_update(obs.update)
+    masked, plain = create_attack("ig_masked"), create_attack("ig")
+    true_grads = list(torch.autograd.grad(F.cross_entropy(model(img), lab), list(model.parameters())))
+    target = [pruned.tensors[n] for n, _ in model.named_parameters()]
+    assert float(masked.distance(true_grads, target)) == pytest.approx(0.0, abs=1e-6)
+    kept = sum(float(t.pow(2).sum()) for t in target) / sum(float(g.pow(2).sum()) for g in true_grads)
+    assert float(plain.distance(true_grads, target)) == pytest.approx(1 - kept**0.5, rel=1e-4)
+    assert float(plain.distance(true_grads, target)) > 1e-3
+    with pytest.raises(AttackInputError, match="all zeros"):
+        zero = Update({n: torch.zeros_like(t) for n, t in obs.update.tensors.items()}, 1, kind="gradient")
+        masked.reconstruct(Observation(model, zero, (3, 32, 32), 10, labels=lab), generator=torch.Generator())
