@@ -189,7 +189,8 @@ class MaskedInvertingGradients(InvertingGradients):
             raise AttackInputError("the update is all zeros: no transmitted coordinate to match")
         rec = super().reconstruct(obs, generator=generator)
         total = sum(t.numel() for t in obs.update.tensors.values())
-        return Reconstruction(images=rec.images, labels=rec.labels, stats={**rec.stats, "support": kept / total})
+        stats = {**rec.stats, "support": kept / total}
+        return Reconstruction(images=rec.images, labels=rec.labels, stats=stats)
 
 
 ATTACKS.register(
