@@ -38,15 +38,16 @@ CLAIMS = ("epsilon", "delta")  # what a defense may state about the update it fo
 def claims(metadata: Mapping[str, object]) -> dict[str, float]:
     """The formal privacy a defense stated for an update: the ``<defense>/epsilon`` and ``<defense>/delta``
     entries of its metadata (dp_sgd, update_noise), as ``{"epsilon": ..., "delta": ...}``; empty when none
-    did. Two defenses that both state one are refused: their composition is not one number here."""
-    out: dict[str, float] = {}
+    did. When two chained defenses state one, each holds for the update (the later one post-processes the
+    earlier's output, and each bounds the whole mechanism alone), so the smaller epsilon is reported with
+    its own delta."""
+    stated: dict[str, dict[str, float]] = {}  # defense prefix -> its claims
     for key, value in metadata.items():
         prefix, _, name = key.rpartition("/")
         if prefix and name in CLAIMS and isinstance(value, int | float):
-            if name in out:
-                raise ValueError(f"two defenses state an {name} for one update ({key}); chain one DP defense")
-            out[name] = float(value)
-    return out
+            stated.setdefault(prefix, {})[name] = float(value)
+    full = [c for c in stated.values() if set(c) == set(CLAIMS)]
+    return min(full, key=lambda c: c["epsilon"]) if full else {}
 
 
 class DefenseFailure(RuntimeError):

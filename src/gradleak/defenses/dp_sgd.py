@@ -98,22 +98,26 @@ def epsilon(
     noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "rdp"
 ) -> float:
     """Opacus' epsilon at ``delta`` after ``steps`` DP-SGD steps at ``(sigma, q)``; inf without noise."""
-    if steps == 0:
+    return _accounted([(noise_multiplier, sample_rate, steps)], delta, accountant)
+
+
+def _accounted(history: list[tuple[float, float, int]], delta: float, accountant: str) -> float:
+    """Opacus' epsilon at ``delta`` of the ``(sigma, q, steps)`` runs composed; inf when one has no noise."""
+    history = [h for h in history if h[2] > 0]
+    if not history:
         return 0.0
-    if noise_multiplier == 0:
+    if any(sigma == 0 for sigma, _, _ in history):
         return math.inf
     from opacus.accountants import create_accountant
 
     acc = create_accountant(accountant)
-    acc.history = [(noise_multiplier, sample_rate, steps)]
+    acc.history = history
     return _get_epsilon(acc, delta)
 
 
 def epsilon_over_rounds(updates: Iterable[Update], accountant: str = "rdp") -> float:
     """The epsilon of one client's data over the DP-SGD updates it sent (one per round it joined): the
     accountant's composition of every recorded step (all at the same delta)."""
-    from opacus.accountants import create_accountant
-
     history: list[tuple[float, float, int]] = []
     deltas = set()
     for u in updates:
@@ -121,17 +125,11 @@ def epsilon_over_rounds(updates: Iterable[Update], accountant: str = "rdp") -> f
         if f"{META}steps" not in m:
             raise ValueError("an update without dp_sgd metadata: it was not trained under dp_sgd")
         sigma = float(m[f"{META}noise_multiplier"])  # type: ignore[arg-type]
-        if sigma == 0:
-            return math.inf
         history.append((sigma, float(m[f"{META}sample_rate"]), int(m[f"{META}steps"])))  # type: ignore[arg-type, call-overload]
         deltas.add(float(m[f"{META}delta"]))  # type: ignore[arg-type]
     if len(deltas) > 1:
         raise ValueError(f"the updates state epsilon at different deltas {sorted(deltas)}")
-    if not history:
-        return 0.0
-    acc = create_accountant(accountant)
-    acc.history = history
-    return _get_epsilon(acc, deltas.pop())
+    return _accounted(history, deltas.pop() if deltas else 1.0, accountant)
 
 
 def _parametrised(model: nn.Module) -> list[nn.Module]:

@@ -173,17 +173,11 @@ class MaskedInvertingGradients(InvertingGradients):
     pruning that mismatch dominates its cosine (DLG's authors found pruning above 20 % stops plain DLG,
     Zhu et al. 2019, Sec. 5). The stat ``support`` is the share of coordinates the update carried."""
 
-    def __init__(self, config: IGConfig | None = None) -> None:
-        super().__init__(config)
-        self._masks: list[torch.Tensor] | None = None
-
     def distance(self, grads: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
-        if self._masks is None or len(self._masks) != len(target):
-            self._masks = [(t != 0).to(t.dtype) for t in target]
-        return cosine_distance([g * m for g, m in zip(grads, self._masks, strict=True)], target)
+        masked = [torch.where(t != 0, g, torch.zeros_like(g)) for g, t in zip(grads, target, strict=True)]
+        return cosine_distance(masked, target)
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
-        self._masks = None  # the support of this observation's update
         kept = sum(int((t != 0).sum()) for t in obs.update.tensors.values())
         if kept == 0:
             raise AttackInputError("the update is all zeros: no transmitted coordinate to match")
