@@ -156,3 +156,44 @@ def test_a_schema_1_store_is_upgraded_in_place_keeping_its_runs(tmp_path):
     store.commit_unit("new", "round/0", [{"kind": "round"}])
     assert [r.run_id for r in store.runs(include_unfinished=True)] == ["old", "new"]
     assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def _chunks(path) -> list[bytes]:
+    with _sql(path) as conn:
+        return [bytes(r[0]) for r in conn.execute("SELECT data FROM checkpoint_chunks ORDER BY idx")]
+
+
+def test_a_checkpoint_over_the_chunk_size_is_stored_in_pieces_and_read_back_whole(tmp_path, monkeypatch):
+    """SQLite caps one value at 1e9 bytes (a 135M-parameter model with AdamW state is 1.6e9): a checkpoint
+    is split into CHUNK-byte pieces; a later, shorter checkpoint leaves no stale piece; finishing drops all."""
+    import gradleak.experiments.store as store_module
+
+    monkeypatch.setattr(store_module, "CHUNK", 3)
+    path = tmp_path / "s.sqlite"
+    store = ResultStore(path)
+    run_id, _ = store.begin_run(row())
+    store.commit_unit(run_id, "round/0", [], checkpoint=Checkpoint("round/0", b"abcdefgh", {"k": 0}))
+    assert _chunks(path) == [b"abc", b"def", b"gh"]
+    assert store.checkpoint(run_id) == Checkpoint("round/0", b"abcdefgh", {"k": 0})
+    store.commit_unit(run_id, "round/1", [], checkpoint=Checkpoint("round/1", b"xyzw", {"k": 1}))
+    assert _chunks(path) == [b"xyz", b"w"]
+    assert store.checkpoint(run_id) == Checkpoint("round/1", b"xyzw", {"k": 1})
+    store.finish_run(run_id, "2026-12-01T00:01:00")
+    assert store.checkpoint(run_id) is None and _chunks(path) == []
+
+
+def test_a_schema_2_store_is_upgraded_and_its_pending_checkpoint_still_resumes(tmp_path):
+    path = tmp_path / "v2.sqlite"
+    store = ResultStore(path)
+    run_id, _ = store.begin_run(row())
+    with _sql(path) as conn:  # as schema 2 wrote it: the bytes in checkpoints.tensors, no chunk table
+        conn.execute("DROP TABLE checkpoint_chunks")
+        conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+        conn.execute("INSERT INTO checkpoints VALUES (?, 'round/0', ?, '{}')", (run_id, b"old-bytes"))
+    reopened = ResultStore(path)
+    reopened.check()
+    assert reopened.checkpoint(run_id) == Checkpoint("round/0", b"old-bytes", {})
+    with _sql(path) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == "3"
+    reopened.commit_unit(run_id, "round/1", [], checkpoint=Checkpoint("round/1", b"new", {}))
+    assert reopened.checkpoint(run_id) == Checkpoint("round/1", b"new", {})

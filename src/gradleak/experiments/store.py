@@ -5,7 +5,9 @@ A run is a row in ``runs`` (``status`` ``running`` until :meth:`ResultStore.fini
 records are committed in one transaction together with the unit's name in ``units``, so a unit is either
 wholly stored or absent, never duplicated. A killed run is resumed by :meth:`ResultStore.begin_run` with the
 same config fingerprint: its finished units are skipped. ``checkpoints`` holds the latest global model
-(safetensors bytes, never pickle) and the server's sampler state, written with each round's unit.
+(safetensors bytes, never pickle; in ``checkpoint_chunks`` of at most :data:`CHUNK` bytes each, since SQLite
+caps a value at 1e9 bytes and a language model's weights and server optimizer state exceed it) and the
+server's sampler state, written with each round's unit.
 
 The file is checked before any work (:meth:`ResultStore.check`): a foreign or corrupt file is a
 :class:`StoreError`. WAL journaling and a busy timeout let several processes write one store at once.
@@ -27,7 +29,8 @@ from typing import Any
 
 from gradleak.fileio import atomic_write
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+CHUNK = 1 << 28  # bytes per stored piece of a checkpoint (SQLite's default value limit is 1e9 bytes)
 APPLICATION = "gradleak"
 
 SCHEMA = """
@@ -62,7 +65,16 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     tensors BLOB NOT NULL,
     state TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS checkpoint_chunks (
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    idx INTEGER NOT NULL,
+    data BLOB NOT NULL,
+    PRIMARY KEY (run_id, idx)
+);
 """
+# schema 2 (before checkpoint_chunks): a checkpoint's bytes were in checkpoints.tensors, which schema 3
+# leaves empty; a pending schema-2 checkpoint is still read from there.
+V2_UPGRADE = SCHEMA + f"UPDATE meta SET value = '{SCHEMA_VERSION}' WHERE key = 'schema_version';"
 # schema 1 (before units and resume): runs(run_id, name, started, finished, config, environment) and
 # records(run_id, seq, kind, data); its runs are all complete.
 V1_TABLES = {"runs": {"run_id", "name", "started", "finished", "config", "environment"},
@@ -202,6 +214,8 @@ class ResultStore:
                     f"results store {self.path} has schema {version}, newer than this gradleak's "
                     f"{SCHEMA_VERSION}: upgrade gradleak or use another store"
                 )
+            if version < SCHEMA_VERSION:
+                self._script(conn, V2_UPGRADE, retry)
             return
         if tables:
             columns = {
@@ -212,8 +226,12 @@ class ResultStore:
                     f"{self.path} is not a gradleak results store: it holds tables {sorted(tables)}; "
                     "pass another --store path"
                 )
-        script = (V1_UPGRADE if tables else "") + SCHEMA + STAMP
-        try:  # DDL is transactional in SQLite: a kill leaves the file as it was
+        self._script(conn, (V1_UPGRADE if tables else "") + SCHEMA + STAMP, retry)
+
+    def _script(self, conn: sqlite3.Connection, script: str, retry: bool) -> None:
+        """Create or upgrade the schema in one transaction (DDL is transactional in SQLite: a kill leaves
+        the file as it was); on a clash with another process doing the same, inspect again."""
+        try:
             conn.executescript("BEGIN IMMEDIATE;" + script + "COMMIT;")
         except sqlite3.OperationalError:
             conn.rollback()
@@ -320,8 +338,15 @@ class ResultStore:
             if checkpoint is not None:
                 conn.execute(
                     "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?)",
-                    (run_id, checkpoint.unit, checkpoint.tensors, _dumps(checkpoint.state)),
+                    (run_id, checkpoint.unit, b"", _dumps(checkpoint.state)),
                 )
+                conn.execute("DELETE FROM checkpoint_chunks WHERE run_id = ?", (run_id,))
+                view = memoryview(checkpoint.tensors)
+                conn.executemany(
+                    "INSERT INTO checkpoint_chunks VALUES (?, ?, ?)",
+                    ((run_id, i, view[start : start + CHUNK])
+                     for i, start in enumerate(range(0, len(view), CHUNK))),
+                )  # fmt: skip
 
     def release(self, run_id: str) -> None:
         """The owning process gives up an unfinished run (it failed): the next same-config run resumes it."""
@@ -340,6 +365,7 @@ class ResultStore:
                 "UPDATE runs SET status = 'complete', finished = ? WHERE run_id = ?", (finished, run_id)
             )
             conn.execute("DELETE FROM checkpoints WHERE run_id = ?", (run_id,))
+            conn.execute("DELETE FROM checkpoint_chunks WHERE run_id = ?", (run_id,))
 
     # -- reading ---------------------------------------------------------------------------------------
 
@@ -369,7 +395,13 @@ class ResultStore:
             row = conn.execute(
                 "SELECT unit, tensors, state FROM checkpoints WHERE run_id = ?", (run_id,)
             ).fetchone()
-        return None if row is None else Checkpoint(row[0], bytes(row[1]), json.loads(row[2]))
+            if row is None:
+                return None
+            chunks = conn.execute(
+                "SELECT data FROM checkpoint_chunks WHERE run_id = ? ORDER BY idx", (run_id,)
+            ).fetchall()
+        tensors = bytes(row[1]) or b"".join(bytes(c[0]) for c in chunks)  # schema 2 kept them in row[1]
+        return Checkpoint(row[0], tensors, json.loads(row[2]))
 
     def records(self, run_id: str, kind: str | None = None) -> list[dict[str, Any]]:
         if not self.path.exists():
