@@ -95,6 +95,9 @@ def test_a_run_failing_between_fl_rounds_resumes_from_its_checkpoint(tmp_path, m
     checkpoint and gives the rounds and the audit of an uninterrupted run."""
     from gradleak.fl.simulation import FederatedSimulation
 
+    from gradleak.experiments import runner
+
+    monkeypatch.setattr(runner, "CHECKPOINT_OVERHEAD", 0.0)  # a checkpoint after every round
     cfg = demo_cfg(["fl.rounds=3"])
     reference = run_experiment(cfg, store=ResultStore(tmp_path / "ref.sqlite"))
     store = ResultStore(tmp_path / "r.sqlite")
@@ -117,6 +120,50 @@ def test_a_run_failing_between_fl_rounds_resumes_from_its_checkpoint(tmp_path, m
     )
     resumed = run_experiment(cfg, store=store)
     assert resumed.resumed and calls == [1, 2]  # round 0 was not trained again
+    assert untimed(resumed.records) == untimed(reference.records)
+
+
+def test_rounds_wait_for_a_slow_checkpoint_and_a_kill_before_it_redoes_them(tmp_path, monkeypatch):
+    """A process commits its first round with a checkpoint (which measures the writing time); when
+    checkpoints take long to write (here: never due again before the last round), later rounds wait and are
+    committed together with the next one in one transaction. Killed in round 3 of 4, rounds 1 and 2 are
+    lost with it; the rerun, resumed after round 0, trains rounds 1-3 again and gives the uninterrupted
+    run's records."""
+    from gradleak.experiments import runner
+    from gradleak.fl.simulation import FederatedSimulation
+
+    cfg = demo_cfg(["fl.rounds=4", "audit.clients=0"])
+    reference = run_experiment(cfg, store=ResultStore(tmp_path / "ref.sqlite"))
+    monkeypatch.setattr(runner, "CHECKPOINT_OVERHEAD", 1e12)
+    commits: list[tuple[str, tuple[str, ...], str | None]] = []
+    commit = ResultStore.commit_unit
+
+    def spy(self, run_id, unit, records=(), *, checkpoint=None, also=()):
+        commits.append((unit, tuple(also), checkpoint.unit if checkpoint else None))
+        return commit(self, run_id, unit, records, checkpoint=checkpoint, also=also)
+
+    monkeypatch.setattr(ResultStore, "commit_unit", spy)
+    original = FederatedSimulation.run_round
+
+    def dies_in_round_3(self, round_idx):
+        if round_idx == 3:
+            raise KeyboardInterrupt("killed")
+        return original(self, round_idx)
+
+    store = ResultStore(tmp_path / "r.sqlite")
+    with monkeypatch.context() as m:
+        m.setattr(FederatedSimulation, "run_round", dies_in_round_3)
+        with pytest.raises(KeyboardInterrupt):
+            run_experiment(cfg, store=store)
+    (unfinished,) = store.runs(include_unfinished=True)
+    assert commits == [("round/0", (), "round/0")] and store.units(unfinished.run_id) == {"round/0"}
+    calls: list[int] = []
+    monkeypatch.setattr(
+        FederatedSimulation, "run_round", lambda self, r: calls.append(r) or original(self, r)
+    )
+    resumed = run_experiment(cfg, store=store)
+    assert resumed.resumed and calls == [1, 2, 3]
+    assert commits[1:] == [("round/1", (), "round/1"), ("round/2", ("round/3",), "round/3")]
     assert untimed(resumed.records) == untimed(reference.records)
 
 

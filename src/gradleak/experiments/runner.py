@@ -190,6 +190,13 @@ def fingerprint(cfg: ExperimentConfig, env: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
+# Rounds are committed with the model checkpoint once the work since the last commit is at least this many
+# times the last checkpoint's writing time (every round for a small model; about once a minute for a
+# 135M-parameter language model, whose checkpoint with the server's AdamW state is 1.6 GB), so that
+# checkpoints cost at most about 10 % of the run; a kill loses the uncommitted rounds, which a resume redoes.
+CHECKPOINT_OVERHEAD = 10.0
+
+
 class _Recorder:
     """A run's records: kept in memory, and committed per finished unit when there is a store."""
 
@@ -353,13 +360,20 @@ class _Run:
         rec = _Recorder(store, run_id)
         if resumed and store is not None:
             _resume(sim, store, rec)
+        pending: list[tuple[str, dict[str, Any]]] = []  # finished rounds not yet committed
+        since, write_cost = time.perf_counter(), 0.0
         for r in tqdm(range(len(sim.history), cfg.fl.rounds), desc="FL rounds", disable=not self.progress):
-            rr = sim.run_round(r)
+            pending.append((f"round/{r}", _round_record(sim.run_round(r))))
+            now = time.perf_counter()
+            if r < cfg.fl.rounds - 1 and now - since < CHECKPOINT_OVERHEAD * write_cost:
+                continue  # the checkpoint would cost more than 1 / CHECKPOINT_OVERHEAD of the work
             ckpt = None
             if store is not None:
                 tensors, state = sim.state()
                 ckpt = Checkpoint(f"round/{r}", tensors_to_bytes(tensors), state)
-            rec.commit(f"round/{r}", [_round_record(rr)], ckpt)
+            units = tuple(u for u, _ in pending)
+            rec.commit(units[0], [record for _, record in pending], ckpt, also=units[1:])
+            since, write_cost, pending = time.perf_counter(), time.perf_counter() - now, []
         fl_seconds = sum(r.seconds for r in sim.history)  # every round's, resumed or not
         last = sim.history[-1] if sim.history else None  # the metrics of the broadcast audited
         evaluated = last is not None and last.accuracy is not None

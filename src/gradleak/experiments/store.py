@@ -7,7 +7,8 @@ wholly stored or absent, never duplicated. A killed run is resumed by :meth:`Res
 same config fingerprint: its finished units are skipped. ``checkpoints`` holds the latest global model
 (safetensors bytes, never pickle; in ``checkpoint_chunks`` of at most :data:`CHUNK` bytes each, since SQLite
 caps a value at 1e9 bytes and a language model's weights and server optimizer state exceed it) and the
-server's sampler state, written with each round's unit.
+server's sampler state, written with the round units it follows (the runner commits rounds in groups when
+a checkpoint takes long to write: ``runner.CHECKPOINT_OVERHEAD``).
 
 The file is checked before any work (:meth:`ResultStore.check`): a foreign or corrupt file is a
 :class:`StoreError`. WAL journaling and a busy timeout let several processes write one store at once.
