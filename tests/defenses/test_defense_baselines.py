@@ -17,7 +17,7 @@ from gradleak.defenses.baselines import (
 from gradleak.fl.client import train_client
 from gradleak.models import build_model
 from gradleak.registry import DEFENSES
-from gradleak.types import LocalTraining
+from gradleak.types import LocalTraining, Update
 
 from conftest import synthetic_dataset
 
@@ -58,6 +58,15 @@ def test_batch_noise_clips_and_adds_seeded_noise() -> None:
         dp.on_gradients(model, 0)
         outs.append(torch.cat([p.grad.flatten() for p in model.parameters()]))  # type: ignore[union-attr]
     assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+    # the sent update states the noise scale sigma C / B only for a gradient of one noised step
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    noise = BatchNoise(BatchNoiseConfig(clip=2.0, sigma=0.5, batch_size=4))
+    noise.setup(model, generator=torch.Generator())
+    noise.on_gradients(model, 0)
+    assert noise.on_update(Update(grads, 4, kind="gradient")).metadata["batch_noise/noise_std"] == 0.25
+    assert "batch_noise/noise_std" not in noise.on_update(Update(grads, 4, kind="delta")).metadata
+    noise.on_gradients(model, 1)
+    assert "batch_noise/noise_std" not in noise.on_update(Update(grads, 4, kind="gradient")).metadata
 
 
 def test_soteria_prunes_representation_columns_and_estimates_ratios() -> None:

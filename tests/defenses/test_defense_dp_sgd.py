@@ -72,12 +72,16 @@ def test_noise_is_sigma_c_over_b_and_seeded():
     model, (x, y) = _model(), _batch()
     clip, sigma = 0.05, 2.0
 
+    stated: list[object] = []
+
     def defended(seed: int) -> torch.Tensor:
         d = DPSGD(DPSGDConfig(clip=clip, noise_multiplier=sigma))
         loop = defend(model, None, [d], generator=torch.Generator().manual_seed(seed), train_data=range(N),
                       copy_model=True)  # fmt: skip
         nn.functional.cross_entropy(loop.model(x), y).backward()
-        return loop.gradient(B).flat()
+        update = loop.gradient(B)
+        stated.append(update.metadata.get("dp_sgd/noise_std"))
+        return update.flat()
 
     clean = torch.cat([g.reshape(-1) for g in _per_sample_reference(model, x, y, clip)["grads"].values()])
     noise = defended(5) - clean
@@ -85,6 +89,8 @@ def test_noise_is_sigma_c_over_b_and_seeded():
     # (the sd of the sample sd is about 3.3 %)
     assert float(noise.std()) == pytest.approx(sigma * clip / B, rel=0.1)
     assert torch.equal(defended(5), defended(5)) and not torch.equal(defended(5), defended(6))
+    # a one-step FedSGD gradient states its noise scale (what a noise-aware attack is told)
+    assert stated[0] == pytest.approx(sigma * clip / B, rel=1e-12)
 
 
 def test_epsilon_is_the_accountants_for_the_recorded_steps():

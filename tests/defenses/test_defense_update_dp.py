@@ -63,7 +63,9 @@ def test_epsilon_delta_give_flowers_local_dp_noise_and_are_recorded():
     assert float(out.tensors["w"].std()) == pytest.approx(expected, rel=0.01)
     meta = out.metadata
     assert meta["update_noise/epsilon"] == 0.5 and meta["update_noise/delta"] == 1e-5
-    assert meta["update_noise/sensitivity"] == 1.0 and meta["update_noise/std"] == pytest.approx(expected)
+    assert meta["update_noise/sensitivity"] == 1.0 and meta["update_noise/noise_std"] == pytest.approx(
+        expected
+    )
     own = DEFENSES.create("update_noise", clip=0.5, epsilon=0.5, delta=1e-5, sensitivity=0.5)
     assert own.config.std == pytest.approx(expected / 2, rel=1e-12)  # the user's stated sensitivity
 

@@ -93,9 +93,8 @@ def test_failure_mid_run_keeps_finished_units_and_the_rerun_resumes(tmp_path, mo
 def test_a_run_failing_between_fl_rounds_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     """Killed after round 0 of 3: the resumed run restores the model and the sampler from the stored
     checkpoint and gives the rounds and the audit of an uninterrupted run."""
-    from gradleak.fl.simulation import FederatedSimulation
-
     from gradleak.experiments import runner
+    from gradleak.fl.simulation import FederatedSimulation
 
     monkeypatch.setattr(runner, "CHECKPOINT_OVERHEAD", 0.0)  # a checkpoint after every round
     cfg = demo_cfg(["fl.rounds=3"])

@@ -165,7 +165,8 @@ def _chunks(path) -> list[bytes]:
 
 def test_a_checkpoint_over_the_chunk_size_is_stored_in_pieces_and_read_back_whole(tmp_path, monkeypatch):
     """SQLite caps one value at 1e9 bytes (a 135M-parameter model with AdamW state is 1.6e9): a checkpoint
-    is split into CHUNK-byte pieces; a later, shorter checkpoint leaves no stale piece; finishing drops all."""
+    is split into CHUNK-byte pieces; a later, shorter checkpoint leaves no stale piece; finishing drops
+    all."""
     import gradleak.experiments.store as store_module
 
     monkeypatch.setattr(store_module, "CHUNK", 3)

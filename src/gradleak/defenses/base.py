@@ -50,6 +50,23 @@ def claims(metadata: Mapping[str, object]) -> dict[str, float]:
     return min(full, key=lambda c: c["epsilon"]) if full else {}
 
 
+NOISE_STD = "noise_std"  # metadata key: the per-entry std of the Gaussian noise in the sent tensors
+
+
+def stated_noise_std(metadata: Mapping[str, object]) -> float | None:
+    """The per-entry standard deviation of the Gaussian noise the defenses say they put in the sent tensors
+    (their ``<defense>/noise_std`` entries; the scale is part of a DP configuration, which is public), or
+    None when none did. Noises of chained defenses are independent, so their variances add; a later
+    defense's clipping only shrinks an earlier one's noise, so the root of the sum of squares is an upper
+    bound."""
+    stds = [
+        float(v)
+        for k, v in metadata.items()
+        if k.rpartition("/")[2] == NOISE_STD and isinstance(v, int | float)
+    ]
+    return sum(s * s for s in stds) ** 0.5 if stds else None
+
+
 class DefenseFailure(RuntimeError):
     """A defense hook failed; the client's update was withheld (fail closed)."""
 

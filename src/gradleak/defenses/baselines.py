@@ -27,8 +27,9 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import nn
 
-from gradleak.defenses.base import Defense
+from gradleak.defenses.base import NOISE_STD, Defense
 from gradleak.registry import DEFENSES
+from gradleak.types import Update
 
 
 @dataclass(frozen=True)
@@ -84,20 +85,32 @@ class BatchNoise(Defense):
     def __init__(self, config: BatchNoiseConfig | None = None) -> None:
         self.config = config or BatchNoiseConfig()
         self.generator: torch.Generator | None = None
+        self.steps = 0  # noised steps of this local training run
 
     def setup(self, model: nn.Module, *, generator: torch.Generator) -> None:
         self.generator = generator
+        self.steps = 0
 
     @torch.no_grad()
     def on_gradients(self, model: nn.Module, step: int) -> None:
         if self.generator is None:
             raise RuntimeError("batch_noise needs setup() before on_gradients()")
+        self.steps += 1
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norm = torch.sqrt(sum((g.pow(2).sum() for g in grads), torch.tensor(0.0)))
         factor = min(1.0, self.config.clip / (float(norm) + 1e-12))
         std = self.config.sigma * self.config.clip / self.config.batch_size
         for g in grads:
             g.mul_(factor).add_(torch.randn(g.shape, generator=self.generator) * std)
+
+    def on_update(self, update: Update) -> Update:
+        """A FedSGD gradient of one noised step carries its noise scale (``batch_noise/noise_std``); after
+        several steps or an optimizer's step the noise in the update has no single stated scale."""
+        if update.kind != "gradient" or self.steps != 1:
+            return update
+        std = self.config.sigma * self.config.clip / self.config.batch_size
+        meta = {**update.metadata, f"{self.name}/{NOISE_STD}": std}
+        return Update(update.tensors, update.num_samples, update.kind, meta)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradleak.defenses.base import Defense
+from gradleak.defenses.base import NOISE_STD, Defense
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
 
@@ -153,6 +153,7 @@ class DPSGD(Defense):
         self.sigma: float | None = None
         self.sample_rate: float | None = None
         self.steps = 0
+        self._batch_of_step = 1  # the batch size of the last step (the FedSGD noise scale sigma C / B)
 
     def setup(
         self, model: nn.Module, *, generator: torch.Generator, train_data: object | None = None
@@ -200,7 +201,7 @@ class DPSGD(Defense):
             generator=generator,
             secure_mode=self.config.secure_mode,
         )
-        self.sigma, self.sample_rate, self.steps = None, None, 0
+        self.sigma, self.sample_rate, self.steps, self._batch_of_step = None, None, 0, 1
 
     def _first_step(self, batch: int) -> None:
         cfg = self.config
@@ -269,6 +270,7 @@ class DPSGD(Defense):
                 f"dp_sgd: step {self.steps + 1} goes past budget_steps={budget}: the privacy budget is spent"
             )
         self._optimizer.expected_batch_size = batch  # the mean over this batch (post-processing)
+        self._batch_of_step = batch
         self._optimizer.pre_step()  # Opacus: per-sample clip, sum, noise sigma*C, divide by B -> p.grad
         for p in self._params:  # Opacus' per-step buffers, consumed
             p.grad_sample = None  # type: ignore[attr-defined]
@@ -292,6 +294,9 @@ class DPSGD(Defense):
             f"{META}noise_multiplier": self.sigma,
             f"{META}clip": self.config.clip,
         }
+        if update.kind == "gradient" and self.steps == 1 and self.sigma is not None:
+            # a FedSGD gradient: the noise is N(0, (sigma C / B)^2) per entry
+            meta[f"{META}{NOISE_STD}"] = self.sigma * self.config.clip / self._batch_of_step
         self.close()
         return Update(update.tensors, update.num_samples, update.kind, {**update.metadata, **meta})
 

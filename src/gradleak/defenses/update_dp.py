@@ -14,7 +14,7 @@ The noise scale ``s`` is given one of two ways:
   lie within 2C of each other, so the guarantee covers the client's whole data set in one update (local
   DP of the update). A smaller ``sensitivity`` is the user's claim (Flower takes it as given).
 
-The update carries ``update_noise/std`` (and, with epsilon, ``update_noise/epsilon``, ``/delta``,
+The update carries ``update_noise/noise_std`` (and, with epsilon, ``update_noise/epsilon``, ``/delta``,
 ``/sensitivity``). Each update is one release: R rounds compose (basic composition: R epsilon, R delta).
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gradleak.defenses.base import Defense
+from gradleak.defenses.base import NOISE_STD, Defense
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
 
@@ -100,7 +100,7 @@ class UpdateNoise(Defense):
             noise = torch.randn(t.shape, generator=self._generator, dtype=torch.float64,
                                 device=self._generator.device) * std  # fmt: skip
             out[name] = (t.double() * scale + noise.to(t.device)).to(t.dtype)
-        meta: dict[str, object] = {f"{META}std": std, f"{META}clip": c}
+        meta: dict[str, object] = {f"{META}{NOISE_STD}": std, f"{META}clip": c}
         if self.config.epsilon is not None:
             meta |= {f"{META}epsilon": self.config.epsilon, f"{META}delta": self.config.delta,
                      f"{META}sensitivity": self.config.stated_sensitivity}  # fmt: skip

@@ -200,22 +200,23 @@ class Dager:
         start = time.perf_counter()
         model = self.attacker_model(obs)
         spec = self.spec(model)
-        span1 = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 0), spec.rank_tol)
-        span2 = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 1), spec.rank_tol)
-        if span1.rank == 0:
+        grads = [input_side_gradient(obs, model, spec.attn_inputs, i) for i in (0, 1)]
+        if float(grads[0].abs().max()) == 0.0:
             raise AttackInputError("the first block's attention gradient is zero (frozen or masked)")
-        if span1.full or span2.full:
-            log.warning("DAGER: the attention-gradient span is full rank; nothing can be recovered")
-            return Reconstruction(token_ids=[], stats={"rank_l1": float(span1.rank), "span_full": 1.0})
+        span1, span2, spec, span_stats = self.spans(obs, spec, grads[0], grads[1])
+        if span1.rank == 0 or span2.rank == 0 or span1.full or span2.full:
+            log.warning(
+                "DAGER: the attention-gradient span is %s; nothing can be recovered",
+                "full rank" if span1.full or span2.full else "empty",
+            )
+            stats = {"rank_l1": float(span1.rank), "span_full": float(span1.full or span2.full)}
+            return Reconstruction(token_ids=[], stats={**stats, **span_stats})
         m1 = find_module(model, spec.attn_inputs[0].format(i=0))[1]
         m2 = find_module(model, spec.attn_inputs[0].format(i=1))[1]
         cands = self.position_candidates(model, spec, m1, span1, self.scan_vocab(obs, model))
         fallback: list[Scored] = []
         b = max(1, obs.update.num_samples)
-        c = self.config
-        search = L2Search(
-            model, m2, span2, spec.l2_threshold, c.chunk, c.repeat_tol, m1, novelty=c.encoder.novelty
-        )
+        search = self.l2_search(model, m2, span2, spec.l2_threshold, m1, generator)
         if spec.causal:
             found = search.extend(cands, self.config.decoder.search, self.config.beam_width)
         elif self.config.encoder.method == "polish":
@@ -251,6 +252,7 @@ class Dager:
                 added = len(seqs) - n
             seqs = complete_last_tokens(obs, model, seqs)
         stats = {
+            **span_stats,
             "rank_l1": float(span1.rank),
             "rank_l2": float(span2.rank),
             "positions": float(len(cands)),
@@ -262,6 +264,27 @@ class Dager:
         }
         log.info("DAGER: L1 rank %d, %d positions, %d accepted sequences", span1.rank, len(cands), len(found))
         return Reconstruction(token_ids=seqs, stats=stats)
+
+    def spans(
+        self, obs: Observation, spec: FamilySpec, grad1: torch.Tensor, grad2: torch.Tensor
+    ) -> tuple[Span, Span, FamilySpec, dict[str, float]]:
+        """Step 1: the L1 and L2 spans from blocks 1 and 2's input-side gradients, the family spec whose
+        thresholds the span tests use, and stats. Exact DAGER: the rank after the spectrum's last sharp
+        drop (:func:`~gradleak.attacks.text.family.estimate_span`)."""
+        return estimate_span(grad1, spec.rank_tol), estimate_span(grad2, spec.rank_tol), spec, {}
+
+    def l2_search(
+        self, model: nn.Module, m2: nn.Module, span2: Span, threshold: float, m1: nn.Module,
+        generator: torch.Generator,
+    ) -> L2Search:  # fmt: skip
+        """Steps 3-4's search under the L2 span test."""
+        c = self.config
+        return L2Search(model, m2, span2, threshold, c.chunk, c.repeat_tol, m1, novelty=c.encoder.novelty)
+
+    def l1_test(self, span: Span, z: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 2 at one position: the indices of the scanned tokens' layer-1 inputs ``z`` that pass, and
+        their scores (lower is better)."""
+        return span.below(z, threshold)
 
     def encoder_rounds(
         self, search: L2Search, cands: list[list[int]], b: int
@@ -429,7 +452,7 @@ class Dager:
         out: list[list[int]] = []
         for p in bar(range(positions), desc="DAGER positions"):
             z = layer_inputs(model, module, vocab, start_position=p, chunk=self.config.chunk)[:, 0]
-            ok, res = span.below(z, spec.l1_threshold)
+            ok, res = self.l1_test(span, z, spec.l1_threshold)
             if ok.numel() == 0:
                 break
             if ok.numel() > self.config.max_candidates:

@@ -97,6 +97,20 @@ class L2Search:
         candidate reuses (one token each); without a usable cache whole sequences are recomputed (same
         result).
         """
+        z, prev = self.extension_inputs(prefixes, cands)
+        res = self.span.residual(z)
+        return torch.where(self.repeats(z, prev), torch.full_like(res, float("inf")), res)
+
+    def repeats(self, z: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Whether each block-2 input ``z`` repeats the previous position's ``prev`` (``repeat_tol``)."""
+        z64 = z.to(torch.float64)
+        return (z64 - prev.to(torch.float64)).norm(dim=-1) < self.repeat_tol * z64.norm(dim=-1)
+
+    def extension_inputs(
+        self, prefixes: list[list[int]], cands: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block-2 inputs of the last token of ``s + [v]`` (prefix outer, candidate inner) and of the
+        last token of ``s`` (repeated per candidate), from one cached forward of the prefixes."""
         model, module = self.model, self.module
         n, t = len(prefixes), len(prefixes[0])
         ids = torch.tensor(cands).repeat(n).unsqueeze(1)
@@ -118,10 +132,7 @@ class L2Search:
             seqs = torch.cat([torch.tensor(prefixes).repeat_interleave(len(cands), dim=0), ids], dim=1)
             zz = layer_inputs(self.model, self.module, seqs, chunk=max(1, self.chunk // seqs.shape[1]))
             z, prev = zz[:, -1], zz[:, -2]
-        res = self.span.residual(z)
-        z64 = z.to(torch.float64)
-        repeat = (z64 - prev.to(torch.float64)).norm(dim=-1) < self.repeat_tol * z64.norm(dim=-1)
-        return torch.where(repeat, torch.full_like(res, float("inf")), res)
+        return z, prev
 
     def hold(self, held: Sequence[list[int]]) -> None:
         """Record the held (recovered) sentences for the novelty factor of :meth:`prefix_score`.

@@ -1,0 +1,94 @@
+"""dager_spectral: span tests above a known noise scale's bulk edge recover a batch exact DAGER refuses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradleak.attacks.text.dager import Dager
+from gradleak.attacks.text.dager_spectral import DagerSpectral, DagerSpectralConfig, bulk_edge
+from gradleak.attacks.text.family import family_of, input_side_gradient
+from gradleak.defenses.baselines import BatchNoise, BatchNoiseConfig
+from gradleak.registry import ATTACKS
+from gradleak.text.client import fedsgd_text_update
+from gradleak.types import AttackInputError, Observation
+
+
+# the batch's sentences have at most 6 tokens: 8 positions keep the scans short (the vocabulary's outliers
+# pass the L1 test at every position, so the default 64 would all be scanned)
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _noised(tm, batch, std: float, seed: int = 1) -> tuple[Observation, Observation]:
+    """The clean FedSGD observation and the same gradient plus N(0, std^2) per entry (no metadata)."""
+    update = fedsgd_text_update(tm.model, batch, "classification")
+    g = _gen(seed)
+    noisy = {n: t + std * torch.randn(t.shape, generator=g) for n, t in update.tensors.items()}
+    shape = (batch.input_ids.shape[1],)
+    return Observation(tm.model, update, shape, 2), Observation(tm.model, update.replace(noisy), shape, 2)
+
+
+def test_bulk_edge_bounds_the_top_singular_value_of_pure_noise():
+    """e = s (sqrt(d) + sqrt(k) + 6): 20 draws of 64 x 192 N(0, s^2) matrices all stay below it, and their
+    largest singular value is within 5 % of s (sqrt(d) + sqrt(k)) (the Marchenko-Pastur edge)."""
+    s, g = 3e-4, _gen()
+    tops = torch.stack([torch.linalg.svdvals(s * torch.randn(64, 192, generator=g, dtype=torch.float64))[0]
+                        for _ in range(20)])  # fmt: skip
+    assert float(tops.max()) < bulk_edge((64, 192), s, 6.0)
+    assert float(tops.mean()) == pytest.approx(s * (8 + math.sqrt(192)), rel=0.05)
+
+
+@pytest.mark.parametrize("std", [1e-5, 3e-5])
+def test_spectral_dager_recovers_the_batch_where_exact_dager_refuses(gpt2_cls, make_batch, std):
+    """Noise whose bulk edge lies below every signal singular value of blocks 1 and 2 (asserted): exact DAGER
+    sees a full-rank span and returns nothing; the spectral variant, told the noise scale, returns both
+    sentences exactly."""
+    batch = make_batch(gpt2_cls)
+    clean, noisy = _noised(gpt2_cls, batch, std)
+    spec = family_of(gpt2_cls.model)
+    for layer in (0, 1):
+        g = input_side_gradient(clean, gpt2_cls.model, spec.attn_inputs, layer)
+        s = torch.linalg.svdvals(g)
+        weakest = float(s[s > 1e-6 * s[0]][-1])  # the clean spectrum's smallest signal singular value
+        assert bulk_edge(tuple(g.shape), std, 6.0) < weakest
+    exact = Dager().reconstruct(noisy, generator=_gen())
+    assert exact.token_ids == [] and exact.stats["span_full"] == 1.0
+    rec = DagerSpectral(DagerSpectralConfig(noise_std=std, max_positions=8)).reconstruct(noisy, generator=_gen())
+    assert sorted(rec.token_ids) == sorted(batch.sequences())
+    assert rec.stats["rank_l1"] == len({(t, p) for q in batch.sequences() for p, t in enumerate(q)})
+    assert rec.stats["snr_l1"] > 1 and rec.stats["noise_std"] == std
+
+
+def test_spectral_dager_reads_the_noise_scale_the_defense_states(gpt2_cls, make_batch):
+    """batch_noise on a one-step FedSGD gradient states batch_noise/noise_std = sigma C / B; the registered
+    attack reads it and recovers the batch (clip 1e6: no clipping, sigma 3e-5 x B = 1)."""
+    batch = make_batch(gpt2_cls)
+    noise = BatchNoise(BatchNoiseConfig(clip=1e6, sigma=3e-5 / 1e6, batch_size=1))
+    update = fedsgd_text_update(gpt2_cls.model, batch, "classification", defenses=[noise], generator=_gen(1))
+    assert update.metadata["batch_noise/noise_std"] == pytest.approx(3e-5)
+    obs = Observation(gpt2_cls.model, update, (batch.input_ids.shape[1],), 2)
+    rec = ATTACKS.create("dager_spectral", max_positions=8).reconstruct(obs, generator=_gen())
+    assert sorted(rec.token_ids) == sorted(batch.sequences())
+
+
+def test_spectral_dager_above_its_reach_returns_nothing_and_says_how_far(gpt2_cls, make_batch):
+    """Noise far above the signal (edge > the largest singular value): nothing kept, nothing returned, and
+    the SNR against the edge recorded below 1."""
+    _, noisy = _noised(gpt2_cls, make_batch(gpt2_cls), 0.1)
+    rec = DagerSpectral(DagerSpectralConfig(noise_std=0.1)).reconstruct(noisy, generator=_gen())
+    assert rec.token_ids == [] and rec.stats["rank_l1"] == 0 and rec.stats["snr_l1"] < 1
+
+
+def test_spectral_dager_without_a_noise_scale_is_refused(gpt2_cls, make_batch):
+    _, noisy = _noised(gpt2_cls, make_batch(gpt2_cls), 1e-5)
+    with pytest.raises(AttackInputError, match="noise_std"):
+        DagerSpectral().reconstruct(noisy, generator=_gen())
+    for bad in ({"noise_std": 0.0}, {"noise_std": math.inf}, {"tail": -1.0}, {"scale": 0.0},
+                {"max_threshold": 1.0}):  # fmt: skip
+        with pytest.raises(ValueError):
+            DagerSpectralConfig(**bad)
