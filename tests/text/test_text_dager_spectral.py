@@ -15,7 +15,6 @@ from gradleak.registry import ATTACKS
 from gradleak.text.client import fedsgd_text_update
 from gradleak.types import AttackInputError, Observation
 
-
 # the batch's sentences have at most 6 tokens: 8 positions keep the scans short (the vocabulary's outliers
 # pass the L1 test at every position, so the default 64 would all be scanned)
 
@@ -58,7 +57,8 @@ def test_spectral_dager_recovers_the_batch_where_exact_dager_refuses(gpt2_cls, m
         assert bulk_edge(tuple(g.shape), std, 6.0) < weakest
     exact = Dager().reconstruct(noisy, generator=_gen())
     assert exact.token_ids == [] and exact.stats["span_full"] == 1.0
-    rec = DagerSpectral(DagerSpectralConfig(noise_std=std, max_positions=8)).reconstruct(noisy, generator=_gen())
+    spectral = DagerSpectral(DagerSpectralConfig(noise_std=std, max_positions=8))
+    rec = spectral.reconstruct(noisy, generator=_gen())
     assert sorted(rec.token_ids) == sorted(batch.sequences())
     assert rec.stats["rank_l1"] == len({(t, p) for q in batch.sequences() for p, t in enumerate(q)})
     assert rec.stats["snr_l1"] > 1 and rec.stats["noise_std"] == std
@@ -74,6 +74,16 @@ def test_spectral_dager_reads_the_noise_scale_the_defense_states(gpt2_cls, make_
     obs = Observation(gpt2_cls.model, update, (batch.input_ids.shape[1],), 2)
     rec = ATTACKS.create("dager_spectral", max_positions=8).reconstruct(obs, generator=_gen())
     assert sorted(rec.token_ids) == sorted(batch.sequences())
+
+
+def test_a_stated_noise_scale_of_zero_is_exact_dager(gpt2_cls, make_batch):
+    """dp_sgd with clipping only states noise_std 0: the spans are exact and so is the recovery."""
+    batch = make_batch(gpt2_cls)
+    clean, _ = _noised(gpt2_cls, batch, 1e-5)
+    stated = Observation(clean.model, clean.update.replace(dict(clean.update.tensors)), clean.input_shape, 2)
+    stated.update.metadata["dp_sgd/noise_std"] = 0.0
+    rec = ATTACKS.create("dager_spectral", max_positions=8).reconstruct(stated, generator=_gen())
+    assert sorted(rec.token_ids) == sorted(batch.sequences()) and rec.stats["noise_std"] == 0.0
 
 
 def test_spectral_dager_above_its_reach_returns_nothing_and_says_how_far(gpt2_cls, make_batch):

@@ -66,7 +66,8 @@ class GridOutcome:
             attacks = cell.outcome.of_kind("attack")
             for i, spec in enumerate(self.config.audit.attacks):
                 records = [r for r in attacks if r.get("cell") == i]
-                row: dict[str, Any] = {**common, "attack": spec.name, "updates": len(records)}
+                row: dict[str, Any] = {**common, "attack": spec.name, "attack_label": cell_label(spec),
+                                       "updates": len(records)}  # fmt: skip
                 rows.append({**row, **spread(records, PRIVACY)})
         return rows
 

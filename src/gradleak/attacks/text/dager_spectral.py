@@ -237,6 +237,9 @@ class DagerSpectral(Dager):
         self, obs: Observation, spec: FamilySpec, grad1: torch.Tensor, grad2: torch.Tensor
     ) -> tuple[Span, Span, FamilySpec, dict[str, float]]:
         c, std = self.config, self.noise_std(obs)
+        if std == 0.0:  # a defense stated no noise (dp_sgd clipping only): the spans are exact
+            span1, span2, spec, stats = super().spans(obs, spec, grad1, grad2)
+            return span1, span2, spec, {**stats, "noise_std": 0.0}
         e1 = span_above_edge(grad1, c, std, spec.l1_threshold)
         e2 = span_above_edge(grad2, c, std, spec.l2_threshold)
         stats = {
@@ -258,8 +261,10 @@ class DagerSpectral(Dager):
         return e1, e2, with_thresholds(spec, l1_threshold=PASS, l2_threshold=PASS), stats
 
     def l1_test(self, span: Span, z: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scanned vocabulary at this position is its own reference (module docstring)."""
-        assert isinstance(span, NoisySpan)
+        """The scanned vocabulary at this position is its own reference (module docstring); exact spans
+        (no noise) get exact DAGER's test."""
+        if not isinstance(span, NoisySpan):
+            return super().l1_test(span, z, threshold)
         scores = outlier_scores(span, z, z, self.config.outlier_sd)
         ok = torch.nonzero(scores < threshold).flatten()
         return ok, scores[ok]
@@ -269,7 +274,7 @@ class DagerSpectral(Dager):
         generator: torch.Generator,
     ) -> L2Search:  # fmt: skip
         c = self.config
-        if c.l2_outlier_sd is None:
+        if c.l2_outlier_sd is None or not isinstance(span2, NoisySpan):
             return super().l2_search(model, m2, span2, threshold, m1, generator)
         ref = torch.randperm(vocab_size(model), generator=generator)[: c.reference].tolist()
         return OutlierL2Search(
