@@ -102,3 +102,27 @@ def test_spectral_dager_without_a_noise_scale_is_refused(gpt2_cls, make_batch):
                 {"max_threshold": 1.0}):  # fmt: skip
         with pytest.raises(ValueError):
             DagerSpectralConfig(**bad)
+
+
+def test_the_outlier_rule_passes_an_input_far_below_the_reference_that_its_bound_alone_rejects():
+    """outlier_scores: a vector with residual 0.3 to a 4-dimensional span of R^64 fails its first-order
+    bound (about 0.002 here) but lies far below random vectors' residuals (~0.97 +- 0.02): it scores below
+    1 (passes); a random vector scores about 1 / (1 - 5 sd / mean) > 1 (fails); with a bound above its
+    residual the bound alone passes it."""
+    from gradleak.attacks.text.dager_spectral import NoisySpan, outlier_scores
+
+    g = _gen(3)
+    basis, _ = torch.linalg.qr(torch.randn(64, 4, generator=g, dtype=torch.float64))
+    span = NoisySpan(basis, torch.ones(4, dtype=torch.float64), edge=0.5, noise_std=1e-4, tail=6.0,
+                     scale=1.0, floor=1e-3, cap=0.5)  # fmt: skip
+    inside = basis @ torch.randn(4, generator=g, dtype=torch.float64)
+    off = torch.randn(64, generator=g, dtype=torch.float64)
+    off = off - basis @ (basis.T @ off)
+    near = inside / inside.norm() * (1 - 0.3**2) ** 0.5 + off / off.norm() * 0.3  # residual exactly 0.3
+    reference = torch.randn(512, 64, generator=g, dtype=torch.float64)
+    assert float(span.raw_residual(near[None])[0]) == pytest.approx(0.3, rel=1e-9)
+    assert float(span.residual(near[None])[0]) > 1  # its bound alone rejects it
+    scores = outlier_scores(span, torch.stack([near, reference[0]]), reference, 5.0)
+    assert float(scores[0]) < 1 < float(scores[1])
+    loose = NoisySpan(basis, torch.ones(4, dtype=torch.float64), 0.5, 1e-2, 6.0, 100.0, 1e-3, 0.5)
+    assert float(loose.residual(near[None])[0]) == pytest.approx(0.3 / 0.5)  # capped bound 0.5 > 0.3: passes
