@@ -83,6 +83,15 @@ def test_the_command_prints_the_grid_and_writes_its_summary(tmp_path, capsys):
     assert len(summary["summary"]) == 2 and summary["summary"][0]["cost"] == 1.0
 
 
+def test_an_attack_listed_twice_is_told_apart_by_its_options_in_the_table(tmp_path, capsys):
+    twice = "audit.attacks=[{name = 'ig', max_iterations = 2}, {name = 'ig', max_iterations = 3}]"
+    assert main(["--quiet", "run", str(GRID), *TINY, twice, "grid.defenses=['none']", "--out",
+                 str(tmp_path / "out")]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    for n in (2, 3):
+        assert re.search(rf"\|\s+none \|\s+ig\(max_iterations={n}\) \|\s+2 \|", text), text
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -64,9 +64,12 @@ class GridOutcome:
                       "perplexity": summary.get("final_perplexity"), "fl_seconds": seconds,
                       "cost": seconds / base_seconds if base_seconds else None}  # fmt: skip
             attacks = cell.outcome.of_kind("attack")
+            names = [spec.name for spec in self.config.audit.attacks]
             for i, spec in enumerate(self.config.audit.attacks):
                 records = [r for r in attacks if r.get("cell") == i]
-                row: dict[str, Any] = {**common, "attack": spec.name, "attack_label": cell_label(spec),
+                # an attack listed twice (other options) is told apart by its options in tables
+                label = cell_label(spec) if names.count(spec.name) > 1 else spec.name
+                row: dict[str, Any] = {**common, "attack": spec.name, "attack_label": label,
                                        "updates": len(records)}  # fmt: skip
                 rows.append({**row, **spread(records, PRIVACY)})
         return rows
