@@ -13,8 +13,7 @@ from gradleak.cli import main
 from gradleak.fl import train_client
 from gradleak.models import build_model
 from gradleak.types import LocalTraining, Observation
-
-from conftest import synthetic_dataset
+from synthetic import synthetic_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "plugins" / "kidney_audit.toml"

@@ -15,8 +15,7 @@ from torch.nn import functional as F
 from gradleak.attacks import create_attack
 from gradleak.fl import train_client
 from gradleak.types import MODE, AttackInputError, LocalTraining, Observation
-
-from conftest import synthetic_dataset
+from synthetic import synthetic_dataset
 
 SHAPE, CLASSES = (1, 8, 8), 3
 FEDSGD = LocalTraining("fedsgd", batch_size=4)

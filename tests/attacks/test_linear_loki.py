@@ -14,8 +14,7 @@ from gradleak.metrics import score_images
 from gradleak.models import build_model
 from gradleak.models.malicious import CLOSED_BIAS, ImprintBlock
 from gradleak.types import AttackInputError, LocalTraining, Observation
-
-from conftest import synthetic_dataset
+from synthetic import synthetic_dataset
 
 SHAPE = (1, 12, 12)
 CLASSES = 3

@@ -18,8 +18,7 @@ from gradleak.metrics import psnr, score_images
 from gradleak.models import build_model
 from gradleak.models.malicious import MaliciousModel
 from gradleak.types import AttackInputError, LocalTraining, ModelModifyingAttack, Observation, Update
-
-from conftest import synthetic_dataset
+from synthetic import synthetic_dataset
 
 SHAPE = (1, 12, 12)
 CLASSES = 3

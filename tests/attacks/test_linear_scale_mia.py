@@ -16,8 +16,7 @@ from gradleak.fl.client import train_client
 from gradleak.metrics import psnr, score_images
 from gradleak.models import build_model
 from gradleak.types import AttackInputError, LocalTraining
-
-from conftest import synthetic_dataset
+from synthetic import synthetic_dataset
 
 SHAPE = (1, 12, 12)
 CLASSES = 3

@@ -27,8 +27,7 @@ from gradleak.metrics import score_images
 from gradleak.models import build_model
 from gradleak.registry import DEFENSES
 from gradleak.types import LocalTraining
-
-from conftest import synthetic_dataset
+from synthetic import synthetic_dataset
 
 SHAPE = (1, 12, 12)
 

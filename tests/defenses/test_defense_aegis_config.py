@@ -28,8 +28,7 @@ from gradleak.fl.client import train_client
 from gradleak.models import build_model
 from gradleak.registry import DEFENSES
 from gradleak.types import LocalTraining
-
-from conftest import synthetic_dataset
+from synthetic import synthetic_dataset
 
 SHAPE = (1, 12, 12)
 

@@ -13,8 +13,7 @@ from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure
 from gradleak.defenses.in_loop import build_defenses, defend
 from gradleak.models import build_model
 from gradleak.registry import DEFENSES
-
-from conftest import synthetic_dataset
+from synthetic import synthetic_dataset
 
 SHAPE = (1, 12, 12)
 DATA = synthetic_dataset(n=24, shape=SHAPE, classes=3, seed=2)

@@ -12,8 +12,7 @@ from gradleak.defenses.base import Defense
 from gradleak.fl import FederatedSimulation, FLConfig
 from gradleak.models import build_model
 from gradleak.types import LocalTraining
-
-from conftest import synthetic_dataset
+from synthetic import synthetic_dataset
 
 SEEN: list[tuple[int, int]] = []
 

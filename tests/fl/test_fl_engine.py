@@ -24,8 +24,7 @@ from gradleak.fl import (
 )
 from gradleak.models import build_model
 from gradleak.types import LocalTraining, Update
-
-from conftest import synthetic_dataset
+from synthetic import synthetic_dataset
 
 
 def small_model(seed: int = 0) -> nn.Module:

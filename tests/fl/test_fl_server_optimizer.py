@@ -13,8 +13,7 @@ from torch.nn import functional as F
 from gradleak.fl import FederatedSimulation, FLConfig
 from gradleak.models import build_model
 from gradleak.types import LocalTraining
-
-from conftest import synthetic_dataset
+from synthetic import synthetic_dataset
 
 
 def _adam_reference(w: torch.Tensor, grads: list[torch.Tensor], lr: float, wd: float, decoupled: bool):

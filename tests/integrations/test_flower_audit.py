@@ -27,8 +27,7 @@ from gradleak.fl.simulation import derive_seed  # noqa: E402
 from gradleak.integrations.flower import AuditStrategy  # noqa: E402
 from gradleak.models import build_model  # noqa: E402
 from gradleak.types import Observation, Update  # noqa: E402
-
-from conftest import synthetic_dataset  # noqa: E402
+from synthetic import synthetic_dataset  # noqa: E402
 
 SHAPE, CLASSES = (1, 12, 12), 3
 DATA = {node: synthetic_dataset(n=4, shape=SHAPE, classes=CLASSES, seed=node) for node in (11, 12, 13)}

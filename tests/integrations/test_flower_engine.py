@@ -27,8 +27,7 @@ from gradleak.fl.simulation import derive_seed  # noqa: E402
 from gradleak.integrations.flower.engine import FlowerRunner  # noqa: E402
 from gradleak.models import build_model  # noqa: E402
 from gradleak.types import LocalTraining  # noqa: E402
-
-from conftest import synthetic_dataset  # noqa: E402
+from synthetic import synthetic_dataset  # noqa: E402
 
 SHAPE, CLASSES, SEED, N = (1, 12, 12), 3, 11, 100
 FL = FLConfig(rounds=1, fraction=0.1, training=LocalTraining("fedavg", epochs=1, batch_size=4, lr=0.05))

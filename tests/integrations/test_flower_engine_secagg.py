@@ -26,8 +26,7 @@ from gradleak.fl.simulation import SecureRound, derive_seed  # noqa: E402
 from gradleak.integrations.flower.engine import FlowerRunner  # noqa: E402
 from gradleak.models import build_model  # noqa: E402
 from gradleak.types import LocalTraining  # noqa: E402
-
-from conftest import synthetic_dataset  # noqa: E402
+from synthetic import synthetic_dataset  # noqa: E402
 
 SHAPE, CLASSES, SEED, N = (1, 12, 12), 3, 13, 12
 # FedSGD rounds on shards of 6 to 10 images: every client reports its batch of 4 as its weight, so the

@@ -43,8 +43,7 @@ from gradleak.integrations.flower.engine import (  # noqa: E402
 from gradleak.models import build_model  # noqa: E402
 from gradleak.types import LocalTraining, Observation, Update  # noqa: E402
 from gradleak.validation import InvalidUpdateError  # noqa: E402
-
-from conftest import synthetic_dataset  # noqa: E402
+from synthetic import synthetic_dataset  # noqa: E402
 
 SHAPE, CLASSES = (1, 12, 12), 3
 IG = ("ig", {"max_iterations": 3})

@@ -31,8 +31,7 @@ from gradleak.integrations.flower import AuditStrategy  # noqa: E402
 from gradleak.integrations.flower.apps import client_app  # noqa: E402
 from gradleak.models import build_model  # noqa: E402
 from gradleak.types import LocalTraining, Observation  # noqa: E402
-
-from conftest import synthetic_dataset  # noqa: E402
+from synthetic import synthetic_dataset  # noqa: E402
 
 SHAPE, CLASSES, SEED = (1, 12, 12), 3, 4
 NODES = (101, 102, 103)  # Flower node ids; partition-id k = index

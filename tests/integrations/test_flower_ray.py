@@ -24,8 +24,7 @@ from gradleak.integrations.flower import AuditStrategy  # noqa: E402
 from gradleak.integrations.flower.apps import client_app  # noqa: E402
 from gradleak.models import build_model  # noqa: E402
 from gradleak.types import LocalTraining  # noqa: E402
-
-from conftest import synthetic_dataset  # noqa: E402
+from synthetic import synthetic_dataset  # noqa: E402
 
 SHAPE, CLASSES, SEED = (1, 12, 12), 3, 5
 TRAINING = LocalTraining("fedavg", epochs=1, batch_size=4, lr=0.05, optimizer="sgd")

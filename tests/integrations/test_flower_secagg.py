@@ -35,8 +35,7 @@ from gradleak.integrations.flower.apps import client_app  # noqa: E402
 from gradleak.models import build_model  # noqa: E402
 from gradleak.registry import DEFENSES  # noqa: E402
 from gradleak.types import LocalTraining, Observation, Update  # noqa: E402
-
-from conftest import synthetic_dataset  # noqa: E402
+from synthetic import synthetic_dataset  # noqa: E402
 
 SHAPE, CLASSES, SEED, NODES, SAMPLES = (1, 12, 12), 3, 5, 4, 4
 TRAINING = LocalTraining("fedavg", epochs=1, batch_size=2, lr=0.05, optimizer="sgd")

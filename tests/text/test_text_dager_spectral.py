@@ -122,7 +122,7 @@ def test_the_outlier_rule_passes_an_input_far_below_the_reference_that_its_bound
     reference = torch.randn(512, 64, generator=g, dtype=torch.float64)
     assert float(span.raw_residual(near[None])[0]) == pytest.approx(0.3, rel=1e-9)
     assert float(span.residual(near[None])[0]) > 1  # its bound alone rejects it
-    scores = outlier_scores(span, torch.stack([near, reference[0]]), reference, 5.0)
+    scores = outlier_scores(span, torch.stack([near, reference[0]]), 5.0, reference)
     assert float(scores[0]) < 1 < float(scores[1])
     loose = NoisySpan(basis, torch.ones(4, dtype=torch.float64), 0.5, 1e-2, 6.0, 100.0, 1e-3, 0.5)
     assert float(loose.residual(near[None])[0]) == pytest.approx(0.3 / 0.5)  # capped bound 0.5 > 0.3: passes

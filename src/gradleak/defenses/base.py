@@ -35,18 +35,23 @@ if TYPE_CHECKING:
 CLAIMS = ("epsilon", "delta")  # what a defense may state about the update it formed
 
 
+def _statements(metadata: Mapping[str, object]) -> dict[str, dict[str, float]]:
+    """The numbers defenses stated in an update's metadata, by defense: ``<defense>/<name>`` entries."""
+    stated: dict[str, dict[str, float]] = {}
+    for key, value in metadata.items():
+        prefix, _, name = key.rpartition("/")
+        if prefix and isinstance(value, int | float):
+            stated.setdefault(prefix, {})[name] = float(value)
+    return stated
+
+
 def claims(metadata: Mapping[str, object]) -> dict[str, float]:
     """The formal privacy a defense stated for an update: the ``<defense>/epsilon`` and ``<defense>/delta``
     entries of its metadata (dp_sgd, update_noise), as ``{"epsilon": ..., "delta": ...}``; empty when none
     did. When two chained defenses state one, each holds for the update (the later one post-processes the
     earlier's output, and each bounds the whole mechanism alone), so the smaller epsilon is reported with
     its own delta."""
-    stated: dict[str, dict[str, float]] = {}  # defense prefix -> its claims
-    for key, value in metadata.items():
-        prefix, _, name = key.rpartition("/")
-        if prefix and name in CLAIMS and isinstance(value, int | float):
-            stated.setdefault(prefix, {})[name] = float(value)
-    full = [c for c in stated.values() if set(c) == set(CLAIMS)]
+    full = [{k: c[k] for k in CLAIMS} for c in _statements(metadata).values() if set(CLAIMS) <= set(c)]
     return min(full, key=lambda c: c["epsilon"]) if full else {}
 
 
@@ -59,11 +64,7 @@ def stated_noise_std(metadata: Mapping[str, object]) -> float | None:
     None when none did. Noises of chained defenses are independent, so their variances add; a later
     defense's clipping only shrinks an earlier one's noise, so the root of the sum of squares is an upper
     bound."""
-    stds = [
-        float(v)
-        for k, v in metadata.items()
-        if k.rpartition("/")[2] == NOISE_STD and isinstance(v, int | float)
-    ]
+    stds = [c[NOISE_STD] for c in _statements(metadata).values() if NOISE_STD in c]
     return sum(s * s for s in stds) ** 0.5 if stds else None
 
 

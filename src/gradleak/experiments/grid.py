@@ -56,6 +56,7 @@ class GridOutcome:
         """One row per cell and attack: privacy (mean, spread, count), utility, cost."""
         base = next((c for c in self.cells if c.defense.name == BASELINE), None)
         base_seconds = _fl_seconds(base.outcome) if base is not None else None
+        names = [spec.name for spec in self.config.audit.attacks]
         rows = []
         for cell in self.cells:
             seconds = _fl_seconds(cell.outcome)
@@ -64,7 +65,6 @@ class GridOutcome:
                       "perplexity": summary.get("final_perplexity"), "fl_seconds": seconds,
                       "cost": seconds / base_seconds if base_seconds else None}  # fmt: skip
             attacks = cell.outcome.of_kind("attack")
-            names = [spec.name for spec in self.config.audit.attacks]
             for i, spec in enumerate(self.config.audit.attacks):
                 records = [r for r in attacks if r.get("cell") == i]
                 # an attack listed twice (other options) is told apart by its options in tables

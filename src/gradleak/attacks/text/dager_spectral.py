@@ -145,14 +145,17 @@ class NoisySpan(Span):
         return super().residual(z)
 
 
-def outlier_scores(span: NoisySpan, z: torch.Tensor, reference: torch.Tensor, sd: float) -> torch.Tensor:
+def outlier_scores(
+    span: NoisySpan, z: torch.Tensor, sd: float, reference: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each input's score under the two tests, lower is better and below :data:`PASS` passes: the smaller
     of its residual over its first-order bound and its plain residual over the cut-off mean - ``sd`` x
     standard deviation of the ``reference`` inputs' plain residuals (inputs of tokens that are not the
-    batch's, for the most part)."""
-    ref = span.raw_residual(reference)
+    batch's, for the most part; None: ``z`` is its own reference, as the scanned vocabulary is at L1)."""
+    raw = span.raw_residual(z)
+    ref = raw if reference is None else span.raw_residual(reference)
     cut = float((ref.mean() - sd * ref.std()).clamp_min(1e-12))
-    return torch.minimum(span.residual(z), span.raw_residual(z) / cut)
+    return torch.minimum(raw / span.thresholds(z), raw / cut)
 
 
 PASS = 1.0  # the span tests' threshold on NoisySpan.residual
@@ -188,7 +191,7 @@ class OutlierL2Search(L2Search):
 
     def _scores(self, z: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
         assert isinstance(self.span, NoisySpan)
-        return outlier_scores(self.span, z, reference, self.outlier_sd)
+        return outlier_scores(self.span, z, self.outlier_sd, reference)
 
     def residual(self, seqs: torch.Tensor, last_only: bool, reduce: str = "max") -> torch.Tensor:
         if not last_only:
@@ -265,7 +268,7 @@ class DagerSpectral(Dager):
         (no noise) get exact DAGER's test."""
         if not isinstance(span, NoisySpan):
             return super().l1_test(span, z, threshold)
-        scores = outlier_scores(span, z, z, self.config.outlier_sd)
+        scores = outlier_scores(span, z, self.config.outlier_sd)
         ok = torch.nonzero(scores < threshold).flatten()
         return ok, scores[ok]
 
