@@ -11,7 +11,7 @@
 #
 # What it does:
 #   1. makes a throw-away venv with pinned pip and pip-tools (nothing is installed into .venv);
-#   2. pip-compile --generate-hashes resolves pyproject.toml's dependencies with the dev, text, flower extras,
+#   2. pip-compile --generate-hashes resolves pyproject.toml's dependencies with the dev, text, flower, diffusion extras,
 #      plus the build requirements of the editable install (setuptools, wheel: `make` builds the project
 #      without build isolation, so the build backend is locked too). torch is resolved (its dependencies
 #      are locked) but not written: `--unsafe-package torch` leaves it out, because its wheel and so its
@@ -54,7 +54,7 @@ CUSTOM_COMPILE_COMMAND="make lock  (scripts/lock.sh; see docs/development.md)" \
     --generate-hashes --strip-extras \
     --unsafe-package torch --no-allow-unsafe \
     --no-emit-index-url --no-emit-find-links --no-emit-trusted-host \
-    --extra dev --extra text --extra flower --build-deps-for editable \
+    --extra dev --extra text --extra flower --extra diffusion --build-deps-for editable \
     --constraint constraints.txt \
     --output-file "$out" \
     "$@" pyproject.toml 2> >(grep -v 'may be rejected by pip install' >&2)

@@ -191,3 +191,6 @@ MODELS: Registry[Callable[..., Any]] = Registry("model", "gradleak.models", chec
 ATTACKS: Registry[Callable[..., Any]] = Registry("attack", "gradleak.attacks")
 DEFENSES: Registry[Callable[..., Any]] = Registry("defense", "gradleak.defenses")
 ENGINES: Registry[Callable[..., Any]] = Registry("engine", "gradleak.fl.engines")
+# Conditional image generators for Aegis' synthetic cache: ``factory(data, config, *, generator)`` fits one
+# on a client's (or a sanctioned public) data set and returns a ConditionalGenerator
+GENERATORS: Registry[Callable[..., Any]] = Registry("generator", "gradleak.generators")

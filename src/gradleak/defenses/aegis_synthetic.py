@@ -53,14 +53,16 @@ from torch.nn import functional as F
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.aegis_cache import CacheConfig, SyntheticCache, build_cache
 from gradleak.defenses.base import Defense
-from gradleak.generators.gaussian import ClassGaussianGenerator, GaussianGeneratorConfig
-from gradleak.registry import DEFENSES
+from gradleak.generators.base import data_digest
+from gradleak.generators.diffusion import DiffusionGeneratorConfig
+from gradleak.generators.gaussian import GaussianGeneratorConfig
+from gradleak.generators.oracle import OracleGeneratorConfig
+from gradleak.registry import DEFENSES, GENERATORS
 from gradleak.types import Update
 
 log = logging.getLogger(__name__)
 
 NORMALISATIONS = ("lambda", "same_lr")
-GENERATORS = ("gaussian",)
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,12 @@ class AegisConfig:
     images per forward/backward; ``normalization`` ``"lambda"`` | ``"same_lr"``; ``real_batch_size`` B in
     ``lambda = M / (B + M)``.
 
-    Building the cache from the client's data in ``setup`` (when none is bound): ``generator`` (only the
-    built-in ``"gaussian"``, :class:`~gradleak.generators.ClassGaussianGenerator`, configured by the nested
-    ``gaussian`` table: ``components``, ``temperature``); the nested ``cache`` table is the acceptance
+    Building the cache from the client's data in ``setup`` (when none is bound): ``generator``, a name of
+    :data:`~gradleak.registry.GENERATORS`, configured by the nested table of its name: ``"gaussian"``
+    (default, :class:`~gradleak.generators.ClassGaussianGenerator`: ``components``, ``temperature``),
+    ``"diffusion"`` (:mod:`gradleak.generators.diffusion`: ``train_on``, ``public``, ``unet``,
+    ``training``, ``sampling``, ``store``), ``"oracle"`` (diagnostic: real images of a ``public`` split);
+    a plugin's generator with its default options. The nested ``cache`` table is the acceptance
     filter (:class:`~gradleak.defenses.aegis_cache.CacheConfig`: ``size`` M, ``budget`` H (None:
     calibrated), ``budget_quantile``, ``budget_scale``, ``match_k``, ``max_candidates_factor``);
     ``cache_seed``; ``memo_size`` caches memoised. In TOML: ``cache = { size = 512 }``.
@@ -83,6 +88,8 @@ class AegisConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     generator: str = "gaussian"
     gaussian: GaussianGeneratorConfig = field(default_factory=GaussianGeneratorConfig)
+    diffusion: DiffusionGeneratorConfig = field(default_factory=DiffusionGeneratorConfig)
+    oracle: OracleGeneratorConfig = field(default_factory=OracleGeneratorConfig)
     cache_seed: int = 0
     memo_size: int = 100
 
@@ -94,11 +101,19 @@ class AegisConfig:
         if self.normalization not in NORMALISATIONS:
             raise ValueError(f"normalization must be one of {NORMALISATIONS}, got {self.normalization!r}")
         if self.generator not in GENERATORS:
-            raise ValueError(f"generator must be one of {GENERATORS}, got {self.generator!r}")
+            raise ValueError(f"generator must be one of {GENERATORS.names()}, got {self.generator!r}")
+        if self.generator == "oracle" and not self.oracle.public.named:
+            raise ValueError("generator 'oracle' needs oracle = { public = { dataset = ..., split = ... } }")
         for key in ("cache_seed", "memo_size"):
             v = getattr(self, key)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"{key} must be an int >= 0, got {v!r}")
+
+    @property
+    def generator_options(self) -> object:
+        """The chosen generator's options: the nested table of its name (a plugin's: its defaults)."""
+        own = getattr(self, self.generator, None)
+        return own if own is not None else GENERATORS.make_config(self.generator)
 
     @property
     def cache_size(self) -> int:
@@ -137,15 +152,6 @@ def accumulate_mean_gradient(
     return total / n
 
 
-def data_digest(data: ImageDataset) -> bytes:
-    """A hash of the client's images and labels (the memo key; never sent anywhere)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(repr((tuple(data.images.shape), data.num_classes)).encode())
-    h.update(data.images.detach().to(torch.float32).contiguous().numpy().tobytes())
-    h.update(data.labels.detach().to(torch.int64).contiguous().numpy().tobytes())
-    return h.digest()
-
-
 _MEMO: OrderedDict[tuple[bytes, AegisConfig], SyntheticCache] = OrderedDict()
 
 
@@ -155,13 +161,16 @@ def _memo_key(data: ImageDataset, config: AegisConfig) -> tuple[bytes, AegisConf
         cache=config.cache,
         generator=config.generator,
         gaussian=config.gaussian,
+        diffusion=config.diffusion,
+        oracle=config.oracle,
         cache_seed=config.cache_seed,
         memo_size=0,
     )
 
 
 def cache_from_data(data: ImageDataset, config: AegisConfig) -> SyntheticCache:
-    """The client's synthetic cache built from its own data: the built-in generator fit on ``data``, then
+    """The client's synthetic cache built from its own data: the configured generator fit on ``data`` (or
+    on the public split its options name, or reloaded from its store), then
     :func:`~gradleak.defenses.aegis_cache.build_cache` accepting candidates against ``data``, from a seed
     derived from ``cache_seed`` and the data's hash. Memoised by content (``memo_size`` entries)."""
     key = _memo_key(data, config)
@@ -170,10 +179,13 @@ def cache_from_data(data: ImageDataset, config: AegisConfig) -> SyntheticCache:
         return _MEMO[key]
     seed = int.from_bytes(hashlib.blake2b(key[0] + config.cache_seed.to_bytes(8), digest_size=8).digest())
     t0 = time.perf_counter()
-    source = ClassGaussianGenerator.fit(data, config.gaussian)
+    fit_seed = torch.Generator().manual_seed(seed >> 2)  # not the cache's draws: those stay as before
+    source = GENERATORS.get(config.generator)(data, config.generator_options, generator=fit_seed)
     fit = time.perf_counter() - t0
     cache = build_cache(source, data, config.cache, generator=torch.Generator().manual_seed(seed >> 1))
     cache.stats["generator_fit_seconds"] = fit
+    info = getattr(source, "info", {})  # a trained generator's provenance (diffusion): into the cache's stats
+    cache.stats.update({f"generator_{k}": float(v) for k, v in info.items() if isinstance(v, int | float)})
     log.info(
         "aegis: built a cache of %d from %d client images in %.2fs (rejection rate %.1f%%)",
         len(cache), len(data), fit + cache.stats["seconds"], 100 * cache.stats["rejection_rate"],

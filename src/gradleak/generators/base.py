@@ -9,10 +9,15 @@ and allows generators adapted on a sanctioned client-side split (:mod:`gradleak.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from gradleak.data.base import ImageDataset
 
 
 @runtime_checkable
@@ -23,6 +28,56 @@ class ConditionalGenerator(Protocol):
     num_classes: int
 
     def sample(self, labels: torch.Tensor, *, generator: torch.Generator) -> torch.Tensor: ...
+
+
+class GeneratorFactory(Protocol):
+    """A registered generator (:data:`gradleak.registry.GENERATORS`): fit on ``data`` (the client's own
+    images, or a public split its config names) with its config; ``generator`` seeds any randomness."""
+
+    def __call__(
+        self, data: ImageDataset, config: Any, *, generator: torch.Generator
+    ) -> ConditionalGenerator: ...
+
+
+@dataclass(frozen=True)
+class PublicSplit:
+    """A sanctioned public split a generator may use instead of (or as) real images the client does not
+    hold: a registered data set's ``split``, its first ``limit`` images (None: all). Paper 000 (Appendix
+    F.1) allows generators "adapted on a sanctioned client-side training split"; one generator fit on a
+    public split may serve every client, one fit on a client's own share never leaves it."""
+
+    dataset: str = ""
+    split: str = "val"
+    limit: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dataset, str) or not isinstance(self.split, str) or not self.split:
+            raise ValueError(
+                f"public split needs a data set and split name, got {self.dataset!r}/{self.split!r}"
+            )
+        if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
+            raise ValueError(f"public split limit must be an int >= 1 or None, got {self.limit!r}")
+
+    @property
+    def named(self) -> bool:
+        return bool(self.dataset)
+
+    def load(self) -> ImageDataset:
+        """The split, loaded through the data set registry (the default data root)."""
+        from gradleak.registry import DATASETS
+
+        if not self.named:
+            raise ValueError("no public split named: set public = { dataset = ..., split = ... }")
+        return DATASETS.get(self.dataset)(split=self.split, root=None, limit=self.limit)
+
+
+def data_digest(data: ImageDataset) -> bytes:
+    """A hash of a data set's images and labels (a content key: memo and file names; never sent anywhere)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr((tuple(data.images.shape), data.num_classes)).encode())
+    h.update(data.images.detach().to(torch.float32).contiguous().numpy().tobytes())
+    h.update(data.labels.detach().to(torch.int64).contiguous().numpy().tobytes())
+    return h.digest()
 
 
 def align_images(images: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 
 from gradleak.data.base import ImageDataset
 from gradleak.generators.base import check_labels
+from gradleak.registry import GENERATORS
 
 log = logging.getLogger(__name__)
 
@@ -92,3 +93,18 @@ class ClassGaussianGenerator:
             z = torch.randn(len(idx), len(self.stds[y]), generator=generator, dtype=torch.float64)
             out[idx] = self.means[y] + (self.temperature * z * self.stds[y]) @ self.bases[y].T
         return out.clamp(0.0, 1.0).to(torch.float32).reshape(len(labels), *self.image_shape)
+
+
+def fit_gaussian(
+    data: ImageDataset, config: GaussianGeneratorConfig, *, generator: torch.Generator | None = None
+) -> ClassGaussianGenerator:
+    """The registered factory (deterministic: ``generator`` is not drawn from)."""
+    return ClassGaussianGenerator.fit(data, config)
+
+
+GENERATORS.register(
+    "gaussian",
+    fit_gaussian,
+    config_cls=GaussianGeneratorConfig,
+    summary="per-class Gaussian in a PCA subspace of the client's images (seconds on a CPU)",
+)

@@ -1,0 +1,205 @@
+"""Aegis' generators side by side (issue 22): the quality gate, the cache build and the cost of each.
+
+Paper 000's federation (``configs/base/paper000_setting.toml``: OrganAMNIST, 100 label-skew clients, <= 5
+classes). Generators, each scored by :mod:`gradleak.generators.quality` (a reference ``aegis_cnn`` trained
+on real training images; held-out real test images; memorisation against the images the generator was fit
+on):
+
+- ``diffusion_public``: the diffusion generator trained on the sanctioned public split (OrganAMNIST val),
+  one for every client; ``gaussian_public``: the PCA generator fit on the same split;
+- ``diffusion_own`` / ``gaussian_own``: fit on one client's own share (the generator never leaves it);
+- ``oracle``: real test images the clients do not hold (a perfect generator).
+
+For each: fit seconds, seconds to sample M images, parameters and file size, and the Aegis cache build for
+that client (M = 2,048 at small / paper scale accepted against its share, at most 4 M candidates: rejection
+rate, seconds).
+
+    python benchmarks/generator_quality.py --scale smoke|small|paper --threads 2
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradleak.data import ImageDataset, load_dataset
+from gradleak.defenses.aegis_cache import CacheConfig, build_cache
+from gradleak.experiments.config import load_config
+from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
+from gradleak.experiments.runner import build_simulation
+from gradleak.generators.base import ConditionalGenerator, PublicSplit
+from gradleak.generators.diffusion import DiffusionGeneratorConfig, fit_diffusion
+from gradleak.generators.gaussian import ClassGaussianGenerator
+from gradleak.generators.oracle import RealImageGenerator
+from gradleak.generators.quality import QualityConfig, Reference
+from gradleak.options import build_dataclass
+
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
+SETTING = HERE / "configs" / "base" / "paper000_setting.toml"
+NAME = "generator_quality"
+CANDIDATES = (
+    4.0  # the cache build gives up after 4 x M candidates (a generator the filter rejects: a finding)
+)
+
+
+@dataclass(frozen=True)
+class Scale:
+    classifier_images: int  # OrganAMNIST train images the reference classifier learns from
+    heldout: int  # test images scored against (the next ones feed the oracle)
+    public_limit: int | None  # val images the public generators fit on
+    steps: int  # diffusion training steps
+    samples_per_class: int
+    client: int  # the client whose share the own generators fit on
+    M: int  # cache size; also the images timed for sampling
+
+
+SCALES = {
+    "smoke": Scale(1000, 300, 500, 50, 20, 0, 128),
+    "small": Scale(10000, 3000, None, 1500, 100, 0, 2048),
+    "paper": Scale(34561, 6000, None, 6000, 500, 0, 2048),
+}
+
+
+def sampling_seconds(source: ConditionalGenerator, classes: list[int], m: int) -> float:
+    labels = torch.tensor(classes).repeat(m // len(classes) + 1)[:m]
+    t0 = time.perf_counter()
+    source.sample(labels, generator=torch.Generator().manual_seed(0))
+    return time.perf_counter() - t0
+
+
+def measure(
+    name: str, make: Any, fit_on: ImageDataset, client: ImageDataset, ref: Reference, m: int
+) -> dict[str, Any]:
+    print(f"  {name}: fit on {len(fit_on)} images", flush=True)
+    t0 = time.perf_counter()
+    source = make()
+    fit = time.perf_counter() - t0
+    report = ref.score(name, source, fit_on, classes=sorted(int(v) for v in client.labels.unique()))
+    row: dict[str, Any] = {
+        "generator": name,
+        "fit_images": len(fit_on),
+        "fit_seconds": fit,
+        "sample_seconds_M": sampling_seconds(source, report_classes(report), m),
+        **{k: v for k, v in report.as_dict().items() if k != "classes"},
+        "per_class": [asdict(c) for c in report.classes],
+    }
+    if hasattr(source, "parameters"):
+        row["parameters"] = int(source.parameters)
+    saved = getattr(source, "info", {}).get("saved") or getattr(source, "info", {}).get("reused")
+    if saved:
+        row["file_bytes"] = Path(saved).stat().st_size
+    try:
+        cache = build_cache(
+            source,
+            client,
+            CacheConfig(size=m, max_candidates_factor=CANDIDATES),
+            generator=torch.Generator().manual_seed(0),
+        )
+        row["cache"] = {k: cache.stats[k] for k in ("candidates", "rejection_rate", "budget", "seconds")}
+    except Exception as exc:  # a generator whose candidates the filter rejects: that is the finding
+        row["cache"] = {"error": str(exc)}
+    print(
+        f"    accuracy {row['accuracy']:.3f} frechet {row['frechet']:.2f} copy rate {row['copy_rate']:.3f} "
+        f"fit {fit:.0f}s sample {row['sample_seconds_M']:.0f}s cache {row['cache']}",
+        flush=True,
+    )
+    return row
+
+
+def report_classes(report: Any) -> list[int]:
+    return [c.label for c in report.classes]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser(__doc__.splitlines()[0], RESULTS_DIR)
+    parser.add_argument(
+        "--store", default="benchmarks/.state/generators", help="folder of trained generators"
+    )
+    args = parse_args(parser, argv)
+    scale = SCALES[args.scale]
+    threads = configure_torch(args.threads)
+    seed = args.seeds[0]
+    print(f"{NAME} --scale {args.scale}: {scale}, seed {seed}, torch threads {threads}", flush=True)
+
+    cfg = load_config(SETTING, ["audit.clients=0", f"experiment.seed={seed}"])
+    client = build_simulation(cfg).clients[scale.client]
+    assert isinstance(client, ImageDataset)
+    classifier_data = load_dataset("organamnist", "train", limit=scale.classifier_images)
+    test = load_dataset("organamnist", "test", limit=2 * scale.heldout)
+    heldout = test.subset(list(range(scale.heldout)))
+    oracle_pool = test.subset(list(range(scale.heldout, len(test))))
+    public = PublicSplit("organamnist", "val", scale.public_limit)
+    public_data = public.load()
+    ref = Reference(
+        classifier_data, heldout, QualityConfig(samples_per_class=scale.samples_per_class, seed=seed)
+    )
+    print(
+        f"  reference classifier: {ref.real_accuracy:.3f} on {len(heldout)} held-out test images", flush=True
+    )
+
+    def diffusion(train_on: str) -> DiffusionGeneratorConfig:
+        return build_dataclass(
+            DiffusionGeneratorConfig,
+            {
+                "train_on": train_on,
+                "public": asdict(public),
+                "training": {"steps": scale.steps},
+                "seed": seed,
+                "store": args.store,
+            },
+            where="diffusion",
+        )
+
+    rows = [
+        measure("oracle", lambda: RealImageGenerator(oracle_pool), client, client, ref, scale.M),
+        measure(
+            "gaussian_public",
+            lambda: ClassGaussianGenerator.fit(public_data),
+            public_data,
+            client,
+            ref,
+            scale.M,
+        ),
+        measure("gaussian_own", lambda: ClassGaussianGenerator.fit(client), client, client, ref, scale.M),
+        measure(
+            "diffusion_public",
+            lambda: fit_diffusion(client, diffusion("public")),
+            public_data,
+            client,
+            ref,
+            scale.M,
+        ),
+        measure(
+            "diffusion_own", lambda: fit_diffusion(client, diffusion("own")), client, client, ref, scale.M
+        ),
+    ]
+    payload = {
+        "setting": {
+            "federation": str(SETTING.relative_to(HERE)),
+            "client": scale.client,
+            "client_images": len(client),
+            "client_classes": sorted(int(v) for v in client.labels.unique()),
+            "public": asdict(public),
+            "heldout": f"organamnist/test[:{scale.heldout}]",
+            "oracle_pool": f"organamnist/test[{scale.heldout}:{2 * scale.heldout}]",
+            "classifier": f"aegis_cnn, organamnist/train[:{scale.classifier_images}]",
+            "diffusion": asdict(diffusion("public")),
+            **asdict(scale),
+        },
+        "reference_accuracy": ref.real_accuracy,
+        "torch_threads": threads,
+        "rows": rows,
+    }
+    path = write_result(NAME, args.scale, payload, seeds=[seed], out=args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

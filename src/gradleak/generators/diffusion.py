@@ -1,0 +1,441 @@
+"""A class-conditional diffusion generator that trains on CPU, for Aegis' synthetic cache (paper 000).
+
+Paper 000 samples its cache from Stable Diffusion 2.0 (Appendix F.1) and allows generators "adapted on a
+sanctioned client-side training split". Neither SD weights nor a GPU can be assumed at a hospital, so this
+module trains a small denoising diffusion model (Ho et al. 2020, the epsilon objective
+``E ||eps - eps_theta(sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, t, y)||^2``) on the images a client may use:
+
+- the model is diffusers' ``UNet2DModel`` with a class embedding (``num_class_embeds = K + 1``: the extra
+  index is the null class of classifier-free guidance, Ho & Salimans 2022; labels are dropped to it with
+  probability ``class_dropout`` while training);
+- the forward process and its schedule are diffusers' ``DDPMScheduler`` (``add_noise``), the sampler a
+  few-step solver (DPM-Solver++ by default, Lu et al. 2022; or DDIM), built from the training schedule's
+  config. Guided noise: ``eps_null + w (eps_y - eps_null)`` with guidance scale ``w`` (1: no guidance, one
+  forward per step);
+- weights are averaged by diffusers' ``EMAModel`` and the average is what samples.
+
+``train_on = "own"`` fits it on the client's own share (it never leaves the client); ``"public"`` on a
+sanctioned public split (``public``), where one generator may serve every client. A trained generator is
+saved as safetensors under ``store`` (file named by the content of its training data and its options) and
+reloaded, bit-identically, by the next run that asks for the same one.
+
+``diffusers`` is an optional dependency (``pip install 'gradleak[diffusion]'``); without it, asking for
+this generator is a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradleak.data.base import ImageDataset
+from gradleak.generators.base import PublicSplit, check_labels, data_digest
+from gradleak.progress import bar
+from gradleak.registry import GENERATORS
+
+log = logging.getLogger(__name__)
+
+FORMAT = "gradleak-diffusion-generator/1"
+TRAIN_SOURCES = ("own", "public")
+
+
+def require_diffusers() -> Any:
+    """The ``diffusers`` module, or an ImportError that says how to get it."""
+    try:
+        return importlib.import_module("diffusers")
+    except ImportError as exc:
+        raise ImportError(
+            "the diffusion generator needs the 'diffusers' package: pip install 'gradleak[diffusion]' "
+            "(or pip install diffusers); the built-in 'gaussian' generator needs nothing more"
+        ) from exc
+
+
+def diffusers_available() -> bool:
+    try:
+        require_diffusers()
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class UNetConfig:
+    """The denoiser: ``UNet2DModel`` with one resolution level per entry of ``channels`` (each but the last
+    halves the image, so H and W must be divisible by ``2 ** (len(channels) - 1)``), ``layers`` ResNet
+    blocks per level, GroupNorm with ``norm_groups`` groups, self-attention at the lowest resolution when
+    ``attention``. The default (about 0.8 M parameters) trains on a 28 x 28 data set in minutes on 2 cores."""
+
+    channels: tuple[int, ...] = (32, 32, 64)
+    layers: int = 1
+    norm_groups: int = 8
+    attention: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.channels, list):  # TOML and JSON give arrays; the config stays hashable
+            object.__setattr__(self, "channels", tuple(self.channels))
+        if not self.channels or any(not isinstance(c, int) or c < 1 for c in self.channels):
+            raise ValueError(f"unet channels must be positive ints, got {self.channels!r}")
+        if not isinstance(self.norm_groups, int) or self.norm_groups < 1:
+            raise ValueError(f"unet norm_groups must be an int >= 1, got {self.norm_groups!r}")
+        if any(c % self.norm_groups for c in self.channels):
+            raise ValueError(
+                f"unet channels {self.channels} must be multiples of norm_groups {self.norm_groups}"
+            )
+        if not isinstance(self.layers, int) or self.layers < 1:
+            raise ValueError(f"unet layers must be an int >= 1, got {self.layers!r}")
+
+
+@dataclass(frozen=True)
+class DiffusionTrainingConfig:
+    """``steps`` AdamW steps of ``batch_size`` images at learning rate ``lr`` (cosine decay after
+    ``warmup`` steps), EMA decay ``ema_decay``, labels dropped to the null class with probability
+    ``class_dropout``, a ``timesteps``-step cosine noise schedule (Nichol & Dhariwal 2021)."""
+
+    steps: int = 3000
+    batch_size: int = 64
+    lr: float = 2e-3
+    warmup: int = 100
+    ema_decay: float = 0.999
+    class_dropout: float = 0.1
+    timesteps: int = 1000
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "batch_size", "timesteps"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"diffusion training {key} must be an int >= 1, got {v!r}")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"diffusion training warmup must be an int >= 0, got {self.warmup!r}")
+        if not self.lr > 0:
+            raise ValueError(f"diffusion training lr must be > 0, got {self.lr}")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
+        if not 0 <= self.class_dropout < 1:
+            raise ValueError(f"class_dropout must be in [0, 1), got {self.class_dropout}")
+
+
+def _dpm_solver(diffusers: Any, config: Any) -> Any:
+    return diffusers.DPMSolverMultistepScheduler.from_config(config, algorithm_type="dpmsolver++")
+
+
+def _ddim(diffusers: Any, config: Any) -> Any:
+    return diffusers.DDIMScheduler.from_config(config)
+
+
+# sampler name -> the diffusers scheduler built from the training schedule's config
+SAMPLERS: dict[str, Callable[[Any, Any], Any]] = {"dpm_solver": _dpm_solver, "ddim": _ddim}
+
+
+@dataclass(frozen=True)
+class DiffusionSamplingConfig:
+    """``sampler`` (``dpm_solver``: DPM-Solver++ multistep; ``ddim``: DDIM, eta 0) in ``steps`` steps,
+    classifier-free ``guidance`` scale w (1: none), ``batch_size`` images per forward."""
+
+    sampler: str = "dpm_solver"
+    steps: int = 10
+    guidance: float = 1.5
+    batch_size: int = 256
+
+    def __post_init__(self) -> None:
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {sorted(SAMPLERS)}, got {self.sampler!r}")
+        for key in ("steps", "batch_size"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"diffusion sampling {key} must be an int >= 1, got {v!r}")
+        if not self.guidance >= 1:
+            raise ValueError(f"guidance must be >= 1 (1: no guidance), got {self.guidance}")
+
+
+@dataclass(frozen=True)
+class DiffusionGeneratorConfig:
+    """``train_on``: ``"own"`` (the client's share) or ``"public"`` (the split named by ``public``);
+    ``unet``, ``training``, ``sampling``: nested tables; ``seed`` for the weights' initialisation and the
+    training draws (mixed with a hash of the training data); ``store``: folder of the saved generators
+    (safetensors, reused by content; None: not saved)."""
+
+    train_on: str = "own"
+    public: PublicSplit = field(default_factory=PublicSplit)
+    unet: UNetConfig = field(default_factory=UNetConfig)
+    training: DiffusionTrainingConfig = field(default_factory=DiffusionTrainingConfig)
+    sampling: DiffusionSamplingConfig = field(default_factory=DiffusionSamplingConfig)
+    seed: int = 0
+    store: str | None = "gradleak-out/generators"
+
+    def __post_init__(self) -> None:
+        if self.train_on not in TRAIN_SOURCES:
+            raise ValueError(f"train_on must be one of {TRAIN_SOURCES}, got {self.train_on!r}")
+        if self.train_on == "public" and not self.public.named:
+            raise ValueError("train_on = 'public' needs public = { dataset = ..., split = ... }")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+
+
+def _unet(diffusers: Any, cfg: UNetConfig, image_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    c, h, w = image_shape
+    factor = 2 ** (len(cfg.channels) - 1)
+    if h % factor or w % factor:
+        raise ValueError(
+            f"{h} x {w} images do not halve {len(cfg.channels) - 1} times; use fewer unet channels"
+        )
+    levels = len(cfg.channels)
+    low = "AttnDownBlock2D" if cfg.attention else "DownBlock2D"
+    up_low = "AttnUpBlock2D" if cfg.attention else "UpBlock2D"
+    return diffusers.UNet2DModel(
+        sample_size=(h, w),
+        in_channels=c,
+        out_channels=c,
+        block_out_channels=tuple(cfg.channels),
+        layers_per_block=cfg.layers,
+        norm_num_groups=cfg.norm_groups,
+        down_block_types=("DownBlock2D",) * (levels - 1) + (low,),
+        up_block_types=(up_low,) + ("UpBlock2D",) * (levels - 1),
+        num_class_embeds=num_classes + 1,  # the last index: the null class of classifier-free guidance
+    )
+
+
+def _schedule(diffusers: Any, cfg: DiffusionTrainingConfig) -> Any:
+    return diffusers.DDPMScheduler(
+        num_train_timesteps=cfg.timesteps, beta_schedule="squaredcos_cap_v2", prediction_type="epsilon"
+    )
+
+
+class DiffusionGenerator:
+    """A trained class-conditional diffusion model; a :class:`~gradleak.generators.ConditionalGenerator`.
+    Build it with :meth:`fit` (or :func:`fit_diffusion`, which also saves and reuses it) or :meth:`load`."""
+
+    def __init__(
+        self,
+        unet: nn.Module,
+        config: DiffusionGeneratorConfig,
+        image_shape: tuple[int, int, int],
+        num_classes: int,
+        classes: list[int],
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        self.unet = unet.eval().requires_grad_(False)
+        self.config = config
+        self.image_shape = image_shape
+        self.num_classes = num_classes
+        self.classes = sorted(classes)
+        self.info: dict[str, Any] = dict(info or {})  # train_on, images, seconds, parameters, digest
+
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.unet.parameters())
+
+    @classmethod
+    def fit(
+        cls, data: ImageDataset, config: DiffusionGeneratorConfig, *, generator: torch.Generator
+    ) -> DiffusionGenerator:
+        """Train on every image of ``data`` (eq. above); a class with no image cannot be sampled later."""
+        diffusers = require_diffusers()
+        if len(data) == 0:
+            raise ValueError("cannot fit a diffusion generator on no images")
+        tc = config.training
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        g = torch.Generator().manual_seed(seed)
+        with torch.random.fork_rng(devices=[]):  # diffusers initialises from the global RNG: seed it here
+            torch.manual_seed(seed)
+            unet = _unet(diffusers, config.unet, data.input_shape, data.num_classes)
+        schedule = _schedule(diffusers, tc)
+        ema = importlib.import_module("diffusers.training_utils").EMAModel(
+            unet.parameters(), decay=tc.ema_decay, use_ema_warmup=True, power=3 / 4
+        )
+        optimizer = torch.optim.AdamW(unet.parameters(), lr=tc.lr, weight_decay=0.0)
+        lr_at = importlib.import_module("diffusers.optimization").get_cosine_schedule_with_warmup(
+            optimizer, num_warmup_steps=min(tc.warmup, tc.steps - 1), num_training_steps=tc.steps
+        )
+        x_all = data.images * 2 - 1  # (N, C, H, W) in [-1, 1]
+        y_all = data.labels
+        null = data.num_classes
+        start = time.perf_counter()
+        unet.train()
+        loss_sum, loss_n = 0.0, 0
+        with bar(desc="diffusion generator", total=tc.steps, unit="step") as progress:
+            for _ in range(tc.steps):
+                idx = torch.randint(0, len(data), (tc.batch_size,), generator=g)
+                x0, y = x_all[idx], y_all[idx].clone()
+                y[torch.rand(len(y), generator=g) < tc.class_dropout] = null
+                noise = torch.randn(x0.shape, generator=g)
+                t = torch.randint(0, tc.timesteps, (len(x0),), generator=g)
+                xt = schedule.add_noise(x0, noise, t)
+                loss = nn.functional.mse_loss(unet(xt, t, class_labels=y).sample, noise)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if not torch.isfinite(loss):
+                    raise FloatingPointError("diffusion generator training diverged (non-finite loss)")
+                optimizer.step()
+                lr_at.step()
+                ema.step(unet.parameters())
+                loss_sum, loss_n = loss_sum + float(loss.detach()), loss_n + 1
+                if progress.n % 50 == 0:
+                    progress.set_postfix(loss=f"{loss_sum / loss_n:.4f}")
+                    loss_sum, loss_n = 0.0, 0
+                progress.update(1)
+        ema.copy_to(unet.parameters())
+        seconds = time.perf_counter() - start
+        classes = sorted(int(v) for v in data.labels.unique())
+        info = {
+            "train_on": config.train_on,
+            "train_images": len(data),
+            "train_seconds": seconds,
+            "data": data.name,
+            "digest": data_digest(data).hex(),
+        }
+        made = cls(unet, config, data.input_shape, data.num_classes, classes, info)
+        log.info(
+            "diffusion generator: %d parameters trained %d steps on %d images (%s) in %.1fs",
+            made.parameters,
+            tc.steps,
+            len(data),
+            config.train_on,
+            seconds,
+        )
+        return made
+
+    @torch.no_grad()
+    def sample(self, labels: torch.Tensor, *, generator: torch.Generator) -> torch.Tensor:
+        """``labels (N,)`` -> images ``(N, C, H, W)`` in [0, 1]: the sampler's steps from N(0, I) noise
+        drawn from ``generator``, with classifier-free guidance."""
+        diffusers = require_diffusers()
+        check_labels(labels, self.num_classes)
+        missing = sorted({int(y) for y in labels} - set(self.classes))
+        if missing:
+            raise ValueError(
+                f"diffusion generator was not trained on classes {missing}; it knows {self.classes}"
+            )
+        sc = self.config.sampling
+        out = torch.empty(len(labels), *self.image_shape)
+        for start in range(0, len(labels), sc.batch_size):
+            y = labels[start : start + sc.batch_size]
+            x = torch.randn((len(y), *self.image_shape), generator=generator)
+            out[start : start + len(y)] = self._denoise(diffusers, x, y)
+        return ((out + 1) / 2).clamp(0.0, 1.0)
+
+    def _denoise(self, diffusers: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        sc = self.config.sampling
+        scheduler = SAMPLERS[sc.sampler](diffusers, _schedule(diffusers, self.config.training).config)
+        scheduler.set_timesteps(sc.steps)
+        x = x * scheduler.init_noise_sigma
+        guided = sc.guidance != 1
+        labels = torch.cat([y, torch.full_like(y, self.num_classes)]) if guided else y
+        for t in scheduler.timesteps:
+            inp = scheduler.scale_model_input(x, t)
+            inp = torch.cat([inp, inp]) if guided else inp
+            eps = self.unet(inp, t, class_labels=labels).sample
+            if guided:
+                cond, null = eps.chunk(2)
+                eps = null + sc.guidance * (cond - null)
+            x = scheduler.step(eps, t, x).prev_sample
+        return x
+
+    # ---- persistence (safetensors: the weights, and the options and provenance as metadata)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the weights and, as metadata, the options and provenance; written to a temporary file and
+        renamed, so a killed run leaves no half-written generator."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "format": FORMAT,
+            "config": json.dumps(dataclasses.asdict(self.config)),
+            "image_shape": json.dumps(list(self.image_shape)),
+            "num_classes": str(self.num_classes),
+            "classes": json.dumps(self.classes),
+            "info": json.dumps(self.info),
+        }
+        tmp = path.with_name(path.name + ".tmp")
+        state = {k: v.detach().contiguous() for k, v in self.unet.state_dict().items()}
+        save_file(state, str(tmp), metadata=meta)
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, *, sampling: DiffusionSamplingConfig | None = None) -> DiffusionGenerator:
+        """Read a generator written by :meth:`save`; ``sampling`` replaces its sampling options."""
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        from gradleak.options import build_dataclass
+
+        diffusers = require_diffusers()
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{path} is not a gradleak diffusion generator (format {meta.get('format')!r})")
+        config: DiffusionGeneratorConfig = build_dataclass(
+            DiffusionGeneratorConfig, json.loads(meta["config"]), where=str(path)
+        )
+        if sampling is not None:
+            config = dataclasses.replace(config, sampling=sampling)
+        c, h, w = (int(v) for v in json.loads(meta["image_shape"]))
+        image_shape = (c, h, w)
+        num_classes = int(meta["num_classes"])
+        unet = _unet(diffusers, config.unet, image_shape, num_classes)
+        unet.load_state_dict(load_file(str(path)), strict=True)
+        return cls(
+            unet,
+            config,
+            image_shape,
+            num_classes,
+            json.loads(meta["classes"]),
+            json.loads(meta["info"]),
+        )
+
+
+def stored_name(digest: bytes, config: DiffusionGeneratorConfig) -> str:
+    """The file of a trained generator: its training data's content and every option that changes the
+    weights (not sampling, not the store folder)."""
+    key = repr((config.train_on, config.unet, config.training, config.seed)).encode()
+    return f"diffusion-{hashlib.blake2b(digest + key, digest_size=10).hexdigest()}.safetensors"
+
+
+def fit_diffusion(
+    data: ImageDataset, config: DiffusionGeneratorConfig, *, generator: torch.Generator | None = None
+) -> DiffusionGenerator:
+    """The registered factory: train on ``data`` (``train_on = "own"``) or on the public split, or reload
+    the generator a previous run trained on the same data with the same options from ``store``."""
+    require_diffusers()
+    source = data if config.train_on == "own" else config.public.load()
+    if tuple(source.input_shape) != tuple(data.input_shape) or source.num_classes != data.num_classes:
+        raise ValueError(
+            f"public split {config.public.dataset}/{config.public.split} has {source.input_shape} images of "
+            f"{source.num_classes} classes; the client's are {data.input_shape} of {data.num_classes}"
+        )
+    # the weights are a function of (training data, options), like the file that keeps them: the seed comes
+    # from the options and the data's content, not from the caller's generator
+    digest = data_digest(source)
+    seed_gen = torch.Generator().manual_seed(config.seed ^ int.from_bytes(digest[:7]))
+    path = Path(config.store) / stored_name(digest, config) if config.store else None
+    if path is not None and path.exists():
+        made = DiffusionGenerator.load(path, sampling=config.sampling)
+        log.info("diffusion generator: reused %s", path)
+        made.info["reused"] = str(path)
+        return made
+    made = DiffusionGenerator.fit(source, config, generator=seed_gen)
+    if path is not None:
+        made.save(path)
+        made.info["saved"] = str(path)
+    return made
+
+
+GENERATORS.register(
+    "diffusion",
+    fit_diffusion,
+    config_cls=DiffusionGeneratorConfig,
+    summary="class-conditional diffusion UNet (diffusers) trained on CPU on the client's or a public split",
+)
