@@ -9,8 +9,10 @@ seed for 60 rounds). Per client of paper 000's federation (the engine's,
 client's share) on
 
 - ``real``: the client's own n images;
-- ``cache_n``: n images of its cache (the one its Aegis builds: the built-in generator fit on its share,
-  after acceptance; ``defenses.aegis_synthetic.cache_from_data``);
+- ``cache_n``: n images of its cache (the one its Aegis builds: by default the built-in generator fit on
+  its share, after acceptance; ``defenses.aegis_synthetic.cache_from_data``; ``--generator diffusion``
+  the diffusion generator trained on the client's share or, ``--train-on public``, once on OrganAMNIST's
+  val split; ``--generator oracle`` real val images);
 - ``other_real_n``: n real images of the client's labels held by other clients (a perfect generator);
 - ``real+cache``: its n real images and the whole cache mixed, every sample weighted alike (lambda);
 
@@ -18,7 +20,8 @@ and tested on the test images of the client's own classes. Reported: mean accura
 paired difference to ``real`` with its standard error over clients.
 
     python benchmarks/aegis_cache_utility.py --scale smoke|small|paper --threads 1 [--components 32]
-        [--temperature 1.0] [--tag NAME]
+        [--temperature 1.0] [--generator gaussian|diffusion|oracle] [--train-on own|public] [--steps 1500]
+        [--store DIR] [--tag NAME]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import copy
 import statistics
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +43,9 @@ from gradleak.experiments.config import load_config
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
 from gradleak.experiments.runner import build_simulation
 from gradleak.fl import derive_seed, evaluate
-from gradleak.generators import GaussianGeneratorConfig
+from gradleak.generators import GaussianGeneratorConfig, PublicSplit
+from gradleak.generators.diffusion import DiffusionGeneratorConfig, DiffusionTrainingConfig
+from gradleak.generators.oracle import OracleGeneratorConfig
 
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
@@ -78,12 +84,23 @@ def others_of(shares: Sequence[ImageDataset], cid: int) -> ImageDataset:
     return rest.subset(torch.nonzero(torch.isin(rest.labels, labels)).flatten().numpy())
 
 
-def run(seed: int, clients: int, gen: GaussianGeneratorConfig) -> dict[str, Any]:
+PUBLIC = PublicSplit("organamnist", "val")
+
+
+def aegis_config(args: Any, seed: int) -> AegisConfig:
+    """Aegis with the generator the command line names (M = 2048, the memo off: every client builds)."""
+    gen = GaussianGeneratorConfig(components=args.components, temperature=args.temperature)
+    diffusion = DiffusionGeneratorConfig(train_on=args.train_on, public=PUBLIC, store=args.store,
+                                         training=DiffusionTrainingConfig(steps=args.steps))  # fmt: skip
+    return AegisConfig(cache=CacheConfig(size=M), generator=args.generator, gaussian=gen, diffusion=diffusion,
+                       oracle=OracleGeneratorConfig(PUBLIC), cache_seed=seed, memo_size=0)  # fmt: skip
+
+
+def run(seed: int, clients: int, aegis: AegisConfig) -> dict[str, Any]:
     sim = build_simulation(load_config(SETTING, [f"experiment.seed={seed}", "data.test_limit=100000"]))
     shares = [c for c in sim.clients if isinstance(c, ImageDataset)]
     init, test = sim.model, sim.test
     assert len(shares) == len(sim.clients) and isinstance(test, ImageDataset)
-    aegis = AegisConfig(cache=CacheConfig(size=M), gaussian=gen, cache_seed=seed, memo_size=0)
     rows = []
     for cid in range(clients):
         share = shares[cid]
@@ -125,14 +142,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser(__doc__.splitlines()[0], RESULTS_DIR)
     parser.add_argument("--components", type=int, default=GaussianGeneratorConfig.components)
     parser.add_argument("--temperature", type=float, default=GaussianGeneratorConfig.temperature)
+    parser.add_argument("--generator", default="gaussian", choices=("gaussian", "diffusion", "oracle"))
+    parser.add_argument("--train-on", default="own", choices=("own", "public"), help="diffusion: fit on")
+    parser.add_argument("--steps", type=int, default=1500, help="diffusion training steps")
+    parser.add_argument(
+        "--store", default="benchmarks/.state/generators", help="trained diffusion generators"
+    )
     parser.add_argument("--tag", default="", help="suffix for the result file (e.g. a generator variant)")
     args = parse_args(parser, argv)
     configure_torch(args.threads)
-    gen = GaussianGeneratorConfig(components=args.components, temperature=args.temperature)
     results = {}
     for s in args.seeds:
-        print(f"{NAME} --scale {args.scale}: seed {s}, {CLIENTS[args.scale]} clients, {gen}", flush=True)
-        results[f"seed{s}"] = run(s, CLIENTS[args.scale], gen)
+        aegis = aegis_config(args, s)
+        print(f"{NAME} --scale {args.scale}: seed {s}, {CLIENTS[args.scale]} clients, {aegis}", flush=True)
+        results[f"seed{s}"] = run(s, CLIENTS[args.scale], aegis)
         for arm, v in results[f"seed{s}"]["summary"].items():
             print(
                 f"  {arm}: mean {v['mean_acc']:.4f}, minus real {v['mean_diff_to_real']:+.4f}",
@@ -145,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "federation": str(SETTING.relative_to(CONFIGS.parent)),
             "training": f"Adam lr 1e-3, B = 64, {EPOCHS} epochs of the client's share (same steps per arm)",
             "cache": M,
-            "generator": {"kind": "gaussian", "components": gen.components, "temperature": gen.temperature},
+            "generator": {"kind": args.generator, "options": asdict(aegis_config(args, 0).generator_options)},
             "clients": CLIENTS[args.scale],
         },
         "results": results,
