@@ -16,7 +16,9 @@ from gradleak.data.base import ImageDataset
 from gradleak.defenses.aegis_synthetic import clear_cache_memo
 from gradleak.fl.client import train_client
 from gradleak.generators import diffusion as diffusion_mod
+from gradleak.generators.base import PublicSplit
 from gradleak.generators.diffusion import DiffusionGenerator, DiffusionGeneratorConfig, fit_diffusion
+from gradleak.generators.oracle import OracleGeneratorConfig
 from gradleak.models import build_model
 from gradleak.options import OptionError, build_dataclass
 from gradleak.registry import DEFENSES, GENERATORS
@@ -215,3 +217,58 @@ def test_without_diffusers_it_is_a_clear_error_and_aegis_fails_closed(
         0, model, halves(30, 0), LocalTraining(epochs=1, batch_size=10), [aegis], torch.Generator()
     )
     assert res.update is None and "gradleak[diffusion]" in (res.error or "")
+
+
+def test_one_public_generator_serves_every_client(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    public = halves(90, seed=7)
+    monkeypatch.setattr(PublicSplit, "load", lambda self: public)
+    fits: list[int] = []
+    real_fit = DiffusionGenerator.fit.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: type, data: ImageDataset, config: DiffusionGeneratorConfig, **kw: object) -> object:
+        fits.append(len(data))
+        return real_fit(cls, data, config, **kw)
+
+    monkeypatch.setattr(DiffusionGenerator, "fit", classmethod(counting))
+    cfg = build_dataclass(
+        DiffusionGeneratorConfig,
+        {
+            "train_on": "public",
+            "public": {"dataset": "halves"},
+            "unet": {"channels": [8, 16]},
+            "training": {"steps": 2},
+            "store": str(tmp_path),
+        },
+        where="t",
+    )
+    a, b = fit_diffusion(halves(30, seed=8), cfg), fit_diffusion(halves(40, seed=9), cfg)
+    assert a is b and fits == [90]  # trained once, on the public split, not on either client's share
+    other = build_dataclass(
+        DiffusionGeneratorConfig,
+        {
+            "train_on": "public",
+            "public": {"dataset": "halves"},
+            "unet": {"channels": [8, 16]},
+            "training": {"steps": 2},
+            "store": None,
+        },
+        where="t",
+    )
+    wide = ImageDataset("wide", torch.rand(5, 1, 8, 16), torch.zeros(5, dtype=torch.int64), 3)
+    with pytest.raises(ValueError, match="public split halves/val has"):
+        fit_diffusion(wide, other)
+
+
+def test_the_oracle_draws_real_images_of_the_requested_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    public = halves(60, seed=10)
+    monkeypatch.setattr(PublicSplit, "load", lambda self: public)
+    cfg = build_dataclass(OracleGeneratorConfig, {"public": {"dataset": "halves"}}, where="t")
+    oracle = GENERATORS.get("oracle")(halves(20, seed=11), cfg)
+    labels = torch.tensor([0, 2, 2, 1, 0])
+    x = oracle.sample(labels, generator=torch.Generator().manual_seed(0))
+    for img, y in zip(x, labels, strict=True):
+        match = (public.images == img).flatten(1).all(1)
+        assert match.any() and set(public.labels[match].tolist()) == {int(y)}
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="no public split named"):
+        GENERATORS.get("oracle")(halves(20, seed=11), OracleGeneratorConfig())

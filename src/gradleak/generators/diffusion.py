@@ -420,17 +420,28 @@ def fit_diffusion(
     # from the options and the data's content, not from the caller's generator
     digest = data_digest(source)
     seed_gen = torch.Generator().manual_seed(config.seed ^ int.from_bytes(digest[:7]))
-    path = Path(config.store) / stored_name(digest, config) if config.store else None
+    name = stored_name(digest, config)
+    public = config.train_on == "public"
+    if public and (name, config.sampling) in _PUBLIC:  # one public generator serves every client
+        return _PUBLIC[name, config.sampling]
+    path = Path(config.store) / name if config.store else None
     if path is not None and path.exists():
         made = DiffusionGenerator.load(path, sampling=config.sampling)
         log.info("diffusion generator: reused %s", path)
         made.info["reused"] = str(path)
-        return made
-    made = DiffusionGenerator.fit(source, config, generator=seed_gen)
-    if path is not None:
-        made.save(path)
-        made.info["saved"] = str(path)
+    else:
+        made = DiffusionGenerator.fit(source, config, generator=seed_gen)
+        if path is not None:
+            made.save(path)
+            made.info["saved"] = str(path)
+    if public:
+        _PUBLIC[name, config.sampling] = made
     return made
+
+
+# public-split generators trained or loaded in this process, by file name (a client's own are memoised with
+# its cache by Aegis, and never shared)
+_PUBLIC: dict[tuple[str, DiffusionSamplingConfig], DiffusionGenerator] = {}
 
 
 GENERATORS.register(
