@@ -112,6 +112,19 @@ def measure(
     return row
 
 
+def print_gate(rows: list[dict[str, Any]], real_accuracy: float) -> None:
+    """The gate as a table a user reads: per class and generator, fidelity / Frechet / copy rate."""
+    print(f"\nquality gate (reference classifier on held-out real images: {real_accuracy:.3f})")
+    print("| generator | class | classified as requested | Frechet | median NN distance | copy rate |")
+    for row in rows:
+        for c in row["per_class"]:
+            print(f"| {row['generator']} | {c['label']} | {c['accuracy']:.3f} | {c['frechet']:.1f} | "
+                  f"{c['nn_distance']:.4f} | {c['copy_rate']:.3f} |")  # fmt: skip
+        flag = "MEMORISES" if row["memorised"] else "ok"
+        print(f"| {row['generator']} | all | {row['accuracy']:.3f} | {row['frechet']:.1f} | "
+              f"{row['nn_distance']:.4f} | {row['copy_rate']:.3f} ({flag}) |")  # fmt: skip
+
+
 def report_classes(report: Any) -> list[int]:
     return [c.label for c in report.classes]
 
@@ -196,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "torch_threads": threads,
         "rows": rows,
     }
+    print_gate(rows, ref.real_accuracy)
     path = write_result(NAME, args.scale, payload, seeds=[seed], out=args.out)
     print(f"wrote {path}")
     return 0

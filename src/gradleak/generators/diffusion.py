@@ -30,6 +30,7 @@ import hashlib
 import importlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -262,7 +263,7 @@ class DiffusionGenerator:
         null = data.num_classes
         start = time.perf_counter()
         unet.train()
-        loss_sum, loss_n = 0.0, 0
+        loss_sum, loss_n, last_loss = 0.0, 0, math.nan
         with bar(desc="diffusion generator", total=tc.steps, unit="step") as progress:
             for _ in range(tc.steps):
                 idx = torch.randint(0, len(data), (tc.batch_size,), generator=g)
@@ -280,8 +281,9 @@ class DiffusionGenerator:
                 lr_at.step()
                 ema.step(unet.parameters())
                 loss_sum, loss_n = loss_sum + float(loss.detach()), loss_n + 1
-                if progress.n % 50 == 0:
-                    progress.set_postfix(loss=f"{loss_sum / loss_n:.4f}")
+                if loss_n == 50:  # the mean loss over the last 50 steps
+                    last_loss = loss_sum / loss_n
+                    progress.set_postfix(loss=f"{last_loss:.4f}")
                     loss_sum, loss_n = 0.0, 0
                 progress.update(1)
         ema.copy_to(unet.parameters())
@@ -291,6 +293,7 @@ class DiffusionGenerator:
             "train_on": config.train_on,
             "train_images": len(data),
             "train_seconds": seconds,
+            "train_loss": last_loss if not math.isnan(last_loss) else loss_sum / max(loss_n, 1),
             "data": data.name,
             "digest": data_digest(data).hex(),
         }
