@@ -188,6 +188,7 @@ def test_cli_run_list_and_errors(tmp_path, capsys):
                  "rotten_tomatoes", "wikitext2", "gpt2_small", "minilm", "medmnist", "none"):  # fmt: skip
         assert name in listed
     assert re.search(r"dager\s+\[text\]", listed) and re.search(r"ig\s+\[image\]", listed)
+    assert re.search(r"generators.*\n(\s+\w+\s+.*\n)*\s+diffusion\s", listed)  # Aegis' generators listed
     assert main(["run", demo_config_path(), "fl.rounds=oops", "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert "config.fl.rounds: expected int" in err and "Traceback" not in err

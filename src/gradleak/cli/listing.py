@@ -13,7 +13,7 @@ from gradleak.cli.run import add_plugin_arg
 from gradleak.data.partition import PARTITIONERS
 from gradleak.defenses.presets import PRESETS
 from gradleak.plugins import load_plugins
-from gradleak.registry import ATTACKS, DATASETS, DEFENSES, ENGINES, MODELS
+from gradleak.registry import ATTACKS, DATASETS, DEFENSES, ENGINES, GENERATORS, MODELS
 
 
 def add_parser(sub: Any) -> None:
@@ -30,6 +30,7 @@ def handle(args: argparse.Namespace) -> int:
         ("attacks", ATTACKS),
         ("defenses", DEFENSES),
         ("engines", ENGINES),
+        ("generators (Aegis' synthetic cache: generator = NAME)", GENERATORS),
     ):  # fmt: skip
         print(f"{title}:")
         for e in reg:
