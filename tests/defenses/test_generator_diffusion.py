@@ -118,6 +118,18 @@ def test_saved_generator_reloads_bit_identically(trained: tuple, tmp_path: Path)
         DiffusionGenerator.load(tmp_path / "other.safetensors")
 
 
+def test_a_damaged_stored_generator_is_trained_again(tmp_path: Path) -> None:
+    data, cfg = halves(40, seed=12), tiny_config(store=str(tmp_path), steps=2)
+    first = fit_diffusion(data, cfg)
+    (path,) = tmp_path.glob("diffusion-*.safetensors")
+    path.write_bytes(b"truncated")
+    again = fit_diffusion(data, cfg)
+    assert "reused" not in again.info and again.info["saved"] == str(path)
+    for v, w in zip(first.unet.state_dict().values(), again.unet.state_dict().values(), strict=True):
+        assert torch.equal(v, w)  # the same weights: a function of the data and the options
+    assert "reused" in fit_diffusion(data, cfg).info
+
+
 def test_fit_reuses_the_stored_generator_by_content(tmp_path: Path) -> None:
     data = halves(60, seed=3)
     cfg = tiny_config(store=str(tmp_path), steps=3)
@@ -153,6 +165,8 @@ def test_options_are_checked_on_construction() -> None:
         ({"sampling": {"guidance": 0.5}}, "guidance"),
         ({"training": {"class_dropout": 1.0}}, "class_dropout"),
         ({"training": {"stepz": 3}}, "unknown option"),
+        ({"training": {"class_dropout": 0.0}}, "null class is never trained"),
+        ({"sampling": {"steps": 50}, "training": {"timesteps": 50}}, "below training.timesteps"),
     ):
         with pytest.raises(OptionError, match=match):
             build_dataclass(DiffusionGeneratorConfig, bad, where="diffusion")
@@ -260,6 +274,11 @@ def test_the_oracle_draws_real_images_of_the_requested_class(monkeypatch: pytest
     for img, y in zip(x, labels, strict=True):
         match = (public.images == img).flatten(1).all(1)
         assert match.any() and set(public.labels[match].tolist()) == {int(y)}
+    with pytest.raises(ValueError, match="holds 20 of the client's own images"):  # fail closed
+        GENERATORS.get("oracle")(public.subset(np.arange(20)), cfg)
     monkeypatch.undo()
     with pytest.raises(ValueError, match="no public split named"):
         GENERATORS.get("oracle")(halves(20, seed=11), OracleGeneratorConfig())
+    # the generator's name is matched as the registry matches it, and its own table is used
+    aegis = DEFENSES.create("aegis", generator="Oracle", oracle={"public": {"dataset": "halves"}})
+    assert aegis.config.generator == "oracle" and aegis.config.generator_options.public.dataset == "halves"

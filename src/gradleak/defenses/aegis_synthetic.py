@@ -23,10 +23,11 @@ Normalisation (paper 000 uses two descriptions and does not reconcile them):
 
 Cache: bound explicitly (:meth:`AegisSynthetic.bind`, :func:`aegis_for_client`), or, when none is bound,
 built in ``setup`` from the client's private data that the client passes to the hook (``setup(model, *,
-generator, data)``, :class:`~gradleak.defenses.base.DefenseChain`): the built-in class-conditional generator
-fit on that data, candidates accepted by the feature-space budget H (:mod:`gradleak.defenses.aegis_cache`),
-drawn from a seed derived from ``cache_seed`` and a hash of the data. That makes the cache a deterministic
-function of (data, options), so it is memoised per client by content (the data's hash and the options, not
+generator, data)``, :class:`~gradleak.defenses.base.DefenseChain`): the configured class-conditional
+generator (``generator``: built-in PCA Gaussian by default, diffusion, oracle) fit on that data,
+candidates accepted by the feature-space budget H (:mod:`gradleak.defenses.aegis_cache`), drawn from a
+seed derived from ``cache_seed`` and a hash of the data. That makes the cache a deterministic function of
+(data, options), so it is memoised per client by content (the data's hash and the options, not
 a client id: two clients never share a cache, and a client gets the same cache every round); ``memo_size``
 caches are kept (least recently used dropped; ``M * C*H*W * 4`` bytes each, 6.4 MB for M = 2048 grey 28x28),
 0 disables. This is what makes ``[[defenses]] name = "aegis"`` work from a TOML config.
@@ -54,7 +55,7 @@ from gradleak.data.base import ImageDataset
 from gradleak.defenses.aegis_cache import CacheConfig, SyntheticCache, build_cache
 from gradleak.defenses.base import Defense
 from gradleak.generators.base import data_digest
-from gradleak.generators.diffusion import DiffusionGeneratorConfig
+from gradleak.generators.diffusion import DiffusionGeneratorConfig, clear_public_generators
 from gradleak.generators.gaussian import GaussianGeneratorConfig
 from gradleak.generators.oracle import OracleGeneratorConfig
 from gradleak.registry import DEFENSES, GENERATORS
@@ -63,6 +64,7 @@ from gradleak.types import Update
 log = logging.getLogger(__name__)
 
 NORMALISATIONS = ("lambda", "same_lr")
+GENERATOR_TABLES = ("gaussian", "diffusion", "oracle")  # built-in generators whose options are a field below
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,9 @@ class AegisConfig:
                 raise ValueError(f"{key} must be an int >= 1, got {v!r}")
         if self.normalization not in NORMALISATIONS:
             raise ValueError(f"normalization must be one of {NORMALISATIONS}, got {self.normalization!r}")
-        if self.generator not in GENERATORS:
+        if not isinstance(self.generator, str) or self.generator not in GENERATORS:
             raise ValueError(f"generator must be one of {GENERATORS.names()}, got {self.generator!r}")
+        object.__setattr__(self, "generator", self.generator.lower())  # the registry's names are lower-case
         if self.generator == "oracle" and not self.oracle.public.named:
             raise ValueError("generator 'oracle' needs oracle = { public = { dataset = ..., split = ... } }")
         for key in ("cache_seed", "memo_size"):
@@ -112,8 +115,9 @@ class AegisConfig:
     @property
     def generator_options(self) -> object:
         """The chosen generator's options: the nested table of its name (a plugin's: its defaults)."""
-        own = getattr(self, self.generator, None)
-        return own if own is not None else GENERATORS.make_config(self.generator)
+        if self.generator in GENERATOR_TABLES:
+            return getattr(self, self.generator)
+        return GENERATORS.make_config(self.generator)
 
     @property
     def cache_size(self) -> int:
@@ -203,8 +207,9 @@ def memoised_caches() -> list[SyntheticCache]:
 
 
 def clear_cache_memo() -> None:
-    """Drop every memoised cache (e.g. between experiments, to free memory)."""
+    """Drop every memoised cache and public-split generator (e.g. between experiments, to free memory)."""
     _MEMO.clear()
+    clear_public_generators()
 
 
 class AegisSynthetic(Defense):

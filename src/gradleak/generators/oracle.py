@@ -60,7 +60,19 @@ def fit_oracle(
             f"public split {config.public.dataset}/{config.public.split} has {pool.input_shape} images of "
             f"{pool.num_classes} classes; the client's are {data.input_shape} of {data.num_classes}"
         )
+    shared = _shared_images(pool, data)
+    if shared:  # fail closed: the "oracle" would put the client's own images into its cache
+        raise ValueError(
+            f"public split {config.public.dataset}/{config.public.split} holds {shared} of the client's own "
+            "images; the oracle must draw images the client does not hold"
+        )
     return RealImageGenerator(pool)
+
+
+def _shared_images(a: ImageDataset, b: ImageDataset) -> int:
+    """How many images of ``b`` appear, pixel for pixel, in ``a``."""
+    seen = {x.numpy().tobytes() for x in a.images}
+    return sum(x.numpy().tobytes() in seen for x in b.images)
 
 
 GENERATORS.register(
