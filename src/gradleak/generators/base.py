@@ -63,12 +63,14 @@ class PublicSplit:
         return bool(self.dataset)
 
     def load(self) -> ImageDataset:
-        """The split, loaded through the data set registry (the default data root)."""
-        from gradleak.registry import DATASETS
+        """The split, loaded by :func:`gradleak.data.load_dataset` from the default data root
+        (``$GRADLEAK_DATA`` or ``../shared/data``)."""
+        from gradleak.data import load_dataset
 
         if not self.named:
             raise ValueError("no public split named: set public = { dataset = ..., split = ... }")
-        return DATASETS.get(self.dataset)(split=self.split, root=None, limit=self.limit)
+        data: ImageDataset = load_dataset(self.dataset, self.split, limit=self.limit)
+        return data
 
 
 def data_digest(data: ImageDataset) -> bytes:
