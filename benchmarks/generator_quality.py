@@ -85,7 +85,7 @@ def measure(
         "generator": name,
         "fit_images": len(fit_on),
         "fit_seconds": fit,
-        "sample_seconds_M": sampling_seconds(source, report_classes(report), m),
+        "sample_seconds_M": sampling_seconds(source, [c.label for c in report.classes], m),
         **{k: v for k, v in report.as_dict().items() if k != "classes"},
         "per_class": [asdict(c) for c in report.classes],
     }
@@ -123,10 +123,6 @@ def print_gate(rows: list[dict[str, Any]], real_accuracy: float) -> None:
         flag = "MEMORISES" if row["memorised"] else "ok"
         print(f"| {row['generator']} | all | {row['accuracy']:.3f} | {row['frechet']:.1f} | "
               f"{row['nn_distance']:.4f} | {row['copy_rate']:.3f} ({flag}) |")  # fmt: skip
-
-
-def report_classes(report: Any) -> list[int]:
-    return [c.label for c in report.classes]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

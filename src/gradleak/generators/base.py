@@ -72,6 +72,16 @@ class PublicSplit:
         data: ImageDataset = load_dataset(self.dataset, self.split, limit=self.limit)
         return data
 
+    def load_for(self, client: ImageDataset) -> ImageDataset:
+        """The split, checked to fit the client's task (image shape and classes)."""
+        pool = self.load()
+        if pool.input_shape != client.input_shape or pool.num_classes != client.num_classes:
+            raise ValueError(
+                f"public split {self.dataset}/{self.split} has {pool.input_shape} images of "
+                f"{pool.num_classes} classes; the client's are {client.input_shape} of {client.num_classes}"
+            )
+        return pool
+
 
 def data_digest(data: ImageDataset) -> bytes:
     """A hash of a data set's images and labels (a content key: memo and file names; never sent anywhere)."""

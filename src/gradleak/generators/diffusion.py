@@ -430,12 +430,7 @@ def fit_diffusion(
     """The registered factory: train on ``data`` (``train_on = "own"``) or on the public split, or reload
     the generator a previous run trained on the same data with the same options from ``store``."""
     require_diffusers()
-    source = data if config.train_on == "own" else config.public.load()
-    if tuple(source.input_shape) != tuple(data.input_shape) or source.num_classes != data.num_classes:
-        raise ValueError(
-            f"public split {config.public.dataset}/{config.public.split} has {source.input_shape} images of "
-            f"{source.num_classes} classes; the client's are {data.input_shape} of {data.num_classes}"
-        )
+    source = data if config.train_on == "own" else config.public.load_for(data)
     # the weights are a function of (training data, options), like the file that keeps them: the seed comes
     # from the options and the data's content, not from the caller's generator
     digest = data_digest(source)

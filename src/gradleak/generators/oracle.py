@@ -54,12 +54,7 @@ class RealImageGenerator:
 def fit_oracle(
     data: ImageDataset, config: OracleGeneratorConfig, *, generator: torch.Generator | None = None
 ) -> RealImageGenerator:
-    pool = config.public.load()  # raises when no split is named
-    if pool.input_shape != data.input_shape or pool.num_classes != data.num_classes:
-        raise ValueError(
-            f"public split {config.public.dataset}/{config.public.split} has {pool.input_shape} images of "
-            f"{pool.num_classes} classes; the client's are {data.input_shape} of {data.num_classes}"
-        )
+    pool = config.public.load_for(data)  # raises when no split is named or it does not fit the task
     shared = _shared_images(pool, data)
     if shared:  # fail closed: the "oracle" would put the client's own images into its cache
         raise ValueError(
