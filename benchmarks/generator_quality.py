@@ -8,7 +8,9 @@ on):
 - ``diffusion_public``: the diffusion generator trained on the sanctioned public split (OrganAMNIST val),
   one for every client; ``gaussian_public``: the PCA generator fit on the same split;
 - ``diffusion_own`` / ``gaussian_own``: fit on one client's own share (the generator never leaves it);
-- ``oracle``: real test images the clients do not hold (a perfect generator).
+- ``oracle``: real test images the clients do not hold (a perfect generator);
+- ``diffusion_public_trailing`` / ``diffusion_public_guidance1``: the public diffusion generator sampled
+  with "trailing" timestep spacing, or without classifier-free guidance (half the cost per image).
 
 For each: fit seconds, seconds to sample M images, parameters and file size, and the Aegis cache build for
 that client (M = 2,048 at small / paper scale accepted against its share, at most 4 M candidates: rejection
@@ -47,6 +49,13 @@ CANDIDATES = (
     4.0  # the cache build gives up after 4 x M candidates (a generator the filter rejects: a finding)
 )
 
+# other sampling options of the public diffusion generator (its default: DPM-Solver++, 10 "leading" steps,
+# guidance 1.5): the last step at t = 999 instead of 900, and no guidance (half the UNet forwards)
+SAMPLING_VARIANTS: dict[str, dict[str, Any]] = {
+    "diffusion_public_trailing": {"spacing": "trailing"},
+    "diffusion_public_guidance1": {"guidance": 1.0},
+}
+
 
 @dataclass(frozen=True)
 class Scale:
@@ -66,47 +75,62 @@ SCALES = {
 }
 
 
-def sampling_seconds(source: ConditionalGenerator, classes: list[int], m: int) -> float:
+def timed(step: Any) -> tuple[Any, float, float]:
+    """``step()``'s result, wall seconds and CPU seconds (summed over torch's threads)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = step()
+    return out, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def sampling_seconds(source: ConditionalGenerator, classes: list[int], m: int) -> tuple[float, float]:
     labels = torch.tensor(classes).repeat(m // len(classes) + 1)[:m]
-    t0 = time.perf_counter()
-    source.sample(labels, generator=torch.Generator().manual_seed(0))
-    return time.perf_counter() - t0
+    _, wall, cpu = timed(lambda: source.sample(labels, generator=torch.Generator().manual_seed(0)))
+    return wall, cpu
 
 
 def measure(
     name: str, make: Any, fit_on: ImageDataset, client: ImageDataset, ref: Reference, m: int
 ) -> dict[str, Any]:
     print(f"  {name}: fit on {len(fit_on)} images", flush=True)
-    t0 = time.perf_counter()
-    source = make()
-    fit = time.perf_counter() - t0
+    source, fit, fit_cpu = timed(make)
     report = ref.score(name, source, fit_on, classes=sorted(int(v) for v in client.labels.unique()))
     row: dict[str, Any] = {
         "generator": name,
         "fit_images": len(fit_on),
         "fit_seconds": fit,
-        "sample_seconds_M": sampling_seconds(source, [c.label for c in report.classes], m),
+        "fit_cpu_seconds": fit_cpu,
         **{k: v for k, v in report.as_dict().items() if k != "classes"},
         "per_class": [asdict(c) for c in report.classes],
     }
+    row["sample_seconds_M"], row["sample_cpu_seconds_M"] = sampling_seconds(
+        source, [c.label for c in report.classes], m
+    )
     if hasattr(source, "parameters"):
         row["parameters"] = int(source.parameters)
-    saved = getattr(source, "info", {}).get("saved") or getattr(source, "info", {}).get("reused")
+    info = getattr(source, "info", {})
+    for key in ("train_seconds", "train_cpu_seconds", "train_loss"):  # from the file when it was reused
+        if key in info:
+            row[key] = info[key]
+    saved = info.get("saved") or info.get("reused")
     if saved:
         row["file_bytes"] = Path(saved).stat().st_size
     try:
-        cache = build_cache(
-            source,
-            client,
-            CacheConfig(size=m, max_candidates_factor=CANDIDATES),
-            generator=torch.Generator().manual_seed(0),
+        cache, _, cache_cpu = timed(
+            lambda: build_cache(
+                source,
+                client,
+                CacheConfig(size=m, max_candidates_factor=CANDIDATES),
+                generator=torch.Generator().manual_seed(0),
+            )
         )
         row["cache"] = {k: cache.stats[k] for k in ("candidates", "rejection_rate", "budget", "seconds")}
+        row["cache"]["cpu_seconds"] = cache_cpu
     except Exception as exc:  # a generator whose candidates the filter rejects: that is the finding
         row["cache"] = {"error": str(exc)}
     print(
         f"    accuracy {row['accuracy']:.3f} frechet {row['frechet']:.2f} copy rate {row['copy_rate']:.3f} "
-        f"fit {fit:.0f}s sample {row['sample_seconds_M']:.0f}s cache {row['cache']}",
+        f"fit {fit:.0f}s ({fit_cpu / 60:.1f} CPU-min) sample {row['sample_seconds_M']:.0f}s "
+        f"cache {row['cache']}",
         flush=True,
     )
     return row
@@ -152,13 +176,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  reference classifier: {ref.real_accuracy:.3f} on {len(heldout)} held-out test images", flush=True
     )
 
-    def diffusion(train_on: str) -> DiffusionGeneratorConfig:
+    def diffusion(train_on: str, **sampling: Any) -> DiffusionGeneratorConfig:
         return build_dataclass(
             DiffusionGeneratorConfig,
             {
                 "train_on": train_on,
                 "public": asdict(public),
                 "training": {"steps": scale.steps},
+                "sampling": sampling,
                 "seed": seed,
                 "store": args.store,
             },
@@ -188,6 +213,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             "diffusion_own", lambda: fit_diffusion(client, diffusion("own")), client, client, ref, scale.M
         ),
     ]
+    for name, sampling in SAMPLING_VARIANTS.items():  # the same stored public generator, sampled otherwise
+        rows.append(
+            measure(
+                name,
+                lambda sampling=sampling: fit_diffusion(client, diffusion("public", **sampling)),
+                public_data,
+                client,
+                ref,
+                scale.M,
+            )
+        )
+        rows[-1]["sampling"] = sampling
     payload = {
         "setting": {
             "federation": str(SETTING.relative_to(HERE)),

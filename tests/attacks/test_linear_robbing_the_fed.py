@@ -233,6 +233,18 @@ def test_config_is_validated():
         RobbingTheFed().prepare(honest(), None, generator=torch.Generator())
 
 
+def test_the_aegis_aware_variant_sizes_its_bins_and_keeps_the_imprint_options():
+    """rtf_aegis: k = ceil((n + M) / ln(1 / isolation)); every bin returned; nested imprint options kept."""
+    aware = create_attack("rtf_aegis", cache_size=2048, real_samples=512, imprint={"tuned_for": "adam"})
+    assert aware.config.num_bins == 8899  # 2560 / ln(4 / 3) = 8898.6
+    assert create_attack("rtf_aegis", isolation=0.5, cache_size=100, real_samples=10).config.num_bins == 159
+    inner = aware._rtf.config
+    assert (inner.num_bins, inner.max_images, inner.tuned_for) == (8899, 8899, "adam")
+    for bad in ({"isolation": 1.0}, {"isolation": 0.0}, {"cache_size": 0}, {"real_samples": 2.5}):
+        with pytest.raises(ValueError):
+            create_attack("rtf_aegis", **bad)
+
+
 def test_update_type_is_unchanged_for_the_client(pool, public):
     """The client trains the broadcast as an ordinary model: its update names every malicious parameter."""
     _, model, _ = prepared(public, num_bins=32)

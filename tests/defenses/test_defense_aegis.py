@@ -159,3 +159,34 @@ def test_aegis_lowers_robbing_the_fed_reconstruction_rate() -> None:
     assert rates["none"] >= 0.6, rates
     assert rates["aegis"] <= 0.5 * rates["none"], rates
     assert rates["aegis/all"] <= 0.5 * rates["none/all"], rates
+
+
+def test_a_server_that_knows_aegis_sizes_its_bins_and_recovers_the_images() -> None:
+    """The adaptive attack (issue 21): rtf_aegis knows M and a bound on the real samples, and sizes k so a
+    sample is alone in its bin with probability 0.75 (k = ceil((32 + 512) / ln(4/3)) = 1891). Same client
+    as above: against Aegis it recovers most images (measured 0.66), where Robbing the Fed at paper 000's
+    ratio (k = 128 < 32 + 512, every bin returned) recovers few (measured 0.13)."""
+    share = load_dataset("organamnist", "train", limit=4000)
+    share = share.subset(np.flatnonzero(share.labels.numpy() < 5)[:400])
+    public = load_dataset("organamnist", "test", limit=500).images
+    cache = build_cache(ClassGaussianGenerator.fit(share), share, CacheConfig(size=512),
+                        generator=torch.Generator().manual_seed(0))  # fmt: skip
+    data = share.subset(np.arange(32))
+    training = LocalTraining("fedavg", epochs=1, batch_size=32, optimizer="sgd")
+    aware = create_attack("rtf_aegis", cache_size=512, real_samples=32)
+    assert aware.config.num_bins == 1891
+    rates = {}
+    for label, attack in {
+        "rtf_all": create_attack("robbing_the_fed", num_bins=128, max_images=128),
+        "rtf_aegis": aware,
+    }.items():
+        model = build_model("aegis_cnn", share.input_shape, 11, seed=0)
+        broadcast, secrets = attack.prepare(model, public, generator=torch.Generator().manual_seed(1))
+        aegis = aegis_for_client(cache, cache={"size": 512}, real_batch_size=32)
+        res = train_client(0, broadcast, data, training, [aegis], torch.Generator().manual_seed(2))
+        obs = server_view(broadcast, [res], input_shape=data.input_shape, num_classes=11,
+                          secure_aggregation=False, training=None, secrets=secrets)[0]  # fmt: skip
+        rec = attack.reconstruct(obs, generator=torch.Generator())
+        rates[label] = score_images(rec.images, data.images).reconstruction_rate  # type: ignore[arg-type]
+    assert rates["rtf_aegis"] >= 0.5, rates
+    assert rates["rtf_aegis"] >= rates["rtf_all"] + 0.4, rates

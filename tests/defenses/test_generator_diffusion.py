@@ -163,6 +163,7 @@ def test_options_are_checked_on_construction() -> None:
         ({"unet": {"channels": [12, 16]}}, "multiples of norm_groups"),
         ({"sampling": {"sampler": "euler"}}, "sampler"),
         ({"sampling": {"guidance": 0.5}}, "guidance"),
+        ({"sampling": {"spacing": "middle"}}, "spacing"),
         ({"training": {"class_dropout": 1.0}}, "class_dropout"),
         ({"training": {"stepz": 3}}, "unknown option"),
         ({"training": {"class_dropout": 0.0}}, "null class is never trained"),
@@ -282,3 +283,23 @@ def test_the_oracle_draws_real_images_of_the_requested_class(monkeypatch: pytest
     # the generator's name is matched as the registry matches it, and its own table is used
     aegis = DEFENSES.create("aegis", generator="Oracle", oracle={"public": {"dataset": "halves"}})
     assert aegis.config.generator == "oracle" and aegis.config.generator_options.public.dataset == "halves"
+
+
+def test_the_sampling_spacing_places_the_steps() -> None:
+    """``sampling.spacing`` reaches the scheduler: with T = 1000 and 10 steps "leading" starts at t = 900
+    and "trailing" at 999 (diffusers' timestep_spacing), for both samplers; and it changes the samples."""
+    diffusers = diffusion_mod.require_diffusers()
+    config = diffusion_mod._schedule(diffusers, tiny_config().training).config
+    for sampler in diffusion_mod.SAMPLERS:
+        for spacing, first in (("leading", 900), ("trailing", 999)):
+            scheduler = diffusion_mod.SAMPLERS[sampler](diffusers, config, spacing)
+            scheduler.set_timesteps(10)
+            assert int(scheduler.timesteps[0]) == first, (sampler, spacing)
+    made = DiffusionGenerator.fit(halves(20, seed=5), tiny_config(steps=2), generator=torch.Generator())
+    labels = torch.tensor([0, 1])
+    leading = made.sample(labels, generator=torch.Generator().manual_seed(0))
+    made.config = dataclasses.replace(
+        made.config, sampling=dataclasses.replace(made.config.sampling, spacing="trailing")
+    )
+    trailing = made.sample(labels, generator=torch.Generator().manual_seed(0))
+    assert not torch.allclose(leading, trailing, atol=1e-3)

@@ -50,7 +50,10 @@ def legend(modality: str, utility: Sequence[columns.Column]) -> list[tuple[str, 
     return [*LEADING, *((c.header, c.meaning) for c in cols), COST]
 
 
-MALICIOUS = {"robbing_the_fed", "loki", "scale_mia"}  # the model-modifying attacks (docs/threat-models.md)
+def malicious(name: str) -> bool:
+    """Whether the registered attack modifies the model the server broadcasts (docs/threat-models.md)."""
+    return name in ATTACKS and callable(getattr(ATTACKS.get(name), "prepare", None))
+
 
 CAVEATS = (
     "Each number is measured on the audited clients of this run; it is evidence about this deployment's "
@@ -240,7 +243,7 @@ def setup_text(run: RunRow) -> list[str]:
     names = {a["name"] for a in audit["attacks"]}
     control = (
         "it may modify the model it broadcasts (a malicious server)"
-        if names & MALICIOUS
+        if any(malicious(n) for n in names)
         else "it follows the protocol and analyses what it receives (honest-but-curious)"
     )
     return [
