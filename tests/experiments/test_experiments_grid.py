@@ -108,3 +108,18 @@ def test_an_attack_listed_twice_is_told_apart_by_its_options_in_the_table(tmp_pa
 def test_a_bad_grid_is_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(GRID, overrides)
+
+
+def test_an_audited_client_whose_defense_fails_closed_is_counted_and_its_reason_kept(tmp_path, capsys):
+    """A defense that withholds every audited client's update (Soteria pointed at a layer the model does
+    not have) leaves nothing to attack: the row says how many were withheld and the records keep why,
+    instead of a silent 0 updates."""
+    bad = "grid.defenses=['none', {name = 'soteria', consumer = 'classifier.9'}]"
+    cfg = load_config(GRID, [*TINY[:-1], bad])
+    store = ResultStore(tmp_path / "grid.sqlite")
+    rows = run_grid(cfg, store=store).summary()
+    assert [(r["updates"], r["withheld"]) for r in rows] == [(2, 0), (0, 2)]
+    failed = [r for run in store.runs() for r in store.records(run.run_id) if r["kind"] == "client_error"]
+    assert len(failed) == 2 and all("classifier.9" in r["error"] and r["attack"] == "ig" for r in failed)
+    assert main(["run", str(GRID), *TINY[:-1], bad, "--out", str(tmp_path / "o")]) == 0
+    assert "0 (2 withheld)" in capsys.readouterr().out

@@ -265,7 +265,8 @@ def _mean_rows(
     for i, spec in enumerate(outcome.config.audit.attacks):
         records = [r for r in outcome.of_kind("attack") if r.get("cell") == i]
         row = {**common, "attack": spec.name, "options": dict(spec.options), "updates": len(records),
-               "refused": sum(1 for r in records if r.get("refused"))}  # fmt: skip
+               "refused": sum(1 for r in records if r.get("refused")),
+               "withheld": sum(1 for r in outcome.of_kind("client_error") if r.get("cell") == i)}  # fmt: skip
         rows.append({**row, **spread(records, (*MEAN, *stats))})
     return rows
 

@@ -38,7 +38,8 @@ LEADING = (
     ("defense", "the cell's defense (none: no defense)"),
     ("attack", "the attack and its options"),
     ("updates", "attacked updates (clients, or secure-aggregation sums) the row averages; each score is "
-     "their mean ± standard deviation"),
+     "their mean ± standard deviation; 'withheld': audited clients that sent no update (a defense failed "
+     "closed; the reason is in the run's records)"),
 )  # fmt: skip
 COST = ("cost", "FL time over the no-defense cell's, same machine and code (n/a without a none cell); a "
         "ratio of wall times, noisy for short runs or on a busy machine")  # fmt: skip
@@ -276,9 +277,11 @@ def verdict_rows(store: ResultStore, runs: Sequence[RunRow]) -> list[dict[str, A
         seconds = _fl_seconds(store, run)
         for i, spec in enumerate(run.config["audit"]["attacks"]):
             att = [r for r in records if r["kind"] == "attack" and r.get("cell") == i]
+            withheld = sum(1 for r in records if r["kind"] == "client_error" and r.get("cell") == i)
             rows.append({
                 "run_id": run.run_id, "defense": _defense_label(run.config), "attack": _attack_label(spec),
-                "updates": len(att), "records": att, "accuracy": summary.get("final_accuracy"),
+                "updates": f"{len(att)} ({withheld} withheld)" if withheld else str(len(att)),
+                "records": att, "accuracy": summary.get("final_accuracy"),
                 "utility": {c.key: summary.get(c.key) for c in columns.UTILITY},
                 "cost": seconds / base if base else None,
             })  # fmt: skip
@@ -324,7 +327,7 @@ def render(store: ResultStore, run_ids: Sequence[str], figures: Path | None = No
     for row in rows:
         rec = row["records"]
         utility = [_number(row["utility"].get(c.key)) for c in shown_utility]
-        cells = [html.escape(row["defense"]), html.escape(row["attack"]), str(row["updates"]),
+        cells = [html.escape(row["defense"]), html.escape(row["attack"]), html.escape(row["updates"]),
                  *(_mean_sd(_values(rec, c.key)) for c in columns.PRIVACY[modality]), *utility,
                  _number(row["cost"], 2)]  # fmt: skip
         out.append("<tr>" + "".join(f"<td class='name'>{c}</td>" if j < 2 else f"<td>{c}</td>"

@@ -452,6 +452,12 @@ class _Run:
                 continue
             attack = create_attack(spec.name, **spec.options)
             observations, results = self._observe(attack, ids, salt, honest)
+            # an audited client whose update never left it (a defense failed closed): nothing to attack,
+            # and the reason is kept beside the cell's records (``gradleak results`` lists it)
+            withheld = [{"kind": "client_error", "attack": spec.name, "cell": i, "client_id": r.client_id,
+                         "error": r.error or "no update"} for r in results if r.update is None]  # fmt: skip
+            for w in withheld:
+                log.warning("audit: client %s sent no update for %s (%s)", w["client_id"], spec.name, w["error"])
             for k, obs in enumerate(observations):
                 unit = f"attack/{i}/{k}"
                 if unit in rec.done:
@@ -484,7 +490,7 @@ class _Run:
                     save_reconstruction_grid(orig, recon, folder / name, title=title, captions=caps)
                     record["figure"] = name
                 last = k == len(observations) - 1  # the cell is done with its last attacked update
-                rec.commit(unit, [record], also=(f"attack/{i}",) if last else ())
+                rec.commit(unit, [record, *(withheld if last else ())], also=(f"attack/{i}",) if last else ())
             salt += len(observations)
             if f"attack/{i}" not in rec.done:  # no update reached the server: nothing to attack
-                rec.commit(f"attack/{i}", [])
+                rec.commit(f"attack/{i}", withheld)
