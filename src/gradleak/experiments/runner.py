@@ -457,7 +457,7 @@ class _Run:
             withheld = [{"kind": "client_error", "attack": spec.name, "cell": i, "client_id": r.client_id,
                          "error": r.error or "no update"} for r in results if r.update is None]  # fmt: skip
             for w in withheld:
-                log.warning("audit: client %s sent no update for %s (%s)", w["client_id"], spec.name, w["error"])
+                log.warning("audit: client %s sent no update (%s)", w["client_id"], w["error"])
             for k, obs in enumerate(observations):
                 unit = f"attack/{i}/{k}"
                 if unit in rec.done:
