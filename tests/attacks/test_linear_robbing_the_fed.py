@@ -240,8 +240,16 @@ def test_the_aegis_aware_variant_sizes_its_bins_and_keeps_the_imprint_options():
     assert create_attack("rtf_aegis", isolation=0.5, cache_size=100, real_samples=10).config.num_bins == 159
     inner = aware._rtf.config
     assert (inner.num_bins, inner.max_images, inner.tuned_for) == (8899, 8899, "adam")
-    for bad in ({"isolation": 1.0}, {"isolation": 0.0}, {"cache_size": 0}, {"real_samples": 2.5}):
-        with pytest.raises(ValueError):
+    for bad, match in (
+        ({"isolation": 0.995}, "isolation must be in"),
+        ({"isolation": 0.0}, "isolation must be in"),
+        ({"cache_size": 0}, "cache_size must be an int"),
+        ({"real_samples": 2.5}, "real_samples"),
+        ({"imprint": {"num_bins": 64}}, "sets imprint.num_bins itself"),
+        ({"imprint": {"max_images": 3}}, "sets imprint.max_images itself"),
+        ({"imprint": "adam"}, "imprint must be a table"),
+    ):
+        with pytest.raises(ValueError, match=match):
             create_attack("rtf_aegis", **bad)
 
 

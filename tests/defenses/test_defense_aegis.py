@@ -11,7 +11,7 @@ import torch
 from torch.nn import functional as F
 
 from gradleak.attacks import create_attack
-from gradleak.data import load_dataset
+from gradleak.data import ImageDataset, load_dataset
 from gradleak.defenses.aegis_cache import CacheConfig, SyntheticCache, build_cache
 from gradleak.defenses.aegis_synthetic import (
     AegisConfig,
@@ -131,13 +131,21 @@ def test_config_validation() -> None:
         AegisConfig().cache = CacheConfig(size=3)  # type: ignore[misc]
 
 
-def test_aegis_lowers_robbing_the_fed_reconstruction_rate() -> None:
-    """OrganAMNIST, one client of 32 images, 128 bins, M = 512 from the built-in generator, SGD E = 1."""
+@pytest.fixture(scope="module")
+def organ_client() -> tuple[ImageDataset, torch.Tensor, SyntheticCache]:
+    """An OrganAMNIST share of 400 images (classes 0-4), the server's public images, and the share's
+    M = 512 cache from the built-in generator."""
     share = load_dataset("organamnist", "train", limit=4000)
     share = share.subset(np.flatnonzero(share.labels.numpy() < 5)[:400])
     public = load_dataset("organamnist", "test", limit=500).images
     cache = build_cache(ClassGaussianGenerator.fit(share), share, CacheConfig(size=512),
                         generator=torch.Generator().manual_seed(0))  # fmt: skip
+    return share, public, cache
+
+
+def test_aegis_lowers_robbing_the_fed_reconstruction_rate(organ_client) -> None:
+    """OrganAMNIST, one client of 32 images, 128 bins, M = 512 from the built-in generator, SGD E = 1."""
+    share, public, cache = organ_client
     attack = create_attack("robbing_the_fed", num_bins=128)
     model = build_model("aegis_cnn", share.input_shape, 11, seed=0)
     broadcast, secrets = attack.prepare(model, public, generator=torch.Generator().manual_seed(1))
@@ -161,16 +169,12 @@ def test_aegis_lowers_robbing_the_fed_reconstruction_rate() -> None:
     assert rates["aegis/all"] <= 0.5 * rates["none/all"], rates
 
 
-def test_a_server_that_knows_aegis_sizes_its_bins_and_recovers_the_images() -> None:
+def test_a_server_that_knows_aegis_sizes_its_bins_and_recovers_the_images(organ_client) -> None:
     """The adaptive attack (issue 21): rtf_aegis knows M and a bound on the real samples, and sizes k so a
     sample is alone in its bin with probability 0.75 (k = ceil((32 + 512) / ln(4/3)) = 1891). Same client
     as above: against Aegis it recovers most images (measured 0.66), where Robbing the Fed at paper 000's
     ratio (k = 128 < 32 + 512, every bin returned) recovers few (measured 0.13)."""
-    share = load_dataset("organamnist", "train", limit=4000)
-    share = share.subset(np.flatnonzero(share.labels.numpy() < 5)[:400])
-    public = load_dataset("organamnist", "test", limit=500).images
-    cache = build_cache(ClassGaussianGenerator.fit(share), share, CacheConfig(size=512),
-                        generator=torch.Generator().manual_seed(0))  # fmt: skip
+    share, public, cache = organ_client
     data = share.subset(np.arange(32))
     training = LocalTraining("fedavg", epochs=1, batch_size=32, optimizer="sgd")
     aware = create_attack("rtf_aegis", cache_size=512, real_samples=32)

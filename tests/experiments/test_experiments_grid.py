@@ -123,3 +123,6 @@ def test_an_audited_client_whose_defense_fails_closed_is_counted_and_its_reason_
     assert len(failed) == 2 and all("classifier.9" in r["error"] and r["attack"] == "ig" for r in failed)
     assert main(["run", str(GRID), *TINY[:-1], bad, "--out", str(tmp_path / "o")]) == 0
     assert "0 (2 withheld)" in capsys.readouterr().out
+    # under secure aggregation the server sees one sum of the contributors: the withheld are those missing
+    secure = run_grid(load_config(GRID, [*TINY[:-1], bad, "fl.secure_aggregation=true"])).summary()
+    assert [(r["updates"], r["withheld"]) for r in secure] == [(1, 0), (0, 2)]

@@ -51,7 +51,10 @@ def attacks_table(store: ResultStore, run_id: str) -> str:
     lines = [render(headers, rows) if rows else "(no attacked update)"]
     for r in (r for r in records if r["kind"] in FAILURES):
         who = r.get("node_id", r.get("client_id", "?"))
-        lines.append(f"{r['kind']}: round {r.get('round', '-')}, client/node {who}: {r.get('error', '')}")
+        attack = f", attack {r['attack']}" if r.get("attack") else ""
+        lines.append(
+            f"{r['kind']}: round {r.get('round', '-')}, client/node {who}{attack}: {r.get('error', '')}"
+        )
     lines.append(
         "PSNR, SSIM, rec. rate and label acc need the clients' data: a real server's audit has none."
     )

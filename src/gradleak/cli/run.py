@@ -106,7 +106,7 @@ def execute_grid(cfg: ExperimentConfig, args: argparse.Namespace) -> GridOutcome
     rows = grid.summary()
     privacy = [c for c in columns.PRIVACY[modality_of(cfg.data.dataset)] if c.key != "label_accuracy"]
     ppl = any(r.get("perplexity") is not None for r in rows)  # a causal LM's utility
-    table = [[r["defense"], r["attack_label"], _updates(r), *(_pm(r, c.key) for c in privacy),
+    table = [[r["defense"], r["attack_label"], columns.updates_label(r), *(_pm(r, c.key) for c in privacy),
               r.get("label_accuracy"), r["accuracy"], *([r["perplexity"]] if ppl else []), r["cost"]]
              for r in rows]  # fmt: skip
     headers = ["defense", "attack", "updates", *(c.header for c in privacy), "label acc", "test acc",
@@ -123,12 +123,6 @@ def execute_grid(cfg: ExperimentConfig, args: argparse.Namespace) -> GridOutcome
     reused = sum(c.reused for c in grid.cells)
     print(f"\n{len(grid.cells)} cells ({reused} already finished) in {store.path}; summary: {path}")
     return grid
-
-
-def _updates(row: dict[str, Any]) -> str:
-    """The attacked updates, and how many audited clients sent none (a defense failed closed)."""
-    withheld = row.get("withheld", 0)
-    return f"{row['updates']} ({withheld} withheld)" if withheld else str(row["updates"])
 
 
 def _pm(row: dict[str, Any], key: str) -> str:

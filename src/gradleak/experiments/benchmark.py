@@ -266,7 +266,7 @@ def _mean_rows(
         records = [r for r in outcome.of_kind("attack") if r.get("cell") == i]
         row = {**common, "attack": spec.name, "options": dict(spec.options), "updates": len(records),
                "refused": sum(1 for r in records if r.get("refused")),
-               "withheld": sum(1 for r in outcome.of_kind("client_error") if r.get("cell") == i)}  # fmt: skip
+               "withheld": columns.withheld(outcome.records, i)}  # fmt: skip
         rows.append({**row, **spread(records, (*MEAN, *stats))})
     return rows
 

@@ -7,8 +7,9 @@ column of each modality is the leakage above its no-information floor, measured 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gradleak.registry import DATASETS
 
@@ -83,3 +84,14 @@ UTILITY = (
            "next-token top-1 accuracy)"),
     Column("final_perplexity", "test ppl", "a causal LM's test perplexity after the rounds (lower = better)"),
 )  # fmt: skip
+
+
+def withheld(records: Sequence[Mapping[str, object]], cell: int) -> int:
+    """Audited clients whose update never reached attack ``cell`` (``client_error`` records)."""
+    return sum(1 for r in records if r.get("kind") == "client_error" and r.get("cell") == cell)
+
+
+def updates_label(row: Mapping[str, Any]) -> str:
+    """A row's ``updates`` cell: the attacked updates, and the audited clients that sent none."""
+    gone = row.get("withheld", 0)
+    return f"{row['updates']} ({gone} withheld)" if gone else str(row["updates"])

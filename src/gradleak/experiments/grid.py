@@ -64,14 +64,14 @@ class GridOutcome:
             common = {"defense": cell.label, "accuracy": summary.get("final_accuracy"),
                       "perplexity": summary.get("final_perplexity"), "fl_seconds": seconds,
                       "cost": seconds / base_seconds if base_seconds else None}  # fmt: skip
-            attacks, failed = cell.outcome.of_kind("attack"), cell.outcome.of_kind("client_error")
+            attacks = cell.outcome.of_kind("attack")
             for i, spec in enumerate(self.config.audit.attacks):
                 records = [r for r in attacks if r.get("cell") == i]
                 # an attack listed twice (other options) is told apart by its options in tables
                 label = cell_label(spec) if names.count(spec.name) > 1 else spec.name
                 row: dict[str, Any] = {**common, "attack": spec.name, "attack_label": label,
                                        "updates": len(records),
-                                       "withheld": sum(1 for r in failed if r.get("cell") == i)}  # fmt: skip
+                                       "withheld": columns.withheld(cell.outcome.records, i)}  # fmt: skip
                 rows.append({**row, **spread(records, PRIVACY)})
         return rows
 

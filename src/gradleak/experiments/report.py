@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gradleak.attacks import model_modifying
 from gradleak.experiments import columns
 from gradleak.experiments.config import ComponentSpec, cell_label, defenses_label
 from gradleak.experiments.store import ResultStore, RunRow
@@ -49,11 +50,6 @@ def legend(modality: str, utility: Sequence[columns.Column]) -> list[tuple[str, 
     """The verdict table's columns in order, each with its one-line meaning."""
     cols = [*columns.PRIVACY[modality], *utility]
     return [*LEADING, *((c.header, c.meaning) for c in cols), COST]
-
-
-def malicious(name: str) -> bool:
-    """Whether the registered attack modifies the model the server broadcasts (docs/threat-models.md)."""
-    return name in ATTACKS and callable(getattr(ATTACKS.get(name), "prepare", None))
 
 
 CAVEATS = (
@@ -241,10 +237,9 @@ def setup_text(run: RunRow) -> list[str]:
     task = f" ({model['task']})" if model.get("task") else ""
     secure = "only the sum of the round's updates (secure aggregation)" if fl.get("secure_aggregation") else (
         "every sampled client's update")  # fmt: skip
-    names = {a["name"] for a in audit["attacks"]}
     control = (
         "it may modify the model it broadcasts (a malicious server)"
-        if any(malicious(n) for n in names)
+        if any(model_modifying(a["name"], a.get("options")) for a in audit["attacks"])
         else "it follows the protocol and analyses what it receives (honest-but-curious)"
     )
     return [
@@ -277,10 +272,9 @@ def verdict_rows(store: ResultStore, runs: Sequence[RunRow]) -> list[dict[str, A
         seconds = _fl_seconds(store, run)
         for i, spec in enumerate(run.config["audit"]["attacks"]):
             att = [r for r in records if r["kind"] == "attack" and r.get("cell") == i]
-            withheld = sum(1 for r in records if r["kind"] == "client_error" and r.get("cell") == i)
             rows.append({
                 "run_id": run.run_id, "defense": _defense_label(run.config), "attack": _attack_label(spec),
-                "updates": f"{len(att)} ({withheld} withheld)" if withheld else str(len(att)),
+                "updates": len(att), "withheld": columns.withheld(records, i),
                 "records": att, "accuracy": summary.get("final_accuracy"),
                 "utility": {c.key: summary.get(c.key) for c in columns.UTILITY},
                 "cost": seconds / base if base else None,
@@ -327,7 +321,7 @@ def render(store: ResultStore, run_ids: Sequence[str], figures: Path | None = No
     for row in rows:
         rec = row["records"]
         utility = [_number(row["utility"].get(c.key)) for c in shown_utility]
-        cells = [html.escape(row["defense"]), html.escape(row["attack"]), html.escape(row["updates"]),
+        cells = [html.escape(row["defense"]), html.escape(row["attack"]), columns.updates_label(row),
                  *(_mean_sd(_values(rec, c.key)) for c in columns.PRIVACY[modality]), *utility,
                  _number(row["cost"], 2)]  # fmt: skip
         out.append("<tr>" + "".join(f"<td class='name'>{c}</td>" if j < 2 else f"<td>{c}</td>"

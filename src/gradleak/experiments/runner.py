@@ -31,7 +31,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import gradleak
-from gradleak.attacks import create_attack
+from gradleak.attacks import create_attack, model_modifying
 from gradleak.data import partition
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import claims
@@ -178,9 +178,7 @@ def collect_malicious(
 
 
 def any_model_modifying(cfg: ExperimentConfig) -> bool:
-    return any(
-        isinstance(create_attack(s.name, **s.options), ModelModifyingAttack) for s in cfg.audit.attacks
-    )
+    return any(model_modifying(s.name, s.options) for s in cfg.audit.attacks)
 
 
 def fingerprint(cfg: ExperimentConfig, env: Mapping[str, Any]) -> str:
@@ -314,7 +312,7 @@ def audited_updates(cfg: ExperimentConfig) -> list[tuple[Observation, Dataset]]:
         for r in range(cfg.fl.rounds):
             run.sim.run_round(r)
         ids = run.sim.sample()[: cfg.audit.clients]
-        observations, results = run._observe(None, ids, cfg.fl.rounds, {})
+        observations, results, _ = run._observe(None, ids, cfg.fl.rounds, {})
         return [(obs, _truth_for(obs, results)) for obs in observations]
 
     return run.engine.run(run.sim.clients, run.sim.defenses, work)
@@ -393,9 +391,10 @@ class _Run:
 
     def _observe(
         self, attack: object | None, ids: list[int], salt: int, honest: dict[str, Any]
-    ) -> tuple[list[Observation], list[ClientResult]]:
-        """What the server observes for ``attack`` in the audited round, and the results behind it (for
-        scoring): each client's update, or under secure aggregation one aggregate of those that made it.
+    ) -> tuple[list[Observation], list[ClientResult], list[ClientResult]]:
+        """What the server observes for ``attack`` in the audited round, the results behind it (for
+        scoring): each client's update, or under secure aggregation one aggregate of those that made it,
+        and the audited clients whose update never reached the server (withheld, or rejected).
         A model-modifying attack first builds the model the server broadcasts (seeded by ``salt``)."""
         cfg, sim, audit = self.cfg, self.sim, self.cfg.audit
         broadcast: nn.Module = sim.model
@@ -418,7 +417,7 @@ class _Run:
                 broadcast, results, input_shape=shape, num_classes=classes, secure_aggregation=False,
                 training=recipe, grant_labels=audit.grant_labels, secrets=secrets,
             )  # fmt: skip
-            return observations, results
+            return observations, results, [r for r in results if r.update is None]
         if isinstance(attack, ModelModifyingAttack):
             models = served_models(attack, broadcast, len(ids))
             secure = sim.collect_secure(
@@ -431,12 +430,17 @@ class _Run:
                 )
             secure = honest["secure"]
         results = [r for r in secure.results if r.client_id in secure.contributors]
+        # under secure aggregation a contributor's own update is never seen (the Flower engine's results
+        # carry none): what did not reach the server is who is not among the contributors
+        missing = [
+            r for r in secure.results if r.client_id not in secure.contributors or secure.aggregate is None
+        ]
         if secure.aggregate is None:
-            return [], results
+            return [], results, missing
         w0 = copy.deepcopy(broadcast).eval()
         obs = secure_observation(w0, secure.aggregate, len(secure.contributors), input_shape=shape,
                                  num_classes=classes, training=recipe, secrets=secrets)  # fmt: skip
-        return [obs], results
+        return [obs], results, missing
 
     def audit(self, rec: _Recorder, folder: Path | None) -> None:
         """The audited round: every attack on the updates of the same sampled clients, a unit per update."""
@@ -451,11 +455,11 @@ class _Run:
                 log.info("attack %d (%s) already stored: skipped", i, spec.name)
                 continue
             attack = create_attack(spec.name, **spec.options)
-            observations, results = self._observe(attack, ids, salt, honest)
-            # an audited client whose update never left it (a defense failed closed): nothing to attack,
-            # and the reason is kept beside the cell's records (``gradleak results`` lists it)
+            observations, results, missing = self._observe(attack, ids, salt, honest)
+            # an audited client whose update never reached the server (a defense failed closed, or the
+            # secure aggregate was rejected): nothing to attack, the reason kept beside the cell's records
             withheld = [{"kind": "client_error", "attack": spec.name, "cell": i, "client_id": r.client_id,
-                         "error": r.error or "no update"} for r in results if r.update is None]  # fmt: skip
+                         "error": r.error or "no update"} for r in missing]  # fmt: skip
             for w in withheld:
                 log.warning("audit: client %s sent no update (%s)", w["client_id"], w["error"])
             for k, obs in enumerate(observations):

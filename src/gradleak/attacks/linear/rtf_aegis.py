@@ -14,9 +14,10 @@ alone with probability
 
     p = exp(-(n + M) / k)                                                            (paper 000's B + M > k)
 
-(0.14 for paper 000's k = 1024, M = 2048: its Table A.5's 11.6 % on OrganAMNIST). Paper 000 rests its
-protection on B + M > k and notes that a server changing the leakage capacity needs a new evaluation; this
-attack is that server: it inverts the relation, ``k = ceil((real_samples + cache_size) / ln(1 / isolation))``
+(0.14 for paper 000's k = 1024, M = 2048, n = 0; 0.13 with n = 64: its Table A.5's 11.6 % on
+OrganAMNIST). Paper 000 rests its protection on B + M > k and notes that a server changing the leakage
+capacity needs a new evaluation; this attack is that server: it inverts the relation,
+``k = ceil((real_samples + cache_size) / ln(1 / isolation))``
 (8,899 bins for 512 + 2,048 samples at isolation 0.75), and returns every non-empty bin (it cannot tell from
 the update which bins hold a real image; matching picks the best one per real image, the "all bins"
 read-out of docs/defenses.md). The imprint layer grows to k x (C H W) weights (7 M for 28 x 28 grey images).
@@ -36,6 +37,8 @@ from gradleak.attacks.linear.robbing_the_fed import RobbingTheFed, RobbingTheFed
 from gradleak.registry import ATTACKS
 from gradleak.types import Observation, Reconstruction
 
+MAX_ISOLATION = 0.99
+
 
 @dataclass(frozen=True)
 class RtFAegisConfig:
@@ -54,8 +57,22 @@ class RtFAegisConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"rtf_aegis {key} must be an int >= 1, got {v!r}")
-        if not 0 < self.isolation < 1:
-            raise ValueError(f"rtf_aegis isolation must be in (0, 1), got {self.isolation}")
+        if not 0 < self.isolation <= MAX_ISOLATION:
+            raise ValueError(
+                f"rtf_aegis isolation must be in (0, {MAX_ISOLATION}] (0.99 already needs k = 100 (n + M) "
+                f"bins), got {self.isolation}"
+            )
+        if not isinstance(self.imprint, RobbingTheFedConfig):
+            raise ValueError(
+                f"rtf_aegis imprint must be a table of robbing_the_fed options, got {self.imprint!r}"
+            )
+        default = RobbingTheFedConfig()
+        for key in ("num_bins", "max_images"):
+            if getattr(self.imprint, key) != getattr(default, key):
+                raise ValueError(
+                    f"rtf_aegis sets imprint.{key} itself (from cache_size, real_samples and isolation); "
+                    f"remove it, or use robbing_the_fed"
+                )
 
     @property
     def num_bins(self) -> int:
