@@ -432,11 +432,9 @@ class _Run:
         results = [r for r in secure.results if r.client_id in secure.contributors]
         # under secure aggregation a contributor's own update is never seen (the Flower engine's results
         # carry none): what did not reach the server is who is not among the contributors
-        missing = [
-            r for r in secure.results if r.client_id not in secure.contributors or secure.aggregate is None
-        ]
-        if secure.aggregate is None:
-            return [], results, missing
+        if secure.aggregate is None:  # the sum was rejected: no client's update reached the server
+            return [], results, list(secure.results)
+        missing = [r for r in secure.results if r.client_id not in secure.contributors]
         w0 = copy.deepcopy(broadcast).eval()
         obs = secure_observation(w0, secure.aggregate, len(secure.contributors), input_shape=shape,
                                  num_classes=classes, training=recipe, secrets=secrets)  # fmt: skip
