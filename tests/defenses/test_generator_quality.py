@@ -37,13 +37,15 @@ def reference() -> tuple:
     private = pool.subset(np.flatnonzero(pool.labels.numpy() < 4)[:300])
     test = load_dataset("organamnist", "test", limit=1200)
     heldout, others = test.subset(np.arange(600)), test.subset(np.arange(600, 1200))
-    cfg = QualityConfig(samples_per_class=40, classifier_epochs=2)
+    cfg = QualityConfig(samples_per_class=40, classifier_epochs=4)
     return private, others, Reference(pool.subset(np.arange(3000)), heldout, cfg)
 
 
 def test_memorisation_check_flags_a_generator_that_returns_private_images(reference: tuple) -> None:
     private, others, ref = reference
-    assert ref.real_accuracy > 0.6  # the reference classifier on held-out real images (chance 1/11)
+    # the reference classifier learned (chance 1/11): 0.73-0.74 under native, default and avx2 kernels; at
+    # 2 epochs it sat at 0.60-0.62 and a CI machine's default kernels gave 0.597, so the bound keeps 0.2 clear
+    assert ref.real_accuracy > 0.5
     copier = ref.score("copier", RealImageGenerator(private), private)
     assert copier.memorised and copier.copy_rate == 1.0 and copier.nn_distance < 1e-6  # cdist rounding
     # real images of other patients (the held-out images' own distribution): copies at about the quantile
