@@ -1,0 +1,220 @@
+"""DAGER that knows the update was sparsified: low-rank completion of the kept entries before the span tests.
+
+What it knows of the defense: that the zeros it receives are dropped entries (magnitude pruning, top-k
+compression), not zero gradient; nothing else (not the ratio, not the kept entries' threshold).
+
+Why exact DAGER stops: the input-side gradient G = sum_t delta_t x_t^T (d x k) has rank n, the number of the
+batch's token inputs (:mod:`gradleak.attacks.text.dager`, step 1), but the server sees M * G, M the 0/1 mask
+of the kept entries, and zeroing entries of a low-rank matrix makes it full rank: the rank test calls the
+span full and nothing is recovered.
+
+What this attack does instead: it looks for the lowest-rank matrix that agrees with the kept entries
+(low-rank matrix completion, Candes & Recht 2009, eq. 1.5 with the rank itself in place of its convex
+surrogate):
+
+- **Alternating least squares** (Jain, Netrapalli & Sanghavi 2013, Alg. 1). For a rank r, L = A B^T with
+  A (d x r) and B (k x r) started at the top-r SVD of M * G; each row a_i of A is then the least-squares fit
+  to row i's kept entries, a_i = argmin sum_{j kept} (G_ij - a_i . b_j)^2, and likewise each row of B,
+  for up to ``max_iters`` rounds. The fit is ||M * (G - L)|| / ||M * G||.
+- **Rank.** A rank below n leaves the weakest signal direction's share of the kept entries unexplained;
+  a rank of n fits them to rounding. The rank is the smallest r whose fit falls below ``fit_tol``, found
+  by bisection over [1, r_max] (the fit does not grow with r; r_max also at most the batch's token count,
+  sequences x padded length, which the server knows), each tried rank given ``max_iters`` rounds to
+  reach ``rank_fit``; the rank found is then refined to ``fit_tol`` (a completion whose fit stops falling
+  has converged and is kept as it is).
+- **Identifiability.** A rank-r d x k matrix has r (d + k - r) degrees of freedom; ranks whose count exceeds
+  the kept entries over ``oversampling`` are not tried (r_max), nor ranks that leave no room for a span test
+  (:data:`~gradleak.attacks.text.family.FULL_SPAN_FRACTION`). When even r_max does not fit, the attack
+  returns nothing and says so: ``completion_rank_l1 = 0`` with ``max_rank_l1`` and ``kept_l1`` (the share
+  of entries kept) in the stats are the measured limit.
+
+The span is the column space of the completed A; the span tests are DAGER's with its thresholds
+(``l1_threshold`` / ``l2_threshold``: the completion is accurate to ~``fit_tol``, not to float rounding).
+
+What it cannot do: magnitude pruning keeps the large entries, so a token whose input and error are both
+small can lose every entry of its direction, which no completion restores (it would be recovered under
+random sparsification of the same rate); and at high ratios r (d + k - r) exceeds the kept entries for the
+batch's rank (GPT-2 small, k = 3 d = 2,304: 90 % pruning leaves room for about 60 tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from gradleak.attacks.text.dager import Dager, DagerConfig
+from gradleak.attacks.text.family import FULL_SPAN_FRACTION, FamilySpec, Span, estimate_span
+from gradleak.registry import ATTACKS
+from gradleak.types import Observation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DagerMaskedConfig(DagerConfig):
+    """DAGER's options plus the completion's: ``rank_fit`` (relative residual on the kept entries at which
+    a rank fits, within ``max_iters`` alternating least-squares rounds), ``fit_tol`` (the residual the found
+    rank's completion is refined to, within ``refine_iters`` rounds), ``oversampling`` (kept entries
+    per degree of freedom a tried rank must have), ``ridge`` (Tikhonov term of each least-squares fit,
+    relative to the largest singular value), ``row_chunk`` (rows solved at once: memory); thresholds
+    default to 0.01 (L1 and L2): completion error, not rounding (module docstring)."""
+
+    l1_threshold: float | None = 0.01
+    l2_threshold: float | None = 0.01
+    rank_fit: float = 1e-5
+    fit_tol: float = 1e-8
+    max_iters: int = 60
+    refine_iters: int = 500
+    oversampling: float = 1.2
+    ridge: float = 1e-12
+    row_chunk: int = 64
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.fit_tol <= self.rank_fit < 1:
+            raise ValueError(
+                f"need 0 < fit_tol <= rank_fit < 1, got fit_tol {self.fit_tol} and rank_fit {self.rank_fit}"
+            )
+        if not 1 <= self.oversampling < math.inf:
+            raise ValueError(f"oversampling must be finite and >= 1, got {self.oversampling}")
+        if not 0 <= self.ridge < 1:
+            raise ValueError(f"ridge must be in [0, 1), got {self.ridge}")
+        for key in ("max_iters", "refine_iters", "row_chunk"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+
+
+def _rows(
+    kept: torch.Tensor, values: torch.Tensor, other: torch.Tensor, ridge: float, chunk: int
+) -> torch.Tensor:
+    """Each row's least-squares factor: row i solves
+    (sum_j m_ij b_j b_j^T + ridge I) a_i = sum_j m_ij g_ij b_j."""
+    eye = ridge * torch.eye(other.shape[1], dtype=other.dtype)
+    out = []
+    for lo in range(0, kept.shape[0], chunk):
+        m = kept[lo : lo + chunk]
+        gram = torch.einsum("ij,jr,js->irs", m, other, other) + eye
+        out.append(torch.linalg.solve(gram, (values[lo : lo + chunk] * m) @ other))
+    return torch.cat(out)
+
+
+STALL = 0.99  # a completion whose fit fell by less than 1 % over the last 10 rounds has converged
+
+
+def complete(
+    grad: torch.Tensor, rank: int, config: DagerMaskedConfig, *, tol: float, iters: int,
+    start: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:  # fmt: skip
+    """Rank-``rank`` alternating least squares on the nonzero entries of ``grad`` (d, k), from ``start``
+    (None: the top-``rank`` SVD of ``grad``) until the fit on the kept entries is below ``tol``, stalls
+    (:data:`STALL`) or ``iters`` rounds ran: the factors A (d, rank) and B (k, rank) and the fit."""
+    g = grad.to(torch.float64)
+    kept = (g != 0).to(torch.float64)
+    u, s, vh = torch.linalg.svd(g, full_matrices=False)
+    if start is None:
+        root = s[:rank].sqrt()
+        start = (u[:, :rank] * root, vh[:rank].T * root)
+    a, b = start
+    ridge, norm, history = config.ridge * float(s[0]), float(g.norm()), []
+    for _ in range(iters):
+        a = _rows(kept, g, b, ridge, config.row_chunk)
+        b = _rows(kept.T, g.T, a, ridge, config.row_chunk)
+        history.append(float((kept * (g - a @ b.T)).norm()) / norm)
+        if history[-1] < tol or (len(history) > 10 and history[-1] > STALL * history[-11]):
+            break
+    return (a, b), history[-1] if history else math.inf
+
+
+def max_identifiable_rank(shape: tuple[int, int], kept: int, oversampling: float) -> int:
+    """The largest r with r (d + k - r) <= kept / oversampling and r < FULL_SPAN_FRACTION * d."""
+    d, k = shape
+    budget = kept / oversampling
+    # r (d + k - r) is increasing for r <= (d + k) / 2, which every r < d satisfies (d <= k or not)
+    top = min(d, k, math.ceil(FULL_SPAN_FRACTION * d) - 1)
+    r = 0
+    while r < top and (r + 1) * (d + k - r - 1) <= budget:
+        r += 1
+    return r
+
+
+def completed_span(
+    grad: torch.Tensor, config: DagerMaskedConfig, label: str, tokens: int
+) -> tuple[Span, dict[str, float]]:
+    """The span of the lowest-rank completion of ``grad``'s kept entries that fits them (module docstring),
+    of rank at most ``tokens`` (the batch's token count: sequences x padded length), and stats: the rank
+    found (0: none fits), the largest rank tried, the share of entries kept, the fit."""
+    kept = int((grad != 0).sum())
+    r_max = min(tokens, max_identifiable_rank((grad.shape[0], grad.shape[1]), kept, config.oversampling))
+    stats = {f"kept_{label}": kept / grad.numel(), f"max_rank_{label}": float(r_max)}
+    empty = Span(
+        grad.new_zeros(grad.shape[0], 0, dtype=torch.float64), grad.new_zeros(0, dtype=torch.float64)
+    )
+    fits: dict[int, tuple[tuple[torch.Tensor, torch.Tensor], float]] = {}
+    with tqdm(desc=f"completion ({label} rank)", leave=False) as bar:
+
+        def probe(r: int) -> bool:
+            fits[r] = complete(grad, r, config, tol=config.rank_fit, iters=config.max_iters)
+            bar.update(1)
+            bar.set_postfix(rank=r, fit=f"{fits[r][1]:.1e}")
+            return fits[r][1] < config.rank_fit
+
+        lo, hi = 0, r_max  # rank lo does not fit; rank hi is the smallest that may
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if probe(mid) else (mid, hi)
+        if r_max > 0 and hi not in fits:  # r_max itself: the bisection only probes below it
+            probe(hi)
+        if r_max == 0 or fits[hi][1] >= config.rank_fit:
+            fit = fits[hi][1] if hi in fits else math.inf
+            log.warning(
+                "dager_masked: no completion of rank <= %d fits the %s gradient's kept entries "
+                "(%.0f %% kept, fit %.1e at rank %d): the batch's rank is beyond what they determine",
+                r_max, label, 100 * stats[f"kept_{label}"], fit, r_max,
+            )  # fmt: skip
+            return empty, {**stats, f"completion_rank_{label}": 0.0, f"fit_{label}": fit}
+    (a, _), fit = complete(grad, hi, config, tol=config.fit_tol, iters=config.refine_iters, start=fits[hi][0])
+    basis, _ = torch.linalg.qr(a)
+    return Span(basis, torch.linalg.svdvals(a)), {
+        **stats,
+        f"completion_rank_{label}": float(hi),
+        f"fit_{label}": fit,
+    }
+
+
+class DagerMasked(Dager):
+    """DAGER whose spans come from a low-rank completion of a sparsified gradient (module docstring); reads
+    ``obs.model`` and ``obs.update``. A gradient with no zero entry gets exact DAGER's spans."""
+
+    config: DagerMaskedConfig
+
+    def __init__(self, config: DagerMaskedConfig | None = None) -> None:
+        super().__init__(config or DagerMaskedConfig())
+
+    def spans(
+        self, obs: Observation, spec: FamilySpec, grad1: torch.Tensor, grad2: torch.Tensor
+    ) -> tuple[Span, Span, FamilySpec, dict[str, float]]:
+        out: list[Span] = []
+        stats: dict[str, float] = {}
+        tokens = max(1, obs.update.num_samples) * int(obs.input_shape[0])
+        for grad, label in ((grad1, "l1"), (grad2, "l2")):
+            if bool((grad != 0).all()):  # nothing dropped: the exact span
+                out.append(estimate_span(grad, spec.rank_tol))
+                stats.update({f"kept_{label}": 1.0, f"completion_rank_{label}": float(out[-1].rank)})
+            else:
+                span, s = completed_span(grad, self.config, label, tokens)
+                out.append(span)
+                stats.update(s)
+        return out[0], out[1], spec, stats
+
+
+ATTACKS.register(
+    "dager_masked",
+    DagerMasked,
+    config_cls=DagerMaskedConfig,
+    summary="DAGER knowing the update was pruned: low-rank completion of the kept entries (adaptive)",
+    modality="text",
+)
