@@ -1,0 +1,107 @@
+"""dager_masked: a low-rank completion of a pruned gradient's kept entries recovers a batch exact DAGER
+refuses, and says where the kept entries no longer determine the batch's rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradleak.attacks.text.dager import Dager
+from gradleak.attacks.text.dager_masked import (
+    DagerMasked,
+    DagerMaskedConfig,
+    complete,
+    max_identifiable_rank,
+)
+from gradleak.attacks.text.family import FULL_SPAN_FRACTION
+from gradleak.defenses.pruning import Pruning, PruningConfig
+from gradleak.registry import ATTACKS
+from gradleak.text.client import fedsgd_text_update
+from gradleak.types import Observation
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _pruned(tm, batch, ratio: float) -> Observation:
+    update = fedsgd_text_update(tm.model, batch, "classification")
+    if ratio > 0:
+        update = Pruning(PruningConfig(ratio)).on_update(update)
+    return Observation(tm.model, update, (batch.input_ids.shape[1],), 2)
+
+
+def test_completion_restores_a_low_rank_matrix_from_a_random_share_of_its_entries():
+    """A rank-3 30 x 40 matrix with 60 % of its entries kept at random (210 degrees of freedom, 720 kept):
+    the rank-3 completion equals the matrix everywhere, the dropped entries included (relative error
+    < 1e-6); rank 2 cannot fit the kept entries (fit > 1e-3)."""
+    g = _gen(1)
+    truth = torch.randn(30, 3, generator=g, dtype=torch.float64) @ torch.randn(
+        3, 40, generator=g, dtype=torch.float64
+    )
+    kept = torch.rand(30, 40, generator=g) < 0.6
+    seen = torch.where(kept, truth, torch.zeros_like(truth))
+    cfg = DagerMaskedConfig()
+    (a, b), fit = complete(seen, 3, cfg, tol=1e-12, iters=500)
+    assert fit < 1e-10
+    assert float((a @ b.T - truth).norm() / truth.norm()) < 1e-6
+    _, fit2 = complete(seen, 2, cfg, tol=1e-12, iters=500)
+    assert fit2 > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("d", "k", "kept"), [(64, 192, 6144), (64, 192, 1229), (768, 2304, 884736), (8, 8, 3)]
+)
+def test_max_identifiable_rank_is_the_largest_rank_the_kept_entries_determine(d, k, kept):
+    """Against the definition, rank by rank: r (d + k - r) <= kept / oversampling and r < 0.95 d."""
+    expected = max(
+        r for r in range(d + 1) if r * (d + k - r) <= kept / 1.2 and (r == 0 or r < FULL_SPAN_FRACTION * d)
+    )
+    assert max_identifiable_rank((d, k), kept, 1.2) == expected
+
+
+def test_masked_dager_recovers_a_pruned_batch_where_exact_dager_refuses(gpt2_cls, make_batch):
+    """50 % magnitude pruning (tiny GPT-2, B = 2): the zeroed entries make the attention gradient full rank
+    and exact DAGER returns nothing; the completion finds the batch's rank (11 token inputs, the
+    identifiable bound is 12 = B x padded length) and recovers both sentences exactly."""
+    batch = make_batch(gpt2_cls)
+    obs = _pruned(gpt2_cls, batch, 0.5)
+    exact = Dager().reconstruct(obs, generator=_gen())
+    assert exact.token_ids == [] and exact.stats["span_full"] == 1.0
+    rec = ATTACKS.create("dager_masked", max_positions=8).reconstruct(obs, generator=_gen())
+    assert sorted(rec.token_ids) == sorted(batch.sequences())
+    tokens = len({(t, p) for q in batch.sequences() for p, t in enumerate(q)})
+    assert rec.stats["completion_rank_l1"] == rec.stats["rank_l1"] == tokens == 11
+    assert (
+        rec.stats["kept_l1"] == pytest.approx(0.5, abs=1e-3) and rec.stats["fit_l1"] < 1e-6
+    )  # refined below rank_fit
+
+
+def test_masked_dager_beyond_the_identifiable_rank_returns_nothing_and_says_so(gpt2_cls, make_batch):
+    """90 % pruning keeps 1,229 of 12,288 entries: no rank above 4 is determined (4 x 252 = 1,008 <=
+    1,229 / 1.2), below the batch's 11; nothing is returned and the stats carry the limit."""
+    rec = DagerMasked(DagerMaskedConfig(max_positions=8)).reconstruct(
+        _pruned(gpt2_cls, make_batch(gpt2_cls), 0.9), generator=_gen()
+    )
+    assert rec.token_ids == [] and rec.stats["completion_rank_l1"] == 0
+    assert rec.stats["max_rank_l1"] == 4 and rec.stats["kept_l1"] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_an_update_with_no_zero_gets_exact_dagers_spans(gpt2_cls, make_batch):
+    batch = make_batch(gpt2_cls)
+    obs = _pruned(gpt2_cls, batch, 0.0)
+    rec = DagerMasked(DagerMaskedConfig(max_positions=8, l1_threshold=1e-3, l2_threshold=1e-3)).reconstruct(
+        obs, generator=_gen()
+    )
+    assert sorted(rec.token_ids) == sorted(batch.sequences())
+    assert rec.stats["kept_l1"] == 1.0 and rec.stats["completion_rank_l1"] == 11
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"fit_tol": 0.0}, {"fit_tol": 1e-4, "rank_fit": 1e-5}, {"rank_fit": 1.0}, {"oversampling": 0.5},
+     {"ridge": -1.0}, {"max_iters": 0}, {"refine_iters": 0}, {"row_chunk": 0}],
+)  # fmt: skip
+def test_bad_completion_options_are_refused(bad):
+    with pytest.raises(ValueError):
+        DagerMaskedConfig(**bad)
