@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sqlite3
@@ -227,3 +228,39 @@ def test_a_dp_defenses_epsilon_is_recorded_with_every_attacked_update(tmp_path):
         assert a["epsilon"] == pytest.approx(epsilon(1.0, 0.1, 1, 1e-5), rel=1e-12) and a["delta"] == 1e-5
     plain = run_experiment(demo_cfg(), store=ResultStore(tmp_path / "p.sqlite")).of_kind("attack")
     assert "epsilon" not in plain[0]
+
+
+def test_a_run_is_resumed_across_commits_that_change_no_code(tmp_path, monkeypatch):
+    """The fingerprint reads the code's digest, not the git commit: a docs commit keeps it, a changed
+    package file (not a __pycache__ one) or another config gives a new one."""
+    import gradleak
+    from gradleak.experiments import runner
+
+    cfg, env = demo_cfg(), runner.environment()
+    assert env["code"] == runner.code_digest()
+    assert runner.fingerprint(cfg, {**env, "git_commit": "another"}) == runner.fingerprint(cfg, env)
+    assert runner.fingerprint(cfg, {**env, "code": "other"}) != runner.fingerprint(cfg, env)
+    other = dataclasses.replace(
+        cfg, experiment=dataclasses.replace(cfg.experiment, seed=cfg.experiment.seed + 1)
+    )
+    assert runner.fingerprint(other, env) != runner.fingerprint(cfg, env)
+
+    pkg = tmp_path / "gradleak"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("x = 1\n")
+    (pkg / "sub" / "m.py").write_text("y = 2\n")
+
+    def digest() -> str:
+        runner.code_digest.cache_clear()
+        return runner.code_digest()
+
+    monkeypatch.setattr(gradleak, "__file__", str(pkg / "__init__.py"))
+    try:
+        first = digest()
+        (pkg / "sub" / "__pycache__").mkdir()
+        (pkg / "sub" / "__pycache__" / "m.cpython-311.pyc").write_bytes(b"\0")
+        assert digest() == first
+        (pkg / "sub" / "m.py").write_text("y = 3\n")
+        assert digest() != first
+    finally:
+        runner.code_digest.cache_clear()

@@ -15,6 +15,7 @@ import copy
 import datetime as dt
 import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import platform
@@ -74,8 +75,23 @@ class RunOutcome:
         return [r for r in self.records if r["kind"] == kind]
 
 
+@functools.cache
+def code_digest() -> str:
+    """A digest of the code a run executes: every file of the installed gradleak package (relative path
+    and bytes) and the name and version of every installed distribution. A commit that changes no source
+    (docs, results, tests, benchmark configs, which the run's config covers) keeps it."""
+    root = Path(gradleak.__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        h.update(f"{path.relative_to(root).as_posix()}\0".encode())
+        h.update(path.read_bytes())
+    dists = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions())
+    h.update("\n".join(dists).encode())
+    return h.hexdigest()[:20]
+
+
 def environment() -> dict[str, Any]:
-    """Where a run happened: git commit, machine, library versions."""
+    """Where a run happened: git commit, the code's digest, machine, library versions."""
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
@@ -85,6 +101,7 @@ def environment() -> dict[str, Any]:
     return {
         "gradleak": gradleak.__version__,
         "git_commit": commit or "unknown",
+        "code": code_digest(),
         "machine": platform.machine(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -182,9 +199,10 @@ def any_model_modifying(cfg: ExperimentConfig) -> bool:
 
 
 def fingerprint(cfg: ExperimentConfig, env: Mapping[str, Any]) -> str:
-    """A digest of the whole config and the code (git commit, torch): the same command on the same code
-    resumes the same run; after a code change it starts a new one rather than mixing two versions."""
-    key = {"config": cfg.to_dict(), "code": {k: env.get(k) for k in ("git_commit", "torch")}}
+    """A digest of the whole config and the code (:func:`code_digest`): the same command on the same code
+    resumes the same run, across commits that change no code (a long benchmark survives a docs commit);
+    after a code or library change it starts a new one rather than mixing two versions."""
+    key = {"config": cfg.to_dict(), "code": env.get("code")}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
