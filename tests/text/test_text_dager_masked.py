@@ -87,20 +87,27 @@ def test_masked_dager_beyond_the_identifiable_rank_returns_nothing_and_says_so(g
     assert rec.stats["max_rank_l1"] == 4 and rec.stats["kept_l1"] == pytest.approx(0.1, abs=1e-3)
 
 
-def test_an_update_with_no_zero_gets_exact_dagers_spans(gpt2_cls, make_batch):
+def test_a_dense_update_with_a_few_exact_zeros_gets_exact_dagers_spans(gpt2_cls, make_batch):
+    """Three exact zeros in 12,288 entries (a dense float32 draw can hold one: the null baseline's did)
+    are below ``min_dropped``: exact DAGER's span and thresholds, and the batch exactly."""
     batch = make_batch(gpt2_cls)
     obs = _pruned(gpt2_cls, batch, 0.0)
-    rec = DagerMasked(DagerMaskedConfig(max_positions=8, l1_threshold=1e-3, l2_threshold=1e-3)).reconstruct(
-        obs, generator=_gen()
-    )
+    name = "transformer.h.0.attn.c_attn.weight"
+    holed = obs.update.tensors[name].clone()
+    holed.view(-1)[[5, 700, 9000]] = 0.0
+    obs = Observation(obs.model, obs.update.replace({**obs.update.tensors, name: holed}), obs.input_shape, 2)
+    config = DagerMaskedConfig(max_positions=8, l1_threshold=1e-3, l2_threshold=1e-3)
+    rec = DagerMasked(config).reconstruct(obs, generator=_gen())
     assert sorted(rec.token_ids) == sorted(batch.sequences())
-    assert rec.stats["kept_l1"] == 1.0 and rec.stats["completion_rank_l1"] == 11
+    # each hole is a rank-one perturbation: the exact span has 11 + 3 directions, and still passes the batch
+    assert rec.stats["kept_l1"] == pytest.approx(1 - 3 / 12288) and rec.stats["completion_rank_l1"] == 14
+    assert rec.stats["kept_l2"] == 1.0 and "max_rank_l1" not in rec.stats  # no completion ran
 
 
 @pytest.mark.parametrize(
     "bad",
     [{"fit_tol": 0.0}, {"fit_tol": 1e-4, "rank_fit": 1e-5}, {"rank_fit": 1.0}, {"oversampling": 0.5},
-     {"ridge": -1.0}, {"max_iters": 0}, {"refine_iters": 0}, {"row_chunk": 0}],
+     {"ridge": -1.0}, {"min_dropped": 0.0}, {"max_iters": 0}, {"refine_iters": 0}, {"row_chunk": 0}],
 )  # fmt: skip
 def test_bad_completion_options_are_refused(bad):
     with pytest.raises(ValueError):

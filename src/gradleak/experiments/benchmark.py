@@ -387,7 +387,8 @@ def run_benchmark(
         "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": command or " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "config": str(bench.source) if bench.source else None,
-        "git": {"commit": env["git_commit"], "runs": run_commits}, "code": env["code"], "machine": machine_info(),
+        "git": {"commit": env["git_commit"], "runs": run_commits}, "code": env["code"],
+        "machine": machine_info(),
         "store": str(store.path),
         "paper": dict(bench.paper), "rows": rows,
     }  # fmt: skip

@@ -59,7 +59,9 @@ class DagerMaskedConfig(DagerConfig):
     """DAGER's options plus the completion's: ``rank_fit`` (relative residual on the kept entries at which
     a rank fits, within ``max_iters`` alternating least-squares rounds), ``fit_tol`` (the residual the found
     rank's completion is refined to, within ``refine_iters`` rounds), ``oversampling`` (kept entries
-    per degree of freedom a tried rank must have), ``ridge`` (Tikhonov term of each least-squares fit,
+    per degree of freedom a tried rank must have), ``min_dropped`` (the share of zero entries from which
+    a gradient counts as sparsified; below it the exact span: a dense float32 draw can hold an exact zero),
+    ``ridge`` (Tikhonov term of each least-squares fit,
     relative to the largest singular value), ``row_chunk`` (rows solved at once: memory); thresholds
     default to 0.01 (L1 and L2): completion error, not rounding (module docstring)."""
 
@@ -70,6 +72,7 @@ class DagerMaskedConfig(DagerConfig):
     max_iters: int = 60
     refine_iters: int = 500
     oversampling: float = 1.2
+    min_dropped: float = 0.01
     ridge: float = 1e-12
     row_chunk: int = 64
 
@@ -81,6 +84,8 @@ class DagerMaskedConfig(DagerConfig):
             )
         if not 1 <= self.oversampling < math.inf:
             raise ValueError(f"oversampling must be finite and >= 1, got {self.oversampling}")
+        if not 0 < self.min_dropped < 1:
+            raise ValueError(f"min_dropped must be in (0, 1), got {self.min_dropped}")
         if not 0 <= self.ridge < 1:
             raise ValueError(f"ridge must be in [0, 1), got {self.ridge}")
         for key in ("max_iters", "refine_iters", "row_chunk"):
@@ -187,7 +192,8 @@ def completed_span(
 
 class DagerMasked(Dager):
     """DAGER whose spans come from a low-rank completion of a sparsified gradient (module docstring); reads
-    ``obs.model`` and ``obs.update``. A gradient with no zero entry gets exact DAGER's spans."""
+    ``obs.model`` and ``obs.update``. A gradient with fewer than ``min_dropped`` zero entries gets exact
+    DAGER's spans."""
 
     config: DagerMaskedConfig
 
@@ -201,9 +207,10 @@ class DagerMasked(Dager):
         stats: dict[str, float] = {}
         tokens = max(1, obs.update.num_samples) * int(obs.input_shape[0])
         for grad, label in ((grad1, "l1"), (grad2, "l2")):
-            if bool((grad != 0).all()):  # nothing dropped: the exact span
+            kept = float((grad != 0).to(torch.float64).mean())
+            if 1 - kept < self.config.min_dropped:  # not sparsified
                 out.append(estimate_span(grad, spec.rank_tol))
-                stats.update({f"kept_{label}": 1.0, f"completion_rank_{label}": float(out[-1].rank)})
+                stats.update({f"kept_{label}": kept, f"completion_rank_{label}": float(out[-1].rank)})
             else:
                 span, s = completed_span(grad, self.config, label, tokens)
                 out.append(span)
