@@ -67,6 +67,12 @@ def load_plugin(spec: str, *, base: Path | None = None) -> ModuleType:
     return module
 
 
+def loaded_sources() -> list[Path]:
+    """The source files of the plugins loaded so far (a run's code includes them), sorted."""
+    files = {getattr(m, "__file__", None) for m in _loaded.values()}
+    return sorted(Path(f).resolve() for f in files if f)
+
+
 def load_plugins(specs: Iterable[str], *, base: Path | None = None) -> list[ModuleType]:
     return [load_plugin(s, base=base) for s in specs]
 

@@ -232,7 +232,7 @@ def test_a_dp_defenses_epsilon_is_recorded_with_every_attacked_update(tmp_path):
 
 def test_a_run_is_resumed_across_commits_that_change_no_code(tmp_path, monkeypatch):
     """The fingerprint reads the code's digest, not the git commit: a docs commit keeps it, a changed
-    package file (not a __pycache__ one) or another config gives a new one."""
+    package file (not a __pycache__ one), an edited plugin or another config gives a new one."""
     import gradleak
     from gradleak.experiments import runner
 
@@ -251,7 +251,7 @@ def test_a_run_is_resumed_across_commits_that_change_no_code(tmp_path, monkeypat
     (pkg / "sub" / "m.py").write_text("y = 2\n")
 
     def digest() -> str:
-        runner.code_digest.cache_clear()
+        runner._package_digest.cache_clear()
         return runner.code_digest()
 
     monkeypatch.setattr(gradleak, "__file__", str(pkg / "__init__.py"))
@@ -262,5 +262,13 @@ def test_a_run_is_resumed_across_commits_that_change_no_code(tmp_path, monkeypat
         assert digest() == first
         (pkg / "sub" / "m.py").write_text("y = 3\n")
         assert digest() != first
+        plugin = tmp_path / "my_plugin.py"
+        plugin.write_text("z = 1\n")
+        changed = digest()
+        monkeypatch.setattr(runner, "plugin_sources", lambda: [plugin])
+        with_plugin = digest()
+        assert with_plugin != changed
+        plugin.write_text("z = 2\n")  # an edited plugin is other code
+        assert digest() != with_plugin
     finally:
-        runner.code_digest.cache_clear()
+        runner._package_digest.cache_clear()

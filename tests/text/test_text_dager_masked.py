@@ -13,7 +13,7 @@ from gradleak.attacks.text.dager_masked import (
     complete,
     max_identifiable_rank,
 )
-from gradleak.attacks.text.family import FULL_SPAN_FRACTION
+from gradleak.attacks.text.family import FULL_SPAN_FRACTION, family_of, input_side_gradient
 from gradleak.defenses.pruning import Pruning, PruningConfig
 from gradleak.registry import ATTACKS
 from gradleak.text.client import fedsgd_text_update
@@ -22,6 +22,11 @@ from gradleak.types import Observation
 
 def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def _grads(obs: Observation) -> list[torch.Tensor]:
+    spec = family_of(obs.model)
+    return [input_side_gradient(obs, obs.model, spec.attn_inputs, i) for i in (0, 1)]
 
 
 def _pruned(tm, batch, ratio: float) -> Observation:
@@ -44,7 +49,8 @@ def test_completion_restores_a_low_rank_matrix_from_a_random_share_of_its_entrie
     cfg = DagerMaskedConfig()
     (a, b), fit = complete(seen, 3, cfg, tol=1e-12, iters=500)
     assert fit < 1e-10
-    assert float((a @ b.T - truth).norm() / truth.norm()) < 1e-6
+    scale = float(seen.abs().max())  # the factors are those of the matrix over its largest kept entry
+    assert float((scale * a @ b.T - truth).norm() / truth.norm()) < 1e-6
     _, fit2 = complete(seen, 2, cfg, tol=1e-12, iters=500)
     assert fit2 > 1e-3
 
@@ -63,9 +69,10 @@ def test_max_identifiable_rank_is_the_largest_rank_the_kept_entries_determine(d,
 def test_masked_dager_recovers_a_pruned_batch_where_exact_dager_refuses(gpt2_cls, make_batch):
     """50 % magnitude pruning (tiny GPT-2, B = 2): the zeroed entries make the attention gradient full rank
     and exact DAGER returns nothing; the completion finds the batch's rank (11 token inputs, the
-    identifiable bound is 12 = B x padded length) and recovers both sentences exactly. The batch's largest
-    L2 residual to the completed span is 0.0048 (native, avx2 kernels) / 0.0123 (default), the threshold
-    0.05: the kept entries' float32 rounding, amplified along weak directions, is what the margin covers."""
+    token bound B x padded length is 12, the identifiability bound 23) and recovers both sentences
+    exactly. The batch's largest L2 residual to the completed span is 0.0048 (native, avx2 kernels) /
+    0.0123 (default), the threshold 0.05: the kept entries' float32 rounding, amplified along weak
+    directions, is what the margin covers."""
     batch = make_batch(gpt2_cls)
     obs = _pruned(gpt2_cls, batch, 0.5)
     exact = Dager().reconstruct(obs, generator=_gen())
@@ -98,8 +105,9 @@ def test_a_dense_update_with_a_few_exact_zeros_gets_exact_dagers_spans(gpt2_cls,
     holed = obs.update.tensors[name].clone()
     holed.view(-1)[[5, 700, 9000]] = 0.0
     obs = Observation(obs.model, obs.update.replace({**obs.update.tensors, name: holed}), obs.input_shape, 2)
-    config = DagerMaskedConfig(max_positions=8, l1_threshold=1e-3, l2_threshold=1e-3)
-    rec = DagerMasked(config).reconstruct(obs, generator=_gen())
+    dense = DagerMasked(DagerMaskedConfig(max_positions=8))
+    assert dense.spans(obs, dense.spec(obs.model), *_grads(obs))[2] == dense.spec(obs.model)  # thresholds
+    rec = dense.reconstruct(obs, generator=_gen())
     assert sorted(rec.token_ids) == sorted(batch.sequences())
     # each hole is a rank-one perturbation: the exact span has 11 + 3 directions, and still passes the batch
     assert rec.stats["kept_l1"] == pytest.approx(1 - 3 / 12288) and rec.stats["completion_rank_l1"] == 14
@@ -109,18 +117,40 @@ def test_a_dense_update_with_a_few_exact_zeros_gets_exact_dagers_spans(gpt2_cls,
 @pytest.mark.parametrize(
     "bad",
     [{"fit_tol": 0.0}, {"fit_tol": 1e-4, "rank_fit": 1e-5}, {"rank_fit": 1.0}, {"oversampling": 0.5},
-     {"ridge": -1.0}, {"min_dropped": 0.0}, {"max_iters": 0}, {"refine_iters": 0}, {"row_chunk": 0}],
+     {"ridge": 0.0}, {"min_dropped": 0.0}, {"completed_l2_threshold": 1.0}, {"max_iters": 0},
+     {"refine_iters": 0}, {"row_chunk": 0}],
 )  # fmt: skip
 def test_bad_completion_options_are_refused(bad):
     with pytest.raises(ValueError):
         DagerMaskedConfig(**bad)
 
 
-def test_a_completion_that_cannot_be_computed_does_not_fit_rather_than_raise():
-    """An entry at 1e200 overflows float64 in the least squares (the GPT-2 small run at 99 % pruning hit a
-    singular system): the rank is reported as not fitting (fit inf), nothing raises."""
+def test_a_completion_that_cannot_be_computed_does_not_fit_rather_than_raise(monkeypatch):
+    """A least-squares system that cannot be solved (the GPT-2 small run at 99 % pruning once hit a singular
+    one) means the rank does not fit (fit inf), and the factors are the last good ones; so does a matrix
+    that is all zeros. Nothing raises."""
+    import gradleak.attacks.text.dager_masked as dm
+
     t = torch.randn(20, 30, generator=_gen(2), dtype=torch.float64)
-    t[0, 0] = 1e200
-    t[5:, 7:] = 0.0
-    _, fit = complete(t, 3, DagerMaskedConfig(), tol=1e-12, iters=5)
-    assert fit == float("inf")
+    start = dm.svd_start(dm.normalised(t), 3)
+    monkeypatch.setattr(dm, "_rows", lambda *args: None)
+    factors, fit = complete(t, 3, DagerMaskedConfig(), tol=1e-12, iters=5, start=start)
+    assert fit == float("inf") and factors[0] is start[0]
+    monkeypatch.undo()
+    assert complete(torch.zeros(20, 30), 3, DagerMaskedConfig(), tol=1e-12, iters=5)[1] == float("inf")
+
+
+def test_the_fit_is_scale_free():
+    """The same pruned rank-3 matrix at scale 1, 1e-160 and 1e160 (squares outside float64 at both ends):
+    the same rank-3 fit."""
+    g = _gen(4)
+    truth = torch.randn(30, 3, generator=g, dtype=torch.float64) @ torch.randn(
+        3, 40, generator=g, dtype=torch.float64
+    )
+    seen = torch.where(torch.rand(30, 40, generator=g) < 0.6, truth, torch.zeros_like(truth))
+    fits = [complete(seen * c, 3, DagerMaskedConfig(), tol=1e-12, iters=50)[1] for c in (1.0, 1e-160, 1e160)]
+    assert (
+        fits[0] < 1e-8
+        and fits[1] == pytest.approx(fits[0], rel=1e-6)
+        and fits[2] == pytest.approx(fits[0], rel=1e-6)
+    )

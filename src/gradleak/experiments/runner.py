@@ -45,6 +45,7 @@ from gradleak.fl import FederatedSimulation, derive_seed, server_view
 from gradleak.fl.client import ClientResult
 from gradleak.fl.engines import EngineRunner
 from gradleak.fl.simulation import Engine, RoundResult, secure_observation
+from gradleak.plugins import loaded_sources as plugin_sources
 from gradleak.progress import enabled as bars_on
 from gradleak.registry import ENGINES
 from gradleak.tasks import Dataset
@@ -76,17 +77,30 @@ class RunOutcome:
 
 
 @functools.cache
-def code_digest() -> str:
-    """A digest of the code a run executes: every file of the installed gradleak package (relative path
-    and bytes) and the name and version of every installed distribution. A commit that changes no source
-    (docs, results, tests, benchmark configs, which the run's config covers) keeps it."""
+def _package_digest() -> str:
+    """The installed gradleak package's files (relative path and bytes, ``__pycache__`` left out) and every
+    installed distribution's name and version, plus the Python version."""
     root = Path(gradleak.__file__).parent
-    h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
-        h.update(f"{path.relative_to(root).as_posix()}\0".encode())
+    h = hashlib.sha256(platform.python_version().encode())
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root)
+        if "__pycache__" in rel.parts:
+            continue
+        h.update(f"{rel.as_posix()}\0".encode())
         h.update(path.read_bytes())
     dists = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions())
     h.update("\n".join(dists).encode())
+    return h.hexdigest()
+
+
+def code_digest() -> str:
+    """A digest of the code a run executes: the package and the installed libraries
+    (:func:`_package_digest`) and the source of every plugin loaded so far. A commit that changes no code
+    (docs, results, tests, benchmark configs, which the run's config covers) keeps it."""
+    h = hashlib.sha256(_package_digest().encode())
+    for path in plugin_sources():
+        h.update(f"{path}\0".encode())
+        h.update(path.read_bytes())
     return h.hexdigest()[:20]
 
 

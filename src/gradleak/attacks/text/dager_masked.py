@@ -17,25 +17,30 @@ surrogate):
   to row i's kept entries, a_i = argmin sum_{j kept} (G_ij - a_i . b_j)^2, and likewise each row of B,
   for up to ``max_iters`` rounds. The fit is ||M * (G - L)|| / ||M * G||.
 - **Rank.** A rank below n leaves the weakest signal direction's share of the kept entries unexplained;
-  a rank of n fits them to rounding. The rank is the smallest r whose fit falls below ``fit_tol``, found
-  by bisection over [1, r_max] (the fit does not grow with r; r_max also at most the batch's token count,
-  sequences x padded length, which the server knows), each tried rank given ``max_iters`` rounds to
-  reach ``rank_fit``; the rank found is then refined to ``fit_tol`` (a completion whose fit stops falling
-  has converged and is kept as it is).
+  a rank of n fits them to rounding. A rank fits when its fit falls below ``rank_fit`` within ``max_iters``
+  rounds; the rank is found by bisection over [1, r_max], which assumes that a rank above one that fits
+  fits too: the rank returned was checked to fit, though an ALS run that stalled could make it larger
+  than the smallest that does (``fit_below_l1``, the fit one rank lower when it was probed, is the margin).
+  The rank found is then refined towards ``fit_tol``; in practice the refinement stops where the kept
+  entries' float32 rounding leaves it, ~1e-7.
 - **Identifiability.** A rank-r d x k matrix has r (d + k - r) degrees of freedom; ranks whose count exceeds
-  the kept entries over ``oversampling`` are not tried (r_max), nor ranks that leave no room for a span test
-  (:data:`~gradleak.attacks.text.family.FULL_SPAN_FRACTION`). When even r_max does not fit, the attack
+  the kept entries over ``oversampling`` are not tried, nor ranks that leave no room for a span test
+  (:data:`~gradleak.attacks.text.family.FULL_SPAN_FRACTION`), nor ranks above the batch's token count
+  (sequences x padded length, which the server knows): r_max. When even r_max does not fit, the attack
   returns nothing and says so: ``completion_rank_l1 = 0`` with ``max_rank_l1`` and ``kept_l1`` (the share
-  of entries kept) in the stats are the measured limit.
+  of entries kept) in the stats are the measured limit. The count is necessary, not sufficient: a row or
+  column with fewer than r kept entries is not determined by them, and magnitude pruning empties the rows
+  of weak features first; such a completion fits the kept entries and still has the wrong span there.
 
-The span is the column space of the completed A; the span tests are DAGER's with looser thresholds
-(``l1_threshold`` 0.01, ``l2_threshold`` 0.05: the completion is accurate to the float32 rounding of the
-kept entries, ~1e-7, and weak directions amplify it; see the config).
+The span is the column space of the completed A; the span tests on a completed span use looser thresholds
+(``completed_l1_threshold`` 0.01, ``completed_l2_threshold`` 0.05: the completion is accurate to the
+float32 rounding of the kept entries, ~1e-7, and weak directions amplify it; see the config). A gradient
+that was not sparsified gets exact DAGER's span and thresholds.
 
 What it cannot do: magnitude pruning keeps the large entries, so a token whose input and error are both
 small can lose every entry of its direction, which no completion restores (it would be recovered under
 random sparsification of the same rate); and at high ratios r (d + k - r) exceeds the kept entries for the
-batch's rank (GPT-2 small, k = 3 d = 2,304: 90 % pruning leaves room for about 60 tokens).
+batch's rank (GPT-2 small, k = 3 d = 2,304: 90 % pruning leaves room for 48 token inputs).
 """
 
 from __future__ import annotations
@@ -45,31 +50,32 @@ import math
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from gradleak.attacks.text.dager import Dager, DagerConfig
-from gradleak.attacks.text.family import FULL_SPAN_FRACTION, FamilySpec, Span, estimate_span
+from gradleak.attacks.text.family import FULL_SPAN_FRACTION, FamilySpec, Span, estimate_span, with_thresholds
+from gradleak.progress import bar
 from gradleak.registry import ATTACKS
 from gradleak.types import Observation
 
 log = logging.getLogger(__name__)
 
+Factors = tuple[torch.Tensor, torch.Tensor]
+
 
 @dataclass(frozen=True)
 class DagerMaskedConfig(DagerConfig):
-    """DAGER's options plus the completion's: ``rank_fit`` (relative residual on the kept entries at which
-    a rank fits, within ``max_iters`` alternating least-squares rounds), ``fit_tol`` (the residual the found
-    rank's completion is refined to, within ``refine_iters`` rounds), ``oversampling`` (kept entries
-    per degree of freedom a tried rank must have), ``min_dropped`` (the share of zero entries from which
-    a gradient counts as sparsified; below it the exact span: a dense float32 draw can hold an exact zero),
-    ``ridge`` (Tikhonov term of each least-squares fit, relative to the mean diagonal of that row's Gram
-    matrix), ``row_chunk`` (rows solved at once: memory); thresholds default to 0.01 (L1) and 0.05 (L2):
-    the kept entries carry float32 rounding, so the completion fits them to ~1e-7 and a token along a weak
-    L2 direction lies 0.005-0.02 off the completed span (GPT-2 arch tiny, 50 %; 0.9 for tokens not in the
-    batch)."""
+    """DAGER's options (its thresholds apply to a gradient that was not sparsified) plus the completion's:
+    ``rank_fit`` (relative residual on the kept entries at which a rank fits, within ``max_iters``
+    alternating least-squares rounds), ``fit_tol`` (the residual the found rank's completion is refined
+    towards, within ``refine_iters`` rounds), ``oversampling`` (kept entries per degree of freedom a tried
+    rank must have), ``min_dropped`` (the share of zero entries from which a gradient counts as sparsified;
+    below it the exact span: a dense float32 draw can hold an exact zero), ``ridge`` (Tikhonov term of each
+    least-squares fit, relative to the mean diagonal of that row's Gram matrix), ``row_chunk`` (rows solved
+    at once: memory), and the span tests' thresholds on a completed span, ``completed_l1_threshold`` 0.01
+    and ``completed_l2_threshold`` 0.05: the kept entries carry float32 rounding, so the completion fits
+    them to ~1e-7 and a token along a weak L2 direction lies 0.005-0.012 off the completed span (GPT-2 arch
+    tiny, 50 %, across CPU kernel sets; tokens not in the batch lie at ~0.9)."""
 
-    l1_threshold: float | None = 0.01
-    l2_threshold: float | None = 0.05
     rank_fit: float = 1e-5
     fit_tol: float = 1e-8
     max_iters: int = 60
@@ -78,6 +84,8 @@ class DagerMaskedConfig(DagerConfig):
     min_dropped: float = 0.01
     ridge: float = 1e-12
     row_chunk: int = 64
+    completed_l1_threshold: float = 0.01
+    completed_l2_threshold: float = 0.05
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,10 +95,9 @@ class DagerMaskedConfig(DagerConfig):
             )
         if not 1 <= self.oversampling < math.inf:
             raise ValueError(f"oversampling must be finite and >= 1, got {self.oversampling}")
-        if not 0 < self.min_dropped < 1:
-            raise ValueError(f"min_dropped must be in (0, 1), got {self.min_dropped}")
-        if not 0 < self.ridge < 1:
-            raise ValueError(f"ridge must be in (0, 1), got {self.ridge}")
+        for key in ("min_dropped", "ridge", "completed_l1_threshold", "completed_l2_threshold"):
+            if not 0 < getattr(self, key) < 1:
+                raise ValueError(f"{key} must be in (0, 1), got {getattr(self, key)}")
         for key in ("max_iters", "refine_iters", "row_chunk"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
@@ -118,7 +125,7 @@ def _rows(
     return torch.cat(out)
 
 
-def _balanced(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _balanced(a: torch.Tensor, b: torch.Tensor) -> Factors:
     """The same product a b^T as U sqrt(S), V sqrt(S) (its thin SVD through two QRs): ALS's factors are
     determined only up to an invertible r x r matrix, and without this they can drift apart in scale."""
     qa, ra = torch.linalg.qr(a)
@@ -131,32 +138,46 @@ def _balanced(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 STALL = 0.99  # a completion whose fit fell by less than 1 % over the last 10 rounds has converged
 
 
-def complete(
-    grad: torch.Tensor, rank: int, config: DagerMaskedConfig, *, tol: float, iters: int,
-    start: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:  # fmt: skip
-    """Rank-``rank`` alternating least squares on the nonzero entries of ``grad`` (d, k), from ``start``
-    (None: the top-``rank`` SVD of ``grad``) until the fit on the kept entries is below ``tol``, stalls
-    (:data:`STALL`) or ``iters`` rounds ran: the factors A (d, rank) and B (k, rank) and the fit."""
+def normalised(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` in float64 over its largest magnitude (the completion's fits are scale-free; this keeps
+    their squares away from float64's range limits)."""
     g = grad.to(torch.float64)
-    kept = (g != 0).to(torch.float64)
+    top = float(g.abs().max())
+    return g / top if top > 0 else g
+
+
+def svd_start(g: torch.Tensor, rank: int) -> Factors:
+    """ALS's starting factors from the top-``rank`` SVD of the zero-filled matrix ``g``."""
     u, s, vh = torch.linalg.svd(g, full_matrices=False)
-    if start is None:
-        root = s[:rank].sqrt()
-        start = (u[:, :rank] * root, vh[:rank].T * root)
-    a, b = start
-    norm, history = float(g.norm()), []
+    root = s[:rank].sqrt()
+    return u[:, :rank] * root, vh[:rank].T * root
+
+
+def complete(
+    g: torch.Tensor, rank: int, config: DagerMaskedConfig, *, tol: float, iters: int,
+    start: Factors | None = None,
+) -> tuple[Factors, float]:  # fmt: skip
+    """Rank-``rank`` alternating least squares on the nonzero entries of ``g`` (d, k; see
+    :func:`normalised`), from ``start`` (None: :func:`svd_start`) until the fit on the kept entries is below
+    ``tol``, stalls (:data:`STALL`) or ``iters`` rounds ran: the factors A (d, rank) and B (k, rank) and the
+    fit, inf when a round could not be computed (an ill-posed system or an overflow: the rank does not
+    fit; the factors are then the last good ones)."""
+    g = normalised(g)  # idempotent: ``start`` was computed on the same scale
+    kept = (g != 0).to(torch.float64)
+    a, b = start if start is not None else svd_start(g, rank)
+    norm, history = float(g.norm()), list[float]()
     for _ in range(iters):
         new_a = _rows(kept, g, b, config.ridge, config.row_chunk)
         new_b = None if new_a is None else _rows(kept.T, g.T, new_a, config.ridge, config.row_chunk)
-        if new_a is None or new_b is None:  # an ill-posed system: this rank does not fit
+        if new_a is None or new_b is None:
             log.info("dager_masked: a least-squares system of rank %d could not be solved", rank)
             return (a, b), math.inf
-        a, b = _balanced(new_a, new_b)
-        history.append(float((kept * (g - a @ b.T)).norm()) / norm)
-        if not math.isfinite(history[-1]):  # overflow: this rank does not fit
+        cand = _balanced(new_a, new_b)
+        fit = float((kept * (g - cand[0] @ cand[1].T)).norm()) / norm if norm > 0 else math.inf
+        if not math.isfinite(fit):
             return (a, b), math.inf
-        if history[-1] < tol or (len(history) > 10 and history[-1] > STALL * history[-11]):
+        (a, b), history = cand, [*history, fit]
+        if fit < tol or (len(history) > 10 and fit > STALL * history[-11]):
             break
     return (a, b), history[-1] if history else math.inf
 
@@ -165,7 +186,7 @@ def max_identifiable_rank(shape: tuple[int, int], kept: int, oversampling: float
     """The largest r with r (d + k - r) <= kept / oversampling and r < FULL_SPAN_FRACTION * d."""
     d, k = shape
     budget = kept / oversampling
-    # r (d + k - r) is increasing for r <= (d + k) / 2, which every r < d satisfies (d <= k or not)
+    # r (d + k - r) grows with r up to (d + k) / 2, and the cap keeps r below min(d, k) <= (d + k) / 2
     top = min(d, k, math.ceil(FULL_SPAN_FRACTION * d) - 1)
     r = 0
     while r < top and (r + 1) * (d + k - r - 1) <= budget:
@@ -173,54 +194,65 @@ def max_identifiable_rank(shape: tuple[int, int], kept: int, oversampling: float
     return r
 
 
+def _basis(a: torch.Tensor) -> Span:
+    """An orthonormal basis of the column space of ``a`` (left singular vectors above 1e-12 of the
+    largest: a column that collapsed to zero adds no direction)."""
+    u, s, _ = torch.linalg.svd(a, full_matrices=False)
+    keep = int((s > 1e-12 * s[0]).sum()) if s.numel() and float(s[0]) > 0 else 0
+    return Span(u[:, :keep], s)
+
+
 def completed_span(
     grad: torch.Tensor, config: DagerMaskedConfig, label: str, tokens: int
 ) -> tuple[Span, dict[str, float]]:
     """The span of the lowest-rank completion of ``grad``'s kept entries that fits them (module docstring),
-    of rank at most ``tokens`` (the batch's token count: sequences x padded length), and stats: the rank
-    found (0: none fits), the largest rank tried, the share of entries kept, the fit."""
-    kept = int((grad != 0).sum())
-    r_max = min(tokens, max_identifiable_rank((grad.shape[0], grad.shape[1]), kept, config.oversampling))
-    stats = {f"kept_{label}": kept / grad.numel(), f"max_rank_{label}": float(r_max)}
-    empty = Span(
-        grad.new_zeros(grad.shape[0], 0, dtype=torch.float64), grad.new_zeros(0, dtype=torch.float64)
-    )
-    fits: dict[int, tuple[tuple[torch.Tensor, torch.Tensor], float]] = {}
-    with tqdm(desc=f"completion ({label} rank)", leave=False) as bar:
+    of rank at most ``tokens`` (the batch's token count: sequences x padded length), and stats: the share
+    of entries kept, the largest rank tried, the rank found (0: none fits), its fit and the fit one rank
+    lower when that was probed."""
+    g = normalised(grad)
+    kept = int((g != 0).sum())
+    r_max = min(tokens, max_identifiable_rank((g.shape[0], g.shape[1]), kept, config.oversampling))
+    stats = {f"kept_{label}": kept / g.numel(), f"max_rank_{label}": float(r_max)}
+    empty = Span(g.new_zeros(g.shape[0], 0), g.new_zeros(0))
+    if r_max == 0:
+        return empty, {**stats, f"completion_rank_{label}": 0.0}
+    u, s, vh = torch.linalg.svd(g, full_matrices=False)
+    fits: dict[int, tuple[Factors, float]] = {}
+    with bar(desc=f"completion ({label} rank)") as progress:
 
         def probe(r: int) -> bool:
-            fits[r] = complete(grad, r, config, tol=config.rank_fit, iters=config.max_iters)
-            bar.update(1)
-            bar.set_postfix(rank=r, fit=f"{fits[r][1]:.1e}")
+            root = s[:r].sqrt()
+            fits[r] = complete(g, r, config, tol=config.rank_fit, iters=config.max_iters,
+                               start=(u[:, :r] * root, vh[:r].T * root))  # fmt: skip
+            progress.update(1)
+            progress.set_postfix(rank=r, fit=f"{fits[r][1]:.1e}")
             return fits[r][1] < config.rank_fit
 
         lo, hi = 0, r_max  # rank lo does not fit; rank hi is the smallest that may
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if probe(mid) else (mid, hi)
-        if r_max > 0 and hi not in fits:  # r_max itself: the bisection only probes below it
+        if hi not in fits:  # r_max itself: the bisection only probes below it
             probe(hi)
-        if r_max == 0 or fits[hi][1] >= config.rank_fit:
-            fit = fits[hi][1] if hi in fits else math.inf
-            log.warning(
-                "dager_masked: no completion of rank <= %d fits the %s gradient's kept entries "
-                "(%.0f %% kept, fit %.1e at rank %d): the batch's rank is beyond what they determine",
-                r_max, label, 100 * stats[f"kept_{label}"], fit, r_max,
-            )  # fmt: skip
-            return empty, {**stats, f"completion_rank_{label}": 0.0, f"fit_{label}": fit}
-    (a, _), fit = complete(grad, hi, config, tol=config.fit_tol, iters=config.refine_iters, start=fits[hi][0])
-    basis, _ = torch.linalg.qr(a)
-    return Span(basis, torch.linalg.svdvals(a)), {
-        **stats,
-        f"completion_rank_{label}": float(hi),
-        f"fit_{label}": fit,
-    }
+    if fits[hi][1] >= config.rank_fit:
+        log.warning(
+            "dager_masked: no completion of rank <= %d fits the %s gradient's kept entries "
+            "(%.0f %% kept, fit %.1e at rank %d): the batch's rank is beyond what they determine",
+            r_max, label, 100 * stats[f"kept_{label}"], fits[hi][1], r_max,
+        )  # fmt: skip
+        return empty, {**stats, f"completion_rank_{label}": 0.0, f"fit_{label}": fits[hi][1]}
+    refined = complete(g, hi, config, tol=config.fit_tol, iters=config.refine_iters, start=fits[hi][0])
+    (a, _), fit = refined if refined[1] <= fits[hi][1] else fits[hi]
+    stats.update({f"completion_rank_{label}": float(hi), f"fit_{label}": fit})
+    if hi - 1 in fits:
+        stats[f"fit_below_{label}"] = fits[hi - 1][1]
+    return _basis(a), stats
 
 
 class DagerMasked(Dager):
     """DAGER whose spans come from a low-rank completion of a sparsified gradient (module docstring); reads
     ``obs.model`` and ``obs.update``. A gradient with fewer than ``min_dropped`` zero entries gets exact
-    DAGER's spans."""
+    DAGER's span and thresholds."""
 
     config: DagerMaskedConfig
 
@@ -230,19 +262,25 @@ class DagerMasked(Dager):
     def spans(
         self, obs: Observation, spec: FamilySpec, grad1: torch.Tensor, grad2: torch.Tensor
     ) -> tuple[Span, Span, FamilySpec, dict[str, float]]:
+        c = self.config
+        tokens = max(1, obs.update.num_samples) * int(obs.input_shape[0])
         out: list[Span] = []
         stats: dict[str, float] = {}
-        tokens = max(1, obs.update.num_samples) * int(obs.input_shape[0])
-        for grad, label in ((grad1, "l1"), (grad2, "l2")):
+        thresholds: dict[str, float] = {}
+        for grad, label, loose in (
+            (grad1, "l1", c.completed_l1_threshold),
+            (grad2, "l2", c.completed_l2_threshold),
+        ):
             kept = float((grad != 0).to(torch.float64).mean())
-            if 1 - kept < self.config.min_dropped:  # not sparsified
+            if 1 - kept < c.min_dropped:  # not sparsified: the exact span and threshold
                 out.append(estimate_span(grad, spec.rank_tol))
                 stats.update({f"kept_{label}": kept, f"completion_rank_{label}": float(out[-1].rank)})
             else:
-                span, s = completed_span(grad, self.config, label, tokens)
+                span, s = completed_span(grad, c, label, tokens)
                 out.append(span)
                 stats.update(s)
-        return out[0], out[1], spec, stats
+                thresholds[f"{label}_threshold"] = loose
+        return out[0], out[1], with_thresholds(spec, **thresholds), stats
 
 
 ATTACKS.register(
