@@ -146,9 +146,12 @@ def normalised(grad: torch.Tensor) -> torch.Tensor:
     return g / top if top > 0 else g
 
 
-def svd_start(g: torch.Tensor, rank: int) -> Factors:
-    """ALS's starting factors from the top-``rank`` SVD of the zero-filled matrix ``g``."""
-    u, s, vh = torch.linalg.svd(g, full_matrices=False)
+Svd = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def svd_start(svd: Svd, rank: int) -> Factors:
+    """ALS's starting factors from the top-``rank`` part of the zero-filled matrix's thin SVD."""
+    u, s, vh = svd
     root = s[:rank].sqrt()
     return u[:, :rank] * root, vh[:rank].T * root
 
@@ -164,7 +167,7 @@ def complete(
     fit; the factors are then the last good ones)."""
     g = normalised(g)  # idempotent: ``start`` was computed on the same scale
     kept = (g != 0).to(torch.float64)
-    a, b = start if start is not None else svd_start(g, rank)
+    a, b = start if start is not None else svd_start(torch.linalg.svd(g, full_matrices=False), rank)
     norm, history = float(g.norm()), list[float]()
     for _ in range(iters):
         new_a = _rows(kept, g, b, config.ridge, config.row_chunk)
@@ -176,7 +179,8 @@ def complete(
         fit = float((kept * (g - cand[0] @ cand[1].T)).norm()) / norm if norm > 0 else math.inf
         if not math.isfinite(fit):
             return (a, b), math.inf
-        (a, b), history = cand, [*history, fit]
+        a, b = cand
+        history.append(fit)
         if fit < tol or (len(history) > 10 and fit > STALL * history[-11]):
             break
     return (a, b), history[-1] if history else math.inf
@@ -216,14 +220,14 @@ def completed_span(
     empty = Span(g.new_zeros(g.shape[0], 0), g.new_zeros(0))
     if r_max == 0:
         return empty, {**stats, f"completion_rank_{label}": 0.0}
-    u, s, vh = torch.linalg.svd(g, full_matrices=False)
+    svd = torch.linalg.svd(g, full_matrices=False)  # one SVD starts every probe
     fits: dict[int, tuple[Factors, float]] = {}
     with bar(desc=f"completion ({label} rank)") as progress:
 
         def probe(r: int) -> bool:
-            root = s[:r].sqrt()
-            fits[r] = complete(g, r, config, tol=config.rank_fit, iters=config.max_iters,
-                               start=(u[:, :r] * root, vh[:r].T * root))  # fmt: skip
+            fits[r] = complete(
+                g, r, config, tol=config.rank_fit, iters=config.max_iters, start=svd_start(svd, r)
+            )
             progress.update(1)
             progress.set_postfix(rank=r, fit=f"{fits[r][1]:.1e}")
             return fits[r][1] < config.rank_fit
