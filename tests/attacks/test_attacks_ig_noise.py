@@ -104,9 +104,9 @@ def test_ig_noise_recovers_under_noise_an_image_plain_ig_loses(cifar):
     batch gradient clipped to 1 plus N(0, 0.01^2) per entry (paper 002's dp_0.01; the noise carries about
     200 times the gradient's energy). Plain IG at the TV weight tuned without noise (1e-2,
     ig_noise_tuning.toml) matches the noise and falls under the class-mean floor (about 14.6 dB on these
-    images); ig_noise, the same attack with the TV weight of the MAP balance (about 0.2 here), recovers the
-    image. Seeded, 200 iterations, lr 0.1 (measured: ig 9.0 / 11.8 dB, ig_noise 15.6 / 19.6 dB on images
-    0 / 1)."""
+    images); ig_noise, the same attack with the TV weight of the MAP balance (1e-2 + 0.067 here), recovers
+    the image. Seeded, 200 iterations, lr 0.1 (measured: ig 9.0 / 11.8 dB, ig_noise 15.9 / 20.0 dB on
+    images 0 / 1; images 2 / 3: 13.1 / 10.2 vs 15.7 / 15.3)."""
     model = build_model("sme_cnn", (3, 32, 32), 10, seed=0)
     scores = {}
     for i in (0, 1):
@@ -119,9 +119,9 @@ def test_ig_noise_recovers_under_noise_an_image_plain_ig_loses(cifar):
             scores[name, i] = float(psnr(rec.images, img)[0])
             if name == "ig_noise":
                 assert rec.stats["snr"] == pytest.approx(1 / 216, rel=0.2), rec.stats  # S / N, S = 1 (clip)
-                assert 0.1 < rec.stats["tv_noise"] < 0.4, rec.stats
+                assert 0.03 < rec.stats["tv_noise"] < 0.15, rec.stats
     assert all(scores["ig_noise", i] > scores["ig", i] + 4.0 for i in (0, 1)), scores
-    assert scores["ig_noise", 1] > 17.0 and scores["ig", 1] < 13.0, scores
+    assert scores["ig_noise", 1] >= 18.0 and scores["ig", 1] < 14.5, scores  # the RR bar; under the floor
 
 
 def test_the_tuning_images_are_not_the_audited_ones():
