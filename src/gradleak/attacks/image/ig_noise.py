@@ -26,10 +26,10 @@ plain IG's Eq. 4 with the TV weight grown by ``prior_strength`` (1 / beta) x s^2
 It is scale-free (clip and noise scaled together leave it unchanged) and vanishes without noise, where the
 attack is plain IG with ``tv_weight`` (which stays, as in IG, for what the prior does beyond the noise).
 ``prior_strength`` is the one setting the model does not give; its default, 1e4, is the best of 3e3 / 1e4 /
-3e4 / 1e5 at every noise level of a tuning run on held-out images (``benchmarks/configs/ig_noise_tuning.toml``:
-paper 001's victim, six CIFAR-10 images other than the audited ones, 200 iterations, base TV 1e-2, s = 0.001 /
-0.003 / 0.01: 25.0 / 21.3 / 17.4 dB, as good as plain IG at the best fixed TV weight of each noise level,
-24.9 / 21.5 / 17.1 dB, which the noise alone now sets).
+3e4 / 1e5 at every noise level of a tuning run on held-out images
+(``benchmarks/configs/ig_noise_tuning.toml``: paper 001's victim, six CIFAR-10 images other than the audited
+ones, 200 iterations, base TV 1e-2, s = 0.001 / 0.003 / 0.01: 25.0 / 21.3 / 17.4 dB, as good as plain IG at
+the best fixed TV weight of each noise level, 24.9 / 21.5 / 17.1 dB, which the noise alone now sets).
 
 Where the update's energy does not stand above the noise's (||y||^2 <= N (1 + tail sqrt(2 / D)); ||n||^2 /
 s^2 is chi-square with D degrees of freedom) there is no signal to match and the attack refuses, stating the
