@@ -25,8 +25,11 @@ and with a TV prior p(X) ~ exp(-TV(X) / beta) the maximum a posteriori image min
 plain IG's Eq. 4 with the TV weight grown by ``prior_strength`` (1 / beta) x s^2 / sqrt(S E), E = ||y||^2.
 It is scale-free (clip and noise scaled together leave it unchanged) and vanishes without noise, where the
 attack is plain IG with ``tv_weight`` (which stays, as in IG, for what the prior does beyond the noise).
+D counts the entries that carry noise (the nonzero ones). The TV term is a per-pixel mean
+(:func:`~gradleak.attacks.image.ig.total_variation`), so ``prior_strength`` is tied to the image size and
+batch it was tuned at (one 32 x 32 image).
 ``prior_strength`` is the one setting the model does not give; its default, 1e4, is the best of 3e3 / 1e4 /
-3e4 / 1e5 at every noise level of a tuning run on held-out images
+3e4 / 1e5, or within 0.05 dB of it, at every noise level of a tuning run on held-out images
 (``benchmarks/configs/ig_noise_tuning.toml``: paper 001's victim, six CIFAR-10 images other than the audited
 ones, 200 iterations, base TV 1e-2, s = 0.001 / 0.003 / 0.01: 25.0 / 21.3 / 17.4 dB, as good as plain IG at
 the best fixed TV weight of each noise level, 24.9 / 21.5 / 17.1 dB, which the noise alone now sets).
@@ -75,7 +78,9 @@ class NoiseAwareIGConfig(IGConfig):
 
 @dataclass(frozen=True)
 class NoiseBalance:
-    """An update's energy against its noise's: E = ||y||^2, N = s^2 D (module docstring)."""
+    """An update's energy against its noise's: E = ||y||^2, N = s^2 D, D the entries that carry noise (the
+    nonzero ones: a Gaussian draw is never exactly 0, so a zero entry was sent without noise, e.g. a
+    parameter without a gradient or an entry pruned after the noise)."""
 
     energy: float
     noise: float
@@ -84,7 +89,7 @@ class NoiseBalance:
     @classmethod
     def of(cls, tensors: list[torch.Tensor], noise_std: float) -> NoiseBalance:
         energy = sum(float(t.double().pow(2).sum()) for t in tensors)
-        numel = sum(t.numel() for t in tensors)
+        numel = sum(int(torch.count_nonzero(t)) for t in tensors)
         return cls(energy, noise_std**2 * numel, numel)
 
     @property
@@ -94,11 +99,12 @@ class NoiseBalance:
 
     def stands_out(self, tail: float) -> bool:
         """E > N (1 + tail sqrt(2 / D)): the energy lies ``tail`` standard deviations of a pure-noise
-        update's energy above the noise."""
-        return self.energy > self.noise * (1 + tail * math.sqrt(2 / self.numel))
+        update's energy above the noise (never for an update of zeros)."""
+        return self.numel > 0 and self.energy > self.noise * (1 + tail * math.sqrt(2 / self.numel))
 
     def tv_weight(self, noise_std: float, prior_strength: float) -> float:
-        """The TV weight the noise adds at the MAP balance: prior_strength x s^2 / sqrt(S E)."""
+        """The TV weight the noise adds at the MAP balance: prior_strength x s^2 / sqrt(S E); for an update
+        that stands out (S > 0)."""
         if self.noise == 0:
             return 0.0
         return prior_strength * noise_std**2 / math.sqrt(self.signal * self.energy)
@@ -114,23 +120,26 @@ class NoiseAwareInvertingGradients(InvertingGradients):
         super().__init__(config or NoiseAwareIGConfig())
 
     def noise_std(self, obs: Observation) -> float:
-        std = (
-            self.config.noise_std
-            if self.config.noise_std is not None
-            else stated_noise_std(obs.update.metadata)
-        )
+        """The configured noise scale, else the update's stated one (checked: finite and >= 0)."""
+        if self.config.noise_std is not None:
+            return self.config.noise_std
+        std = stated_noise_std(obs.update.metadata)
         if std is None:
             raise AttackInputError(
                 "ig_noise needs the noise scale: the update states none (no <defense>/noise_std in its "
                 "metadata); set noise_std to the defense's per-entry noise standard deviation"
             )
+        if not 0 <= std < math.inf:
+            raise AttackInputError(f"the update states a noise scale {std!r}; it must be finite and >= 0")
         return std
 
-    def balance(self, obs: Observation, target: list[torch.Tensor]) -> NoiseBalance:
-        """The matched tensors' energy against the noise's; refuses an update whose energy does not stand
-        above its noise (nothing to match)."""
-        std = self.noise_std(obs)
-        balance = NoiseBalance.of(target, std)
+    def balance(self, obs: Observation, std: float) -> NoiseBalance:
+        """The energy of the update's tensors that IG matches (those of the model's parameters) against
+        the noise's; refuses an update whose energy does not stand above its noise (nothing to match)."""
+        names = {n for n, _ in obs.model.named_parameters()}
+        balance = NoiseBalance.of([t for n, t in obs.update.tensors.items() if n in names], std)
+        if balance.numel == 0:
+            raise AttackInputError("the update is all zeros: nothing to match")
         if not balance.stands_out(self.config.tail):
             raise AttackInputError(
                 f"the update's energy does not stand above the noise (s = {std:.3g}: estimated signal / "
@@ -140,13 +149,13 @@ class NoiseAwareInvertingGradients(InvertingGradients):
         return balance
 
     def tv_weight(self, obs: Observation, target: list[torch.Tensor]) -> float:
-        added = self.balance(obs, target).tv_weight(self.noise_std(obs), self.config.prior_strength)
-        return self.config.tv_weight + added
+        std = self.noise_std(obs)
+        return self.config.tv_weight + self.balance(obs, std).tv_weight(std, self.config.prior_strength)
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         std = self.noise_std(obs)
+        balance = self.balance(obs, std)  # refuses before any work
         rec = super().reconstruct(obs, generator=generator)
-        balance = NoiseBalance.of(list(obs.update.tensors.values()), std)
         stats = {
             "noise_std": std,
             "snr": balance.signal / balance.noise if balance.noise > 0 else math.inf,
