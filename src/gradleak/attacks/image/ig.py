@@ -80,11 +80,6 @@ class InvertingGradients:
         """The matching term of Eq. 4: the cosine distance over every coordinate."""
         return cosine_distance(grads, target)
 
-    def tv_weight(self, obs: Observation, target: list[torch.Tensor]) -> float:
-        """lambda_tv of Eq. 4 for this observation: the configured one, unless a subclass sets it from what
-        it reads in the update (:class:`~gradleak.attacks.image.ig_noise.NoiseAwareInvertingGradients`)."""
-        return self.config.tv_weight
-
     def _target(self, obs: Observation, model: nn.Module) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
         sign = -1.0 if obs.update.kind == "delta" else 1.0
         params, target = [], []
@@ -114,13 +109,10 @@ class InvertingGradients:
         for p in model.parameters():
             p.requires_grad_(True)
         params, target = self._target(obs, model)
-        tv_weight = self.tv_weight(obs, target)
         start = time.perf_counter()
         best: tuple[float, torch.Tensor] | None = None
         for _ in range(cfg.restarts):
-            x, loss = self._optimise(
-                model, params, target, tv_weight, labels, (n, *obs.input_shape), generator
-            )
+            x, loss = self._optimise(model, params, target, labels, (n, *obs.input_shape), generator)
             if best is None or loss < best[0]:
                 best = (loss, x)
         assert best is not None
@@ -137,7 +129,6 @@ class InvertingGradients:
         model: nn.Module,
         params: list[nn.Parameter],
         target: list[torch.Tensor],
-        tv_weight: float,
         labels: torch.Tensor,
         shape: tuple[int, ...],
         generator: torch.Generator,
@@ -156,7 +147,7 @@ class InvertingGradients:
             loss = F.cross_entropy(model(x), labels)
             grads = torch.autograd.grad(loss, params, create_graph=True)
             match = self.distance(list(grads), target)
-            total = match + tv_weight * total_variation(x)
+            total = match + cfg.tv_weight * total_variation(x)
             (x_grad,) = torch.autograd.grad(total, [x])
             x.grad = x_grad.sign() if cfg.signed_gradients else x_grad
             opt.step()

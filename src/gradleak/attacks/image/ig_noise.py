@@ -43,7 +43,7 @@ weight the noise added).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -110,14 +110,12 @@ class NoiseBalance:
         return prior_strength * noise_std**2 / math.sqrt(self.signal * self.energy)
 
 
-class NoiseAwareInvertingGradients(InvertingGradients):
-    """IG whose TV weight follows the noise scale (module docstring); reads the update, the model, the
-    labels and the update's stated noise scale."""
-
-    config: NoiseAwareIGConfig
+class NoiseAwareInvertingGradients:
+    """IG whose TV weight follows the noise scale (module docstring): plain IG at the weight of the MAP
+    balance; reads the update, the model, the labels and the update's stated noise scale."""
 
     def __init__(self, config: NoiseAwareIGConfig | None = None) -> None:
-        super().__init__(config or NoiseAwareIGConfig())
+        self.config = config or NoiseAwareIGConfig()
 
     def noise_std(self, obs: Observation) -> float:
         """The configured noise scale, else the update's stated one (checked: finite and >= 0)."""
@@ -148,18 +146,16 @@ class NoiseAwareInvertingGradients(InvertingGradients):
             )
         return balance
 
-    def tv_weight(self, obs: Observation, target: list[torch.Tensor]) -> float:
-        std = self.noise_std(obs)
-        return self.config.tv_weight + self.balance(obs, std).tv_weight(std, self.config.prior_strength)
-
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         std = self.noise_std(obs)
         balance = self.balance(obs, std)  # refuses before any work
-        rec = super().reconstruct(obs, generator=generator)
+        added = balance.tv_weight(std, self.config.prior_strength)
+        plain = InvertingGradients(replace(self.config, tv_weight=self.config.tv_weight + added))
+        rec = plain.reconstruct(obs, generator=generator)
         stats = {
             "noise_std": std,
             "snr": balance.signal / balance.noise if balance.noise > 0 else math.inf,
-            "tv_noise": balance.tv_weight(std, self.config.prior_strength),
+            "tv_noise": added,
         }
         return Reconstruction(images=rec.images, labels=rec.labels, stats={**rec.stats, **stats})
 
