@@ -137,6 +137,11 @@ class AuditSection:
     samples of a client of a class-ordered data set (CIFAR-10) are one or two classes.
     ``public_dataset`` / ``public_split`` / ``public_limit``: the server's auxiliary data for malicious-model
     attacks (imprint bins, autoencoders); by default the experiment's held-out test set, never client data.
+    ``views``: how many times the server broadcasts the audited model to the audited clients (1: once).
+    Each time a client trains on the same samples with fresh randomness (its defenses' noise draws); an
+    honest-server attack's observation carries the further updates as ``Observation.views``
+    (:mod:`gradleak.attacks.noise`: what averaging them buys); malicious-model attacks and secure
+    aggregation see one round.
     """
 
     clients: int = 1
@@ -149,10 +154,13 @@ class AuditSection:
     training_public: bool = True
     grant_labels: bool = False
     attacks: tuple[ComponentSpec, ...] = (ComponentSpec("ig"),)
+    views: int = 1
 
     def __post_init__(self) -> None:
         if self.clients < 0:
             raise ConfigError(f"audit.clients must be >= 0, got {self.clients}")
+        if not isinstance(self.views, int) or isinstance(self.views, bool) or self.views < 1:
+            raise ConfigError(f"audit.views must be an int >= 1, got {self.views!r}")
         for key in ("max_samples", "public_limit"):
             v = getattr(self, key)
             if v is not None and v < 1:
@@ -233,6 +241,11 @@ class ExperimentConfig:
         self._check_modalities()
         if self.audit.clients > 0:
             self._check_attack_needs()
+        if self.audit.views > 1 and self.fl.secure_aggregation:
+            raise ConfigError(
+                f"audit.views = {self.audit.views} hands an attack several updates of one client, but "
+                "fl.secure_aggregation shows the server only their sum: set audit.views = 1"
+            )
         per_round = clients_per_round(self.data.num_clients, self.fl.fraction)
         if self.audit.clients > per_round:
             raise ConfigError(

@@ -1,0 +1,109 @@
+"""``audit.views``: the server broadcasts the audited model several times; each time the audited clients
+train on the same samples with fresh randomness, and honest-server attacks get the repeats as views."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradleak.experiments import load_config, run_experiment
+from gradleak.experiments.config import ConfigError
+from gradleak.experiments.runner import audited_updates
+
+TINY = [
+    "data.train_limit=600", "data.test_limit=200", "data.num_clients=10", "fl.rounds=1", "fl.fraction=0.2",
+    "fl.training.epochs=1", "audit.training.batch_size=2", "audit.max_samples=2", "audit.pick='random'",
+    "audit.clients=2", "audit.views=3",
+]  # fmt: skip
+
+
+def cfg(*extra: str):
+    from gradleak.cli.demo import demo_config_path
+
+    return load_config(demo_config_path(), TINY + list(extra))
+
+
+def test_without_noise_every_view_is_the_same_update_of_the_same_samples():
+    """FedSGD on the same (randomly picked) samples from the same model: with no defense the three views
+    are one gradient, bit for bit, so the repeats train on the audited samples, not others."""
+    pairs = audited_updates(cfg())
+    assert len(pairs) == 2
+    for obs, truth in pairs:
+        assert len(obs.views) == 2 and len(truth) == 2
+        for view in obs.views:
+            assert view.metadata["client_id"] == obs.update.metadata["client_id"]
+            for name, t in obs.update.tensors.items():
+                assert torch.equal(view.tensors[name], t)
+
+
+def test_under_noise_every_view_draws_its_own_noise_of_the_stated_scale():
+    """batch_noise with sigma 0.01 (clip 1): two views differ by noise of std sqrt(2) x 0.01 (over 1.9 M
+    entries the estimate's relative sd is 5e-4; tolerance 1 %), and no two views share a draw."""
+    pairs = audited_updates(cfg("defenses=[{name='batch_noise', clip=1.0, sigma=0.01, batch_size=1}]"))
+    for obs, _ in pairs:
+        s = obs.update.metadata["batch_noise/noise_std"]
+        assert s == pytest.approx(0.01)
+        flats = [u.flat() for u in (obs.update, *obs.views)]
+        for a, b in ((0, 1), (0, 2), (1, 2)):
+            assert float((flats[a] - flats[b]).std()) == pytest.approx(math.sqrt(2) * s, rel=0.01)
+
+
+def test_the_audit_records_the_views_and_the_averaging_attack_uses_them():
+    """Each attack record says how many views the server had; ig_noise with average_views says it matched
+    their mean, at the stated scale / sqrt(3)."""
+    run = run_experiment(cfg(
+        "defenses=[{name='batch_noise', clip=1.0, sigma=0.001, batch_size=1}]",
+        "audit.attacks=[{name='ig_noise', max_iterations=2}, {name='ig_noise', max_iterations=2, "
+        "average_views=true}]",
+    ))  # fmt: skip
+    records = run.of_kind("attack")
+    assert len(records) == 4 and all(r["views"] == 3 for r in records)
+    one, mean = [r for r in records if r["cell"] == 0], [r for r in records if r["cell"] == 1]
+    assert all(r["views_averaged"] == 1 and r["noise_std"] == pytest.approx(0.001) for r in one)
+    assert all(r["views_averaged"] == 3 for r in mean)
+    assert all(r["noise_std"] == pytest.approx(0.001 / math.sqrt(3)) for r in mean)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["audit.views=0"], "audit.views must be an int >= 1"),
+        (["audit.views=true"], "audit.views: expected int"),
+        (["fl.secure_aggregation=true"], "secure_aggregation shows the server only their sum"),
+    ],
+)
+def test_bad_views_are_refused_before_any_work(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        cfg(*extra)
+
+
+def test_formal_privacy_is_charged_for_every_view():
+    """DP-SGD at epsilon 8 for one step, broadcast three times: each view states 8; the three together are
+    the accountant's epsilon of three such steps (Opacus' RDP accountant, computed here from the stated
+    sigma and sampling rate), and the record says so beside the per-view figure."""
+    from gradleak.defenses.base import composed_claims
+    from gradleak.defenses.dp_sgd import epsilon
+
+    config = cfg("defenses=['dp_sgd_eps8']", "audit.attacks=[{name='ig', max_iterations=2}]")
+    (obs, _), _ = audited_updates(config)
+    m = obs.update.metadata
+    assert m["dp_sgd/epsilon"] == pytest.approx(8.0, rel=0.01) and m["dp_sgd/steps"] == 1
+    three = epsilon(m["dp_sgd/noise_multiplier"], m["dp_sgd/sample_rate"], 3, 1e-5)
+    assert 8.5 < three < 3 * 8.0  # composition costs, and RDP beats adding the epsilons
+    claims = composed_claims([u.metadata for u in (obs.update, *obs.views)])
+    assert claims == {"epsilon": pytest.approx(three, rel=1e-9), "delta": 1e-5}
+    (record, _) = run_experiment(config).of_kind("attack")
+    assert record["epsilon"] == pytest.approx(m["dp_sgd/epsilon"], rel=1e-9)
+    assert record["epsilon_views"] == pytest.approx(three, rel=1e-9) and record["views"] == 3
+
+
+def test_update_dp_composes_by_adding_and_a_claim_without_a_rule_is_refused():
+    from gradleak.defenses.base import composed_claims
+
+    release = {"update_noise/epsilon": 0.5, "update_noise/delta": 1e-5, "update_noise/noise_std": 0.1}
+    assert composed_claims([release] * 4) == {"epsilon": pytest.approx(2.0), "delta": pytest.approx(4e-5)}
+    assert composed_claims([{"batch_noise/noise_std": 0.1}] * 4) == {}
+    with pytest.raises(ValueError, match="no composition rule"):
+        composed_claims([{"mine/epsilon": 1.0, "mine/delta": 1e-5}])
