@@ -72,11 +72,23 @@ def test_the_audit_records_the_views_and_the_averaging_attack_uses_them():
         (["audit.views=0"], "audit.views must be an int >= 1"),
         (["audit.views=true"], "audit.views: expected int"),
         (["fl.secure_aggregation=true"], "secure_aggregation shows the server only their sum"),
+        (["audit.max_samples=3"], "draws its batch of 2 afresh from its 3 audited samples"),
     ],
 )
 def test_bad_views_are_refused_before_any_work(extra, message):
     with pytest.raises(ConfigError, match=message):
         cfg(*extra)
+
+
+def test_fedsgd_views_without_a_sample_cap_are_refused():
+    """Without audit.max_samples a FedSGD client would draw another batch of its share for every view."""
+    from gradleak.cli.demo import demo_config_path
+
+    uncapped = [o for o in TINY if not o.startswith("audit.max_samples")]
+    with pytest.raises(ConfigError, match="draws its batch of 2 afresh from all its samples"):
+        load_config(demo_config_path(), uncapped)
+    fedavg = load_config(demo_config_path(), [*uncapped, "audit.training.protocol='fedavg'"])
+    assert fedavg.audit.views == 3  # FedAvg trains on all of them in every view
 
 
 def test_formal_privacy_is_charged_for_every_view():

@@ -138,7 +138,9 @@ class AuditSection:
     ``public_dataset`` / ``public_split`` / ``public_limit``: the server's auxiliary data for malicious-model
     attacks (imprint bins, autoencoders); by default the experiment's held-out test set, never client data.
     ``views``: how many times the server broadcasts the audited model to the audited clients (1: once).
-    Each time a client trains on the same samples with fresh randomness (its defenses' noise draws); an
+    Each time a client trains on the same samples with fresh randomness (its defenses' noise draws; a
+    FedAvg client's batch order; a FedSGD client's batch must be all its audited samples, so
+    ``max_samples <= training.batch_size``); an
     honest-server attack's observation carries the further updates as ``Observation.views``
     (:mod:`gradleak.attacks.noise`: what averaging them buys); malicious-model attacks and secure
     aggregation see one round.
@@ -241,6 +243,19 @@ class ExperimentConfig:
         self._check_modalities()
         if self.audit.clients > 0:
             self._check_attack_needs()
+        a = self.audit
+        if (
+            a.views > 1
+            and a.training.protocol == "fedsgd"
+            and (a.max_samples is None or a.max_samples > a.training.batch_size)
+        ):
+            raise ConfigError(
+                f"audit.views = {a.views} needs every view computed on the same samples, but a FedSGD client "
+                f"draws its batch of {a.training.batch_size} afresh from "
+                f"{'all its samples' if a.max_samples is None else f'its {a.max_samples} audited samples'} "
+                "each time: set audit.max_samples <= audit.training.batch_size (the batch is then all of "
+                "them)"
+            )
         if self.audit.views > 1 and self.fl.secure_aggregation:
             raise ConfigError(
                 f"audit.views = {self.audit.views} hands an attack several updates of one client, but "
