@@ -27,7 +27,8 @@ def cfg(*extra: str):
 
 def test_without_noise_every_view_is_the_same_update_of_the_same_samples():
     """FedSGD on the same (randomly picked) samples from the same model: with no defense the three views
-    are one gradient, bit for bit, so the repeats train on the audited samples, not others."""
+    are one gradient, bit for bit, so the repeats train on the audited samples, not others (that each view
+    has a seed of its own is the next test's: identical seeds would pass this one)."""
     pairs = audited_updates(cfg())
     assert len(pairs) == 2
     for obs, truth in pairs:
@@ -119,3 +120,48 @@ def test_update_dp_composes_by_adding_and_a_claim_without_a_rule_is_refused():
     assert composed_claims([{"batch_noise/noise_std": 0.1}] * 4) == {}
     with pytest.raises(ValueError, match="no composition rule"):
         composed_claims([{"mine/epsilon": 1.0, "mine/delta": 1e-5}])
+
+
+def test_dp_sgd_views_compose_with_the_accountant_that_stated_them():
+    """A release's epsilon stated by Opacus' PRV accountant composes by the same accountant (RDP would
+    state another figure); releases by different accountants are not composed."""
+    from gradleak.defenses.base import composed_claims
+    from gradleak.defenses.dp_sgd import epsilon
+
+    release = {"dp_sgd/epsilon": epsilon(0.9, 1.0, 1, 1e-5, "prv"), "dp_sgd/delta": 1e-5,
+               "dp_sgd/steps": 1, "dp_sgd/sample_rate": 1.0, "dp_sgd/noise_multiplier": 0.9,
+               "dp_sgd/accountant": "prv"}  # fmt: skip
+    prv = epsilon(0.9, 1.0, 8, 1e-5, "prv")
+    assert composed_claims([release] * 8)["epsilon"] == pytest.approx(prv, rel=1e-9)
+    assert abs(prv - epsilon(0.9, 1.0, 8, 1e-5, "rdp")) > 0.1  # the accountant matters here
+    with pytest.raises(ValueError, match="different accountants"):
+        composed_claims([release, {**release, "dp_sgd/accountant": "rdp"}])
+
+
+def test_a_repeat_that_failed_closed_is_left_out_and_the_record_says_how_many_views_there_were():
+    from gradleak.experiments.runner import with_views
+    from gradleak.fl.client import ClientResult
+
+    (obs, _), _ = audited_updates(cfg())
+    cid = obs.update.metadata["client_id"]
+    sent = ClientResult(cid, obs.update)
+    repeats = [[ClientResult(cid, None, error="defense failed")], [ClientResult(cid + 1, obs.update), sent]]
+    assert with_views(obs, repeats).views == (obs.update,)  # the failed one and another client's left out
+
+
+def test_malicious_model_attacks_see_one_round_and_views_need_an_attack_that_reads_them():
+    """robbing_the_fed beside IG with audit.views = 3: the malicious cell's records carry no views (its
+    observation has none), the honest cell's do; an audit of malicious attacks only, or average_views
+    without views, is refused before any work."""
+    run = run_experiment(cfg(
+        "audit.attacks=[{name='ig', max_iterations=2}, {name='robbing_the_fed', num_bins=8}]",
+        "audit.training.protocol='fedavg'",
+    ))  # fmt: skip
+    records = run.of_kind("attack")
+    assert {r["attack"] for r in records} == {"ig", "robbing_the_fed"}
+    assert all(r["views"] == 3 for r in records if r["attack"] == "ig")
+    assert all("views" not in r for r in records if r["attack"] == "robbing_the_fed")
+    with pytest.raises(ConfigError, match="every attack of the audit modifies the model"):
+        cfg("audit.attacks=[{name='robbing_the_fed', num_bins=8}]", "audit.training.protocol='fedavg'")
+    with pytest.raises(ConfigError, match=r"audit.attacks\[0\] averages views, but audit.views = 1"):
+        cfg("audit.attacks=[{name='ig_noise', average_views=true}]", "audit.views=1")

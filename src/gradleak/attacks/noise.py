@@ -6,7 +6,7 @@ state the per-entry standard deviation of the Gaussian noise they add in the upd
 sets it by hand instead (the scale of one view).
 
 Several views. A server that broadcasts the same model to the same client K times (``audit.views``; a
-malicious server's replay, or FedSGD rounds of a client whose local data is one batch while the model barely
+server that replays a round, or FedSGD rounds of a client whose local data is one batch while the model barely
 moves) receives y_k = c + n_k with independent noise draws n_k ~ N(0, s_k^2 I). Their mean
 y = c + (1/K) sum_k n_k keeps the signal and carries noise of standard deviation sqrt(sum_k s_k^2) / K,
 s / sqrt(K) for equal scales: K views buy the attacker a K times larger signal-to-noise energy ratio. A
@@ -26,7 +26,7 @@ import torch
 from gradleak.defenses.base import noise_stds, stated_noise_std
 from gradleak.types import AttackInputError, Observation, Update
 
-VIEWS = "views"  # metadata key of an averaged update: the number of views it is the mean of
+VIEWS = "mean_of_views"  # metadata key of an averaged update: the number of views it is the mean of
 
 
 def mean_of_views(obs: Observation) -> Observation:
@@ -55,6 +55,15 @@ def mean_of_views(obs: Observation) -> Observation:
     meta[VIEWS] = k
     mean = Update(tensors, obs.update.num_samples, obs.update.kind, meta)
     return dataclasses.replace(obs, update=mean, views=())
+
+
+def averaged(obs: Observation, enabled: bool) -> tuple[Observation, float]:
+    """What an attack with an ``average_views`` option reads: the mean of ``obs``'s views when
+    ``enabled`` (:func:`mean_of_views`), else ``obs`` itself; and how many views that is (its
+    ``views_averaged`` stat)."""
+    if enabled:
+        obs = mean_of_views(obs)
+    return obs, float(obs.update.metadata.get(VIEWS, 1))  # type: ignore[arg-type]
 
 
 def noise_scale(update: Update, configured: float | None, attack: str) -> float:

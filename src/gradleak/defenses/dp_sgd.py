@@ -137,8 +137,13 @@ def epsilon_of_releases(metadatas: Iterable[Mapping[str, object]], accountant: s
 
 
 def _compose(metadatas: Sequence[Mapping[str, object]]) -> tuple[float, float]:
-    """Releases of one client's data under dp_sgd: the accountant's composition of all their steps."""
-    return epsilon_of_releases(metadatas), float(metadatas[0][f"{META}delta"])  # type: ignore[arg-type]
+    """Releases of one client's data under dp_sgd: the composition of all their steps by the accountant
+    that stated each release's epsilon."""
+    accountants = {str(m.get(f"{META}accountant", "rdp")) for m in metadatas}
+    if len(accountants) > 1:
+        raise ValueError(f"the releases state epsilon by different accountants {sorted(accountants)}")
+    eps = epsilon_of_releases(metadatas, accountants.pop())
+    return eps, float(metadatas[0][f"{META}delta"])  # type: ignore[arg-type]
 
 
 COMPOSITIONS[META.rstrip("/")] = _compose
@@ -305,6 +310,7 @@ class DPSGD(Defense):
             f"{META}sample_rate": self.sample_rate,
             f"{META}noise_multiplier": self.sigma,
             f"{META}clip": self.config.clip,
+            f"{META}accountant": self.config.accountant,  # composing releases uses the same accountant
         }
         if update.kind == "gradient" and self.steps == 1 and self.sigma is not None:
             # a FedSGD gradient: the noise is N(0, (sigma C / B)^2) per entry

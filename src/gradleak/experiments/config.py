@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradleak.attacks import model_modifying
 from gradleak.data.partition import partition_options
 from gradleak.defenses.presets import preset_of
 from gradleak.fl.engines import FederationCheck
@@ -142,8 +143,9 @@ class AuditSection:
     FedAvg client's batch order; a FedSGD client's batch must be all its audited samples, so
     ``max_samples <= training.batch_size``); an
     honest-server attack's observation carries the further updates as ``Observation.views``
-    (:mod:`gradleak.attacks.noise`: what averaging them buys); malicious-model attacks and secure
-    aggregation see one round.
+    (:mod:`gradleak.attacks.noise`: what averaging them buys; every repeat is held in memory for the
+    whole audit, K full updates per audited client); malicious-model attacks see one round; refused under
+    secure aggregation (the server sees only a sum).
     """
 
     clients: int = 1
@@ -255,6 +257,17 @@ class ExperimentConfig:
                 f"{'all its samples' if a.max_samples is None else f'its {a.max_samples} audited samples'} "
                 "each time: set audit.max_samples <= audit.training.batch_size (the batch is then all of "
                 "them)"
+            )
+        averaging = [i for i, spec in enumerate(a.attacks) if spec.options.get("average_views")]
+        if averaging and a.views == 1 and a.clients > 0:
+            raise ConfigError(
+                f"audit.attacks[{averaging[0]}] averages views, but audit.views = 1 gives it one: set "
+                "audit.views > 1 or drop average_views"
+            )
+        if a.views > 1 and a.clients > 0 and all(model_modifying(s.name, s.options) for s in a.attacks):
+            raise ConfigError(
+                f"audit.views = {a.views}, but every attack of the audit modifies the model, and "
+                "malicious-model attacks see one round: views would be trained and never read"
             )
         if self.audit.views > 1 and self.fl.secure_aggregation:
             raise ConfigError(

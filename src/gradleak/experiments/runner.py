@@ -218,10 +218,17 @@ def with_views(obs: Observation, views: list[list[ClientResult]]) -> Observation
 
 
 def _views_claims(obs: Observation) -> dict[str, Any]:
-    """What a record of an observation with views adds: how many views the server had, and the formal
-    privacy of all of them together (``epsilon_views`` / ``delta_views``, where a defense states one)."""
-    composed = composed_claims([u.metadata for u in (obs.update, *obs.views)])
-    return {"views": 1 + len(obs.views), **{f"{k}_views": v for k, v in composed.items()}}
+    """What a record of an honest-server attack adds under ``audit.views > 1``: how many views the server
+    had of this client (fewer than asked when a repeat failed closed), and the formal privacy of all of
+    them together (``epsilon_views`` / ``delta_views``, where a defense states one; where a stated claim
+    cannot be composed, none, and ``epsilon_views_error`` says why)."""
+    record: dict[str, Any] = {"views": 1 + len(obs.views)}
+    try:
+        composed = composed_claims([u.metadata for u in (obs.update, *obs.views)])
+    except ValueError as exc:
+        log.warning("audit: the views' privacy claims cannot be composed: %s", exc)
+        return {**record, "epsilon_views_error": str(exc)}
+    return {**record, **{f"{k}_views": v for k, v in composed.items()}}
 
 
 def any_model_modifying(cfg: ExperimentConfig) -> bool:
@@ -507,6 +514,7 @@ class _Run:
                 continue
             attack = create_attack(spec.name, **spec.options)
             observations, results, missing = self._observe(attack, ids, salt, honest)
+            honest_views = audit.views > 1 and not isinstance(attack, ModelModifyingAttack)
             # an audited client whose update never reached the server (a defense failed closed, or the
             # secure aggregate was rejected): nothing to attack, the reason kept beside the cell's records
             withheld = [{"kind": "client_error", "attack": spec.name, "cell": i, "client_id": r.client_id,
@@ -535,7 +543,7 @@ class _Run:
                           "client_id": obs.update.metadata.get("client_id"), "aggregated": obs.aggregated,
                           "num_clients": obs.num_clients, "batch_size": len(truth), "refused": refused,
                           "attack_seconds": attack_seconds, **claims(obs.update.metadata),
-                          **(_views_claims(obs) if obs.views else {}),
+                          **(_views_claims(obs) if honest_views else {}),
                           **reconstruction.stats, **scores}  # fmt: skip
                 if (folder is not None and reconstruction.images is not None and "matching" in scores
                         and isinstance(truth, ImageDataset)):  # fmt: skip

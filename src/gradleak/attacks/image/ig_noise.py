@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from gradleak.attacks.image.ig import IGConfig, InvertingGradients
-from gradleak.attacks.noise import VIEWS, mean_of_views, noise_scale
+from gradleak.attacks.noise import averaged, noise_scale
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
 
@@ -144,8 +144,7 @@ class NoiseAwareInvertingGradients:
         return balance
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
-        if self.config.average_views:
-            obs = mean_of_views(obs)
+        obs, views = averaged(obs, self.config.average_views)
         std = self.noise_std(obs)
         balance = self.balance(obs, std)  # refuses before any work
         added = balance.tv_weight(std, self.config.prior_strength)
@@ -155,7 +154,7 @@ class NoiseAwareInvertingGradients:
             "noise_std": std,
             "snr": balance.signal / balance.noise if balance.noise > 0 else math.inf,
             "tv_noise": added,
-            "views_averaged": float(obs.update.metadata.get(VIEWS, 1)),  # type: ignore[arg-type]
+            "views_averaged": views,
         }
         return Reconstruction(images=rec.images, labels=rec.labels, stats={**rec.stats, **stats})
 

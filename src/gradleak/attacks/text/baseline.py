@@ -24,8 +24,8 @@ BROKEN_R1 = 0.05
 def null_observation(obs: Observation, generator: torch.Generator) -> Observation:
     """``obs`` with each update tensor, and each of its views', replaced by norm-matched Gaussian noise
     (independent draws: the null views share no data either)."""
-    views = tuple(_null(v, generator) for v in obs.views)
-    return replace(obs, update=_null(obs.update, generator), views=views)
+    update = _null(obs.update, generator)  # first: the update's null does not depend on the views
+    return replace(obs, update=update, views=tuple(_null(v, generator) for v in obs.views))
 
 
 def _null(update: Update, generator: torch.Generator) -> Update:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gradleak.attacks.noise import VIEWS, mean_of_views, noise_scale
+from gradleak.attacks.noise import averaged, noise_scale
 from gradleak.attacks.text.dager import Dager, DagerConfig
 from gradleak.attacks.text.family import FamilySpec, Span, layer_inputs, vocab_size, with_thresholds
 from gradleak.attacks.text.search import L2Search
@@ -230,10 +230,9 @@ class DagerSpectral(Dager):
         super().__init__(config or DagerSpectralConfig())
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
-        if self.config.average_views:
-            obs = mean_of_views(obs)
+        obs, views = averaged(obs, self.config.average_views)
         rec = super().reconstruct(obs, generator=generator)
-        rec.stats["views_averaged"] = float(obs.update.metadata.get(VIEWS, 1))  # type: ignore[arg-type]
+        rec.stats["views_averaged"] = views
         return rec
 
     def noise_std(self, obs: Observation) -> float:
