@@ -111,6 +111,12 @@ class Observation:
     a PyTorch training loop runs. On a model with BatchNorm the two modes' gradients of the same images
     differ (cosine 0.08 on a BatchNorm ConvNet), so an attack that differentiates the other mode inverts
     another function.
+
+    ``views`` are further updates of the same client on the same data from the same broadcast model, each
+    with fresh client randomness (its own noise draw): what a server sees that broadcasts one model several
+    times (``audit.views``; a malicious server's replay, or a client whose local data set is one batch in
+    successive FedSGD rounds of a model that barely moves). Empty by default; attacks that do not average
+    views read ``update`` alone.
     """
 
     model: nn.Module
@@ -123,15 +129,23 @@ class Observation:
     aggregated: bool = False
     num_clients: int = 1
     mode: str | None = None
+    views: tuple[Update, ...] = ()
 
     def __post_init__(self) -> None:
         """An attack never reads an invalid update: names and shapes must match the model's parameters
         (a subset is allowed: frozen parameters may be absent), dtypes must be floating point and every
-        entry finite; otherwise :class:`AttackInputError` naming the tensor."""
-        try:
-            check_update(self.update, self.model, source=describe(self.update.metadata), complete=False)
-        except InvalidUpdateError as exc:
-            raise AttackInputError(str(exc)) from None
+        entry finite; otherwise :class:`AttackInputError` naming the tensor. Every view is checked so, and
+        must carry the first update's tensor names and kind."""
+        for k, update in enumerate((self.update, *self.views)):
+            try:
+                check_update(update, self.model, source=describe(update.metadata), complete=False)
+            except InvalidUpdateError as exc:
+                raise AttackInputError(str(exc)) from None
+            if k and (set(update.tensors) != set(self.update.tensors) or update.kind != self.update.kind):
+                raise AttackInputError(
+                    f"view {k} carries other tensors or another kind ({update.kind!r}) than the first "
+                    f"update ({self.update.kind!r}): views must be updates of the same model and recipe"
+                )
         if not self.input_shape or any(not isinstance(d, int) or d < 1 for d in self.input_shape):
             raise AttackInputError(f"input_shape must be positive ints, got {self.input_shape!r}")
         mode = self.mode if self.mode is not None else self.update.metadata.get(MODE, "train")

@@ -19,7 +19,7 @@ If any hook raises, the client raises :class:`DefenseFailure` and sends nothing:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,6 +55,30 @@ def claims(metadata: Mapping[str, object]) -> dict[str, float]:
     return min(full, key=lambda c: c["epsilon"]) if full else {}
 
 
+# How a defense's formal claims compose over several releases of one client's data (e.g. the views of a
+# replayed round): its metadata prefix -> a function of the releases' metadata returning (epsilon, delta).
+# A defense that states an epsilon registers one beside itself (dp_sgd: the accountant; update_noise: basic
+# composition).
+Composition = Callable[[Sequence[Mapping[str, object]]], tuple[float, float]]
+COMPOSITIONS: dict[str, Composition] = {}
+
+
+def composed_claims(metadatas: Sequence[Mapping[str, object]]) -> dict[str, float]:
+    """The formal privacy of several releases of one client's data: ``{"epsilon", "delta"}`` composed by
+    each stating defense's rule (:data:`COMPOSITIONS`), the smallest epsilon when several state one (as
+    :func:`claims`); empty when none states one. A stating defense without a rule is an error: a claim
+    that cannot be composed must not be reported for one release."""
+    stating = {d for m in metadatas for d, c in _statements(m).items() if set(CLAIMS) <= set(c)}
+    missing = sorted(stating - set(COMPOSITIONS))
+    if missing:
+        raise ValueError(f"no composition rule for the claims of {missing}")
+    composed = [COMPOSITIONS[d](metadatas) for d in sorted(stating)]
+    if not composed:
+        return {}
+    eps, delta = min(composed)
+    return {"epsilon": eps, "delta": delta}
+
+
 NOISE_STD = "noise_std"  # metadata key: the per-entry std of the Gaussian noise in the sent tensors
 
 
@@ -64,8 +88,14 @@ def stated_noise_std(metadata: Mapping[str, object]) -> float | None:
     None when none did. Noises of chained defenses are independent, so their variances add; a later
     defense's clipping only shrinks an earlier one's noise, so the root of the sum of squares is an upper
     bound."""
-    stds = [c[NOISE_STD] for c in _statements(metadata).values() if NOISE_STD in c]
+    stds = noise_stds(metadata).values()
     return sum(s * s for s in stds) ** 0.5 if stds else None
+
+
+def noise_stds(metadata: Mapping[str, object]) -> dict[str, float]:
+    """Each defense's stated per-entry noise standard deviation, by its metadata key
+    (``<defense>/noise_std``)."""
+    return {f"{d}/{NOISE_STD}": c[NOISE_STD] for d, c in _statements(metadata).items() if NOISE_STD in c}
 
 
 class DefenseFailure(RuntimeError):

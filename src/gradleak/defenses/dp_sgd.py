@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from gradleak.defenses.base import NOISE_STD, Defense
+from gradleak.defenses.base import COMPOSITIONS, NOISE_STD, Defense
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
 
@@ -118,10 +118,14 @@ def _accounted(history: list[tuple[float, float, int]], delta: float, accountant
 def epsilon_over_rounds(updates: Iterable[Update], accountant: str = "rdp") -> float:
     """The epsilon of one client's data over the DP-SGD updates it sent (one per round it joined): the
     accountant's composition of every recorded step (all at the same delta)."""
+    return epsilon_of_releases([u.metadata for u in updates], accountant)
+
+
+def epsilon_of_releases(metadatas: Iterable[Mapping[str, object]], accountant: str = "rdp") -> float:
+    """:func:`epsilon_over_rounds` from the releases' metadata."""
     history: list[tuple[float, float, int]] = []
     deltas = set()
-    for u in updates:
-        m = u.metadata
+    for m in metadatas:
         if f"{META}steps" not in m:
             raise ValueError("an update without dp_sgd metadata: it was not trained under dp_sgd")
         sigma = float(m[f"{META}noise_multiplier"])  # type: ignore[arg-type]
@@ -130,6 +134,19 @@ def epsilon_over_rounds(updates: Iterable[Update], accountant: str = "rdp") -> f
     if len(deltas) > 1:
         raise ValueError(f"the updates state epsilon at different deltas {sorted(deltas)}")
     return _accounted(history, deltas.pop() if deltas else 1.0, accountant)
+
+
+def _compose(metadatas: Sequence[Mapping[str, object]]) -> tuple[float, float]:
+    """Releases of one client's data under dp_sgd: the composition of all their steps by the accountant
+    that stated each release's epsilon."""
+    accountants = {str(m.get(f"{META}accountant", "rdp")) for m in metadatas}
+    if len(accountants) > 1:
+        raise ValueError(f"the releases state epsilon by different accountants {sorted(accountants)}")
+    eps = epsilon_of_releases(metadatas, accountants.pop())
+    return eps, float(metadatas[0][f"{META}delta"])  # type: ignore[arg-type]
+
+
+COMPOSITIONS[META.rstrip("/")] = _compose
 
 
 def _parametrised(model: nn.Module) -> list[nn.Module]:
@@ -293,6 +310,7 @@ class DPSGD(Defense):
             f"{META}sample_rate": self.sample_rate,
             f"{META}noise_multiplier": self.sigma,
             f"{META}clip": self.config.clip,
+            f"{META}accountant": self.config.accountant,  # composing releases uses the same accountant
         }
         if update.kind == "gradient" and self.steps == 1 and self.sigma is not None:
             # a FedSGD gradient: the noise is N(0, (sigma C / B)^2) per entry

@@ -21,12 +21,13 @@ The update carries ``update_noise/noise_std`` (and, with epsilon, ``update_noise
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from gradleak.defenses.base import NOISE_STD, Defense
+from gradleak.defenses.base import COMPOSITIONS, NOISE_STD, Defense
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
 
@@ -106,6 +107,19 @@ class UpdateNoise(Defense):
                      f"{META}sensitivity": self.config.stated_sensitivity}  # fmt: skip
         return Update(out, update.num_samples, update.kind, {**update.metadata, **meta})
 
+
+def _compose(metadatas: Sequence[Mapping[str, object]]) -> tuple[float, float]:
+    """Releases of one client's data under update_noise: basic composition (epsilons and deltas add; Dwork
+    & Roth 2014, Thm. 3.16)."""
+    stated = [m for m in metadatas if f"{META}epsilon" in m]
+    if len(stated) != len(metadatas):
+        raise ValueError("update_noise states epsilon for some releases only: nothing can be composed")
+    eps = [float(m[f"{META}epsilon"]) for m in stated]  # type: ignore[arg-type]
+    deltas = [float(m[f"{META}delta"]) for m in stated]  # type: ignore[arg-type]
+    return sum(eps), sum(deltas)
+
+
+COMPOSITIONS[META.rstrip("/")] = _compose
 
 DEFENSES.register(
     "update_noise",

@@ -58,7 +58,8 @@ from gradleak.fileio import atomic_write
 
 log = logging.getLogger(__name__)
 
-MEAN = (*columns.keys(), "valid", "attack_seconds")  # averaged over a row's attacked updates, where present
+# averaged over a row's attacked updates, where present (views, epsilon_views: an audit with audit.views > 1)
+MEAN = (*columns.keys(), "valid", "attack_seconds", "views", "epsilon_views")
 
 
 @dataclass(frozen=True)

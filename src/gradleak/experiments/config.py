@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradleak.attacks import model_modifying
 from gradleak.data.partition import partition_options
 from gradleak.defenses.presets import preset_of
 from gradleak.fl.engines import FederationCheck
@@ -137,6 +138,14 @@ class AuditSection:
     samples of a client of a class-ordered data set (CIFAR-10) are one or two classes.
     ``public_dataset`` / ``public_split`` / ``public_limit``: the server's auxiliary data for malicious-model
     attacks (imprint bins, autoencoders); by default the experiment's held-out test set, never client data.
+    ``views``: how many times the server broadcasts the audited model to the audited clients (1: once).
+    Each time a client trains on the same samples with fresh randomness (its defenses' noise draws; a
+    FedAvg client's batch order; a FedSGD client's batch must be all its audited samples, so
+    ``max_samples <= training.batch_size``); an
+    honest-server attack's observation carries the further updates as ``Observation.views``
+    (:mod:`gradleak.attacks.noise`: what averaging them buys; every repeat is held in memory for the
+    whole audit, K full updates per audited client); malicious-model attacks see one round; refused under
+    secure aggregation (the server sees only a sum).
     """
 
     clients: int = 1
@@ -149,10 +158,13 @@ class AuditSection:
     training_public: bool = True
     grant_labels: bool = False
     attacks: tuple[ComponentSpec, ...] = (ComponentSpec("ig"),)
+    views: int = 1
 
     def __post_init__(self) -> None:
         if self.clients < 0:
             raise ConfigError(f"audit.clients must be >= 0, got {self.clients}")
+        if not isinstance(self.views, int) or isinstance(self.views, bool) or self.views < 1:
+            raise ConfigError(f"audit.views must be an int >= 1, got {self.views!r}")
         for key in ("max_samples", "public_limit"):
             v = getattr(self, key)
             if v is not None and v < 1:
@@ -233,6 +245,35 @@ class ExperimentConfig:
         self._check_modalities()
         if self.audit.clients > 0:
             self._check_attack_needs()
+        a = self.audit
+        if (
+            a.views > 1
+            and a.training.protocol == "fedsgd"
+            and (a.max_samples is None or a.max_samples > a.training.batch_size)
+        ):
+            raise ConfigError(
+                f"audit.views = {a.views} needs every view computed on the same samples, but a FedSGD client "
+                f"draws its batch of {a.training.batch_size} afresh from "
+                f"{'all its samples' if a.max_samples is None else f'its {a.max_samples} audited samples'} "
+                "each time: set audit.max_samples <= audit.training.batch_size (the batch is then all of "
+                "them)"
+            )
+        averaging = [i for i, spec in enumerate(a.attacks) if spec.options.get("average_views")]
+        if averaging and a.views == 1 and a.clients > 0:
+            raise ConfigError(
+                f"audit.attacks[{averaging[0]}] averages views, but audit.views = 1 gives it one: set "
+                "audit.views > 1 or drop average_views"
+            )
+        if a.views > 1 and a.clients > 0 and all(model_modifying(s.name, s.options) for s in a.attacks):
+            raise ConfigError(
+                f"audit.views = {a.views}, but every attack of the audit modifies the model, and "
+                "malicious-model attacks see one round: views would be trained and never read"
+            )
+        if self.audit.views > 1 and self.fl.secure_aggregation:
+            raise ConfigError(
+                f"audit.views = {self.audit.views} hands an attack several updates of one client, but "
+                "fl.secure_aggregation shows the server only their sum: set audit.views = 1"
+            )
         per_round = clients_per_round(self.data.num_clients, self.fl.fraction)
         if self.audit.clients > per_round:
             raise ConfigError(

@@ -12,6 +12,7 @@ round returns); ground truth meets the reconstructions only in the setup's ``sco
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime as dt
 import functools
 import hashlib
@@ -35,7 +36,7 @@ import gradleak
 from gradleak.attacks import create_attack, model_modifying
 from gradleak.data import partition
 from gradleak.data.base import ImageDataset
-from gradleak.defenses.base import claims
+from gradleak.defenses.base import claims, composed_claims
 from gradleak.defenses.in_loop import build_defenses
 from gradleak.experiments.config import ConfigError, ExperimentConfig
 from gradleak.experiments.figures import save_reconstruction_grid
@@ -206,6 +207,28 @@ def collect_malicious(
             pick=a.pick,
         )
     ]
+
+
+def with_views(obs: Observation, views: list[list[ClientResult]]) -> Observation:
+    """``obs`` with its client's updates of the repeated broadcasts (``audit.views``) as its views; a
+    repeat whose update did not reach the server (a defense failed closed) is left out."""
+    cid = obs.update.metadata.get("client_id")
+    found = [r.update for repeat in views for r in repeat if r.client_id == cid and r.update is not None]
+    return dataclasses.replace(obs, views=tuple(found))
+
+
+def _views_claims(obs: Observation) -> dict[str, Any]:
+    """What a record of an honest-server attack adds under ``audit.views > 1``: how many views the server
+    had of this client (fewer than asked when a repeat failed closed), and the formal privacy of all of
+    them together (``epsilon_views`` / ``delta_views``, where a defense states one; where a stated claim
+    cannot be composed, none, and ``epsilon_views_error`` says why)."""
+    record: dict[str, Any] = {"views": 1 + len(obs.views)}
+    try:
+        composed = composed_claims([u.metadata for u in (obs.update, *obs.views)])
+    except ValueError as exc:
+        log.warning("audit: the views' privacy claims cannot be composed: %s", exc)
+        return {**record, "epsilon_views_error": str(exc)}
+    return {**record, **{f"{k}_views": v for k, v in composed.items()}}
 
 
 def any_model_modifying(cfg: ExperimentConfig) -> bool:
@@ -441,14 +464,19 @@ class _Run:
                 results = collect_malicious(sim, attack, broadcast, ids, cfg)
             else:
                 if "updates" not in honest:
-                    honest["updates"] = sim.collect(
-                        ids, audit.training, max_samples=audit.max_samples, pick=audit.pick
-                    )
+                    honest["updates"], *honest["views"] = [
+                        sim.collect(
+                            ids, audit.training, max_samples=audit.max_samples, pick=audit.pick, view=v
+                        )  # fmt: skip
+                        for v in range(audit.views)
+                    ]
                 results = honest["updates"]
             observations = server_view(
                 broadcast, results, input_shape=shape, num_classes=classes, secure_aggregation=False,
                 training=recipe, grant_labels=audit.grant_labels, secrets=secrets,
             )  # fmt: skip
+            if not isinstance(attack, ModelModifyingAttack) and honest["views"]:
+                observations = [with_views(obs, honest["views"]) for obs in observations]
             return observations, results, [r for r in results if r.update is None]
         if isinstance(attack, ModelModifyingAttack):
             models = served_models(attack, broadcast, len(ids))
@@ -486,6 +514,7 @@ class _Run:
                 continue
             attack = create_attack(spec.name, **spec.options)
             observations, results, missing = self._observe(attack, ids, salt, honest)
+            honest_views = audit.views > 1 and not isinstance(attack, ModelModifyingAttack)
             # an audited client whose update never reached the server (a defense failed closed, or the
             # secure aggregate was rejected): nothing to attack, the reason kept beside the cell's records
             withheld = [{"kind": "client_error", "attack": spec.name, "cell": i, "client_id": r.client_id,
@@ -514,6 +543,7 @@ class _Run:
                           "client_id": obs.update.metadata.get("client_id"), "aggregated": obs.aggregated,
                           "num_clients": obs.num_clients, "batch_size": len(truth), "refused": refused,
                           "attack_seconds": attack_seconds, **claims(obs.update.metadata),
+                          **(_views_claims(obs) if honest_views else {}),
                           **reconstruction.stats, **scores}  # fmt: skip
                 if (folder is not None and reconstruction.images is not None and "matching" in scores
                         and isinstance(truth, ImageDataset)):  # fmt: skip

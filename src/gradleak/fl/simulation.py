@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 DefenseFactory = Callable[[], Sequence[Defense]]
 PICKS = ("first", "random")  # which of a client's samples an audit's max_samples keeps
+VIEW_SALT = 0x71E3  # derives a client task's seed for a repeated broadcast of an audited round (``view``)
 
 
 def derive_seed(*parts: int) -> int:
@@ -292,6 +293,7 @@ class FederatedSimulation:
         broadcast: nn.Module | None = None,
         max_samples: int | None = None,
         pick: str = "first",
+        view: int = 0,
     ) -> list[ClientResult]:
         """Have ``client_ids`` train without aggregating: the updates an audit attacks.
 
@@ -299,9 +301,10 @@ class FederatedSimulation:
         ``max_samples`` keeps ``max_samples`` of each client's samples (e.g. paper 001's k = 50 images per
         client): its first ones, or with ``pick="random"`` a seeded random subset (:meth:`audit_tasks`).
         ``round_idx`` defaults to the next round index, so the clients' randomness is that round's.
+        ``view`` > 0: the same round broadcast again (``audit.views``): the same samples, fresh randomness.
         """
         r = len(self.history) if round_idx is None else round_idx
-        tasks = self.audit_tasks(r, client_ids, training, max_samples, pick)
+        tasks = self.audit_tasks(r, client_ids, training, max_samples, pick, view)
         model = self.model if broadcast is None else broadcast
         results = self.engine.train_clients(model, tasks, self.defenses)
         return screen(results, model, round_idx=r, kind=update_kind(training))
@@ -313,14 +316,21 @@ class FederatedSimulation:
         training: LocalTraining,
         max_samples: int | None,
         pick: str = "first",
+        view: int = 0,
     ) -> list[ClientTask]:
         """The round's tasks for ``client_ids``, each on ``max_samples`` of its samples if given: the first
         ones (``pick="first"``), or a random subset in index order (``pick="random"``, seeded by the
         simulation's seed, the round and the client, so every attack of an audit sees the same one). The
-        first samples of a client of a class-ordered data set (CIFAR-10's loader) are one or two classes."""
+        first samples of a client of a class-ordered data set (CIFAR-10's loader) are one or two classes.
+        ``view`` k > 0 gives each task the same samples and a seed of its own (the round broadcast again:
+        fresh shuffling and defense noise)."""
         if pick not in PICKS:
             raise ValueError(f"pick must be one of {PICKS}, got {pick!r}")
+        if not isinstance(view, int) or view < 0:
+            raise ValueError(f"view must be an int >= 0, got {view!r}")
         tasks = self.tasks(round_idx, client_ids, training)
+        if view:
+            tasks = [dataclasses.replace(t, seed=derive_seed(t.seed, VIEW_SALT, view)) for t in tasks]
         if max_samples is None:
             return tasks
         keep = [self._keep(t, max_samples, round_idx, pick) for t in tasks]

@@ -37,7 +37,11 @@ the best fixed TV weight of each noise level, 24.9 / 21.5 / 17.1 dB, which the n
 Where the update's energy does not stand above the noise's (||y||^2 <= N (1 + tail sqrt(2 / D)); ||n||^2 /
 s^2 is chi-square with D degrees of freedom) there is no signal to match and the attack refuses, stating the
 estimated signal-to-noise energy ratio S / N. Stats: ``noise_std``, ``snr`` (S / N), ``tv_noise`` (the TV
-weight the noise added).
+weight the noise added), ``views_averaged`` (how many views it matched the mean of).
+
+Several views (``average_views``, when the threat model gives the server K views of the same data,
+:mod:`gradleak.attacks.noise`): the attack matches their mean, whose noise is s / sqrt(K), with everything
+above computed at that scale.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from gradleak.attacks.image.ig import IGConfig, InvertingGradients
-from gradleak.defenses.base import stated_noise_std
+from gradleak.attacks.noise import averaged, noise_scale
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
 
@@ -58,11 +62,14 @@ class NoiseAwareIGConfig(IGConfig):
     """IG's options plus what the attack knows of the noise: ``noise_std`` (None: the update's stated
     ``<defense>/noise_std``), ``prior_strength`` (1 / beta of the TV prior, module docstring; default from
     the held-out tuning run ``benchmarks/configs/ig_noise_tuning.toml``) and the ``tail`` (in standard
-    deviations of a pure-noise update's energy) the update must stand above its noise."""
+    deviations of a pure-noise update's energy) the update must stand above its noise; ``average_views``:
+    match the mean of the observation's views (:func:`gradleak.attacks.noise.mean_of_views`), whose noise
+    is sqrt(K) times smaller."""
 
     noise_std: float | None = None
     prior_strength: float = 1e4
     tail: float = 3.0
+    average_views: bool = False  # match the mean of the observation's views (noise / sqrt(K))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -119,17 +126,7 @@ class NoiseAwareInvertingGradients:
 
     def noise_std(self, obs: Observation) -> float:
         """The configured noise scale, else the update's stated one (checked: finite and >= 0)."""
-        if self.config.noise_std is not None:
-            return self.config.noise_std
-        std = stated_noise_std(obs.update.metadata)
-        if std is None:
-            raise AttackInputError(
-                "ig_noise needs the noise scale: the update states none (no <defense>/noise_std in its "
-                "metadata); set noise_std to the defense's per-entry noise standard deviation"
-            )
-        if not 0 <= std < math.inf:
-            raise AttackInputError(f"the update states a noise scale {std!r}; it must be finite and >= 0")
-        return std
+        return noise_scale(obs.update, self.config.noise_std, "ig_noise")
 
     def balance(self, obs: Observation, std: float) -> NoiseBalance:
         """The energy of the update's tensors that IG matches (those of the model's parameters) against
@@ -147,6 +144,7 @@ class NoiseAwareInvertingGradients:
         return balance
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
+        obs, views = averaged(obs, self.config.average_views)
         std = self.noise_std(obs)
         balance = self.balance(obs, std)  # refuses before any work
         added = balance.tv_weight(std, self.config.prior_strength)
@@ -156,6 +154,7 @@ class NoiseAwareInvertingGradients:
             "noise_std": std,
             "snr": balance.signal / balance.noise if balance.noise > 0 else math.inf,
             "tv_noise": added,
+            "views_averaged": views,
         }
         return Reconstruction(images=rec.images, labels=rec.labels, stats={**rec.stats, **stats})
 

@@ -3,7 +3,8 @@
 ``dager`` / ``dager_fedavg`` (attention-gradient spans), ``dager_spectral`` (the spans above a known
 noise scale's bulk edge: adaptive, against DP noise), ``dager_masked`` (a low-rank completion of a
 sparsified gradient's kept entries: adaptive, against pruning), ``embedding_norm`` (Channel 2), ``mlp_svd``
-(Channel 3, adaptive), ``lm_head_probe`` (untied heads). For text, ``Observation.input_shape`` is
+(Channel 3, adaptive), ``mlp_spectral`` (Channel 3 above a noise or flood's bulk edge: adaptive, against
+AEGIS's MLP flood and DP noise), ``lm_head_probe`` (untied heads). For text, ``Observation.input_shape`` is
 ``(seq_len,)`` (the padded length) and ``num_classes`` the label count (classification) or the vocabulary
 size (causal LM); the attacks read neither.
 """
@@ -13,4 +14,5 @@ from gradleak.attacks.text import dager_masked as _dager_masked  # noqa: F401
 from gradleak.attacks.text import dager_spectral as _dager_spectral  # noqa: F401
 from gradleak.attacks.text import embedding_norm as _embedding_norm  # noqa: F401
 from gradleak.attacks.text import lm_head as _lm_head  # noqa: F401
+from gradleak.attacks.text import mlp_spectral as _mlp_spectral  # noqa: F401
 from gradleak.attacks.text import mlp_svd as _mlp_svd  # noqa: F401

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from gradleak.types import Attack, Observation, Reconstruction
+from gradleak.types import Attack, Observation, Reconstruction, Update
 
 VALID_MIN_R1 = 0.10
 VALID_MARGIN = 0.05
@@ -22,15 +22,21 @@ BROKEN_R1 = 0.05
 
 
 def null_observation(obs: Observation, generator: torch.Generator) -> Observation:
-    """``obs`` with each update tensor replaced by norm-matched Gaussian noise."""
+    """``obs`` with each update tensor, and each of its views', replaced by norm-matched Gaussian noise
+    (independent draws: the null views share no data either)."""
+    update = _null(obs.update, generator)  # first: the update's null does not depend on the views
+    return replace(obs, update=update, views=tuple(_null(v, generator) for v in obs.views))
+
+
+def _null(update: Update, generator: torch.Generator) -> Update:
     noise = {}
-    for name, t in obs.update.tensors.items():
+    for name, t in update.tensors.items():
         z = torch.randn(t.shape, generator=generator, dtype=torch.float32).to(t.dtype)
         norm = float(t.norm())
         noise[name] = (
             z * (norm / float(z.norm())) if norm > 0 and float(z.norm()) > 0 else torch.zeros_like(t)
         )
-    return replace(obs, update=obs.update.replace(noise))
+    return update.replace(noise)
 
 
 def is_valid(r1: float, null_r1: float) -> bool:

@@ -40,6 +40,9 @@ What it cannot do: signal directions with s_i(S) well below e are lost in the bu
 lean on them fail the tests; recovery is partial and the stats say how far the spectrum stood above the
 edge (``snr_l1`` / ``snr_l2``: the largest singular value over the edge; ``rank_l1`` / ``rank_l2``: how
 many stood above it). With nothing above the edge the attack returns nothing and says so with that SNR.
+
+Several views (``average_views``, when the threat model gives the server K views of the same batch,
+:mod:`gradleak.attacks.noise`): the spans of their mean, whose bulk edge is sqrt(K) times lower.
 """
 
 from __future__ import annotations
@@ -51,12 +54,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from gradleak.attacks.noise import averaged, noise_scale
 from gradleak.attacks.text.dager import Dager, DagerConfig
 from gradleak.attacks.text.family import FamilySpec, Span, layer_inputs, vocab_size, with_thresholds
 from gradleak.attacks.text.search import L2Search
-from gradleak.defenses.base import stated_noise_std
 from gradleak.registry import ATTACKS
-from gradleak.types import AttackInputError, Observation
+from gradleak.types import Observation, Reconstruction
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,9 @@ class DagerSpectralConfig(DagerConfig):
     ``<defense>/noise_std``), the ``tail`` of the edge and of the residual bound (in noise standard
     deviations), the threshold rule ``scale`` times the first-order residual bound, capped at
     ``max_threshold``, and the outlier rule: ``outlier_sd`` standard deviations below the mean residual of
-    the scanned vocabulary (L1) or of ``reference`` random continuations (L2) (module docstring)."""
+    the scanned vocabulary (L1) or of ``reference`` random continuations (L2) (module docstring);
+    ``average_views``: the spans of the mean of the observation's views
+    (:func:`gradleak.attacks.noise.mean_of_views`), whose noise is sqrt(K) times smaller."""
 
     noise_std: float | None = None
     tail: float = 6.0
@@ -76,6 +81,7 @@ class DagerSpectralConfig(DagerConfig):
     outlier_sd: float = 5.0
     l2_outlier_sd: float | None = None
     reference: int = 256
+    average_views: bool = False  # test the spans of the mean of the observation's views (noise / sqrt(K))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -223,18 +229,14 @@ class DagerSpectral(Dager):
     def __init__(self, config: DagerSpectralConfig | None = None) -> None:
         super().__init__(config or DagerSpectralConfig())
 
+    def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
+        obs, views = averaged(obs, self.config.average_views)
+        rec = super().reconstruct(obs, generator=generator)
+        rec.stats["views_averaged"] = views
+        return rec
+
     def noise_std(self, obs: Observation) -> float:
-        std = (
-            self.config.noise_std
-            if self.config.noise_std is not None
-            else stated_noise_std(obs.update.metadata)
-        )
-        if std is None:
-            raise AttackInputError(
-                "dager_spectral needs the noise scale: the update states none (no <defense>/noise_std in its "
-                "metadata); set noise_std to the defense's per-entry noise standard deviation"
-            )
-        return std
+        return noise_scale(obs.update, self.config.noise_std, "dager_spectral")
 
     def spans(
         self, obs: Observation, spec: FamilySpec, grad1: torch.Tensor, grad2: torch.Tensor

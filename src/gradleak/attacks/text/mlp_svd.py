@@ -17,8 +17,11 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from gradleak.attacks.text.family import (
+    FamilySpec,
+    Span,
     estimate_span,
     family_of,
     find_module,
@@ -58,19 +61,31 @@ class MLPSVD:
         self.config = config or MLPSVDConfig()
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
-        cfg = self.config
         start = time.perf_counter()
         model = obs.client_model()
         spec = family_of(model)
-        span = estimate_span(
-            input_side_gradient(obs, model, spec.mlp_inputs, 0), cfg.rank_tol or spec.rank_tol
-        )
-        if span.rank == 0:
+        grad = input_side_gradient(obs, model, spec.mlp_inputs, 0)
+        if float(grad.abs().max()) == 0.0:
             raise AttackInputError("the first block's MLP-expansion gradient is zero (frozen or masked)")
-        if span.full:
+        span, stats = self.span(obs, model, grad)
+        stats = {**stats, "rank": float(span.rank)}
+        if span.rank == 0 or span.full:
             return Reconstruction(
-                token_ids=[[]], stats={"rank": float(span.rank), "span_full": 1.0}, ordered=False
+                token_ids=[[]], stats={**stats, "span_full": float(span.full)}, ordered=False
             )
+        tokens = self.tokens(model, spec, span)
+        log.info("%s: rank %d, %d tokens", type(self).__name__, span.rank, len(tokens))
+        stats.update({"tokens": float(len(tokens)), "seconds": time.perf_counter() - start})
+        return Reconstruction(token_ids=[tokens], stats=stats, ordered=False)
+
+    def span(self, obs: Observation, model: nn.Module, grad: torch.Tensor) -> tuple[Span, dict[str, float]]:
+        """The span of block 1's MLP inputs from its gradient (d_in, k): exact-arithmetic rank estimate."""
+        return estimate_span(grad, self.config.rank_tol or family_of(model).rank_tol), {}
+
+    def tokens(self, model: nn.Module, spec: FamilySpec, span: Span) -> list[int]:
+        """The vocabulary tokens whose context-free MLP input lies closest to ``span`` (module docstring):
+        the ``rank`` closest, or those below the threshold."""
+        cfg = self.config
         module = find_module(model, spec.mlp_inputs[0].format(i=0))[1]
         vocab = torch.arange(vocab_size(model)).unsqueeze(1)
         positions = cfg.positions if spec.positions == "learned" else 1
@@ -80,16 +95,8 @@ class MLPSVD:
             best = torch.minimum(best, span.residual_squared32(z).clamp_min(0).sqrt().to(torch.float64))
         order = best.argsort()
         if cfg.select == "rank":
-            tokens = order[: span.rank].tolist()
-        else:
-            tokens = order[: int((best < cfg.threshold).sum())].tolist()
-        log.info("MLP-SVD: rank %d, %d tokens", span.rank, len(tokens))
-        stats = {
-            "rank": float(span.rank),
-            "tokens": float(len(tokens)),
-            "seconds": time.perf_counter() - start,
-        }
-        return Reconstruction(token_ids=[tokens], stats=stats, ordered=False)
+            return order[: span.rank].tolist()
+        return order[: int((best < cfg.threshold).sum())].tolist()
 
 
 ATTACKS.register(
