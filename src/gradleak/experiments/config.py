@@ -269,9 +269,9 @@ class ExperimentConfig:
                 f"audit.views = {a.views}, but every attack of the audit modifies the model, and "
                 "malicious-model attacks see one round: views would be trained and never read"
             )
-        if self.audit.views > 1 and self.fl.secure_aggregation:
+        if a.views > 1 and self.fl.secure_aggregation:
             raise ConfigError(
-                f"audit.views = {self.audit.views} hands an attack several updates of one client, but "
+                f"audit.views = {a.views} hands an attack several updates of one client, but "
                 "fl.secure_aggregation shows the server only their sum: set audit.views = 1"
             )
         per_round = clients_per_round(self.data.num_clients, self.fl.fraction)

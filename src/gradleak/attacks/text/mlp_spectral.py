@@ -79,31 +79,34 @@ class MLPSpectral(MLPSVD):
 
     def noise_std(self, obs: Observation, grad: torch.Tensor) -> tuple[float, bool]:
         """The noise scale of ``grad``'s entries and whether it was estimated (not stated or configured)."""
-        if self.config.noise_std is not None or stated_noise_std(obs.update.metadata) is not None:
-            return noise_scale(obs.update, self.config.noise_std, "mlp_spectral"), False
-        return robust_noise_std(grad), True
+        if self.config.noise_std is None and stated_noise_std(obs.update.metadata) is None:
+            return robust_noise_std(grad), True
+        return noise_scale(obs.update, self.config.noise_std, "mlp_spectral"), False
 
-    def snr(self, obs: Observation, grad: torch.Tensor) -> tuple[float, float, torch.Tensor]:
-        """``grad``'s largest singular value over its bulk edge, the edge, and its singular values."""
-        std, _ = self.noise_std(obs, grad)
-        edge = bulk_edge(tuple(grad.shape), std, self.config.tail)
-        s = torch.linalg.svdvals(grad.to(torch.float64))
-        return (float(s[0]) / edge if edge > 0 else math.inf), edge, s
+    def edge(self, obs: Observation, grad: torch.Tensor) -> tuple[float, bool, float]:
+        """``grad``'s noise scale, whether it was estimated, and the bulk edge at that scale."""
+        std, estimated = self.noise_std(obs, grad)
+        return std, estimated, bulk_edge(tuple(grad.shape), std, self.config.tail)
 
     def span(self, obs: Observation, model: nn.Module, grad: torch.Tensor) -> tuple[Span, dict[str, float]]:
-        std, estimated = self.noise_std(obs, grad)
-        edge = bulk_edge(tuple(grad.shape), std, self.config.tail)
+        std, estimated, edge = self.edge(obs, grad)
         u, s, _ = torch.linalg.svd(grad.to(torch.float64), full_matrices=False)
-        r = int((s > edge).sum())
         stats = {"noise_std": std, "noise_estimated": float(estimated), "edge": edge,
-                 "snr": float(s[0]) / edge if edge > 0 else math.inf}  # fmt: skip
+                 "snr_block1": _ratio(float(s[0]), edge)}  # fmt: skip
         spec = family_of(model)
         blocks = int(getattr(getattr(model, "config", None), "num_hidden_layers", 1))
         for i in range(1, blocks):  # the later blocks' channels: open or not (not probed for tokens)
-            stats[f"snr_block{i + 1}"] = self.snr(obs, input_side_gradient(obs, model, spec.mlp_inputs, i))[0]
-        stats["snr_block1"] = stats["snr"]
+            later = input_side_gradient(obs, model, spec.mlp_inputs, i)
+            top = float(torch.linalg.svdvals(later.to(torch.float64))[0])
+            stats[f"snr_block{i + 1}"] = _ratio(top, self.edge(obs, later)[2])
+        stats["snr"] = stats["snr_block1"]
         stats["snr_max"] = max(v for k, v in stats.items() if k.startswith("snr_block"))
-        return Span(u[:, :r], s), stats
+        return Span(u[:, : int((s > edge).sum())], s), stats
+
+
+def _ratio(top: float, edge: float) -> float:
+    """A spectrum's largest singular value over its bulk edge (inf for an edge of 0)."""
+    return top / edge if edge > 0 else math.inf
 
 
 ATTACKS.register(
