@@ -96,6 +96,36 @@ def test_mlp_flood_rows_are_input_features_and_rho_fc_zero_leaves_pure_noise(gpt
     assert abs(float(corr)) < 0.02  # no retained signal at rho_fc = 0
 
 
+def test_mlp_blocks_floods_the_named_blocks_only(gpt2_cls, make_batch):
+    """mlp_blocks = [1]: block 1's MLP is pure noise as under AEGIS, every later block's MLP gradient leaves
+    as the undefended one (attention frozen does not change an MLP gradient); a block the model lacks is
+    refused before any step."""
+    batch = make_batch(gpt2_cls)
+    blocks = gpt2_cls.model.config.n_layer
+    assert blocks >= 2
+    plain = fedsgd_text_update(gpt2_cls.model, batch, "classification").tensors
+    cfg = AegisLLMConfig(mlp_blocks=(1,))
+    out = fedsgd_text_update(
+        gpt2_cls.model, batch, "classification", defenses=[AegisLLM(cfg)], generator=_gen()
+    ).tensors
+    first = "transformer.h.0.mlp.c_fc.weight"
+    m_bar = float(plain[first].norm(dim=1).mean())
+    assert float(out[first].std()) == pytest.approx(8.0 * m_bar, rel=0.02)
+    for i in range(1, blocks):
+        for part in ("c_fc", "c_proj"):
+            for kind in ("weight", "bias"):
+                name = f"transformer.h.{i}.mlp.{part}.{kind}"
+                assert torch.allclose(out[name], plain[name], rtol=0, atol=1e-7), name
+    with pytest.raises((DefenseFailure, ValueError), match="mlp_blocks"):
+        fedsgd_text_update(
+            gpt2_cls.model, batch, "classification",
+            defenses=[AegisLLM(AegisLLMConfig(mlp_blocks=(blocks + 1,)))], generator=_gen(),
+        )  # fmt: skip
+    for bad in ((0,), (1, 1), (True,)):
+        with pytest.raises(ValueError, match="mlp_blocks"):
+            AegisLLMConfig(mlp_blocks=bad)
+
+
 def test_flood_helper_against_reference_loop():
     g = torch.zeros(6, 4)
     g[1] = torch.tensor([3.0, 0.0, 4.0, 0.0])  # norm 5

@@ -49,7 +49,10 @@ the surrounding prose, Sec. IV-C/D, Theorem 2's proof and the Marchenko-Pastur r
 Other embedding tables (GPT-2's learned positions, BERT's positions and token types) are flooded with the
 embedding rule when ``flood_other_embeddings`` is set (default): their row norms would otherwise reveal the
 batch's sequence lengths. Component switches give the paper's ablations (Table II, Table V): AEGIS-2ch is
-``flood_mlp = false``.
+``flood_mlp = false``. ``mlp_blocks`` floods the MLP of the named blocks only (numbered from 1, as
+``mlp_spectral``'s ``snr_block{i}``), the others' MLP gradients leaving whole: not in the paper, a knob for
+issue 21's search for the smallest MLP protection (block 1's MLP input is the token embeddings themselves,
+the one MLP channel ``mlp_spectral`` reads tokens from).
 """
 
 from __future__ import annotations
@@ -76,6 +79,15 @@ def _module_from(model: nn.Module, getter: str) -> nn.Module | None:
     return out if isinstance(out, nn.Module) else None
 
 
+def _block_of(module_name: str) -> int:
+    """The block number (from 1) of a transformer block's module: the first index in its dotted name
+    (``h.0.mlp.c_fc``, ``model.layers.3.mlp.up_proj``, ``encoder.layer.5.intermediate.dense``)."""
+    index = re.search(r"(^|\.)(\d+)\.", module_name)
+    if index is None:
+        raise ValueError(f"aegis_llm: no block index in the MLP module name {module_name!r}")
+    return int(index.group(2)) + 1
+
+
 def _is_norm(module: nn.Module) -> bool:
     kind = type(module).__name__
     return isinstance(module, nn.LayerNorm) or kind.endswith("LayerNorm") or kind.endswith("RMSNorm")
@@ -99,8 +111,14 @@ class AegisLLMConfig:
     flood_layernorm: bool = True
     flood_lm_head: bool = True  # only acts when the head is untied
     flood_other_embeddings: bool = True
+    mlp_blocks: tuple[int, ...] = ()  # the blocks (numbered from 1) whose MLP is flooded; (): every block
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "mlp_blocks", tuple(self.mlp_blocks))  # a config's list
+        if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.mlp_blocks):
+            raise ValueError(f"aegis_llm: mlp_blocks must be block numbers >= 1, got {self.mlp_blocks!r}")
+        if len(set(self.mlp_blocks)) != len(self.mlp_blocks):
+            raise ValueError(f"aegis_llm: mlp_blocks repeats a block: {self.mlp_blocks!r}")
         for name in ("lam", "lam_fc", "lam_ln", "rho", "rho_fc", "rho_ln", "bf16_scale", "active_rel_tol"):
             value = getattr(self, name)
             if not (
@@ -214,6 +232,7 @@ class AegisLLM(Defense):
         untied_head = head is not None and emb is not None and head.weight is not emb.weight
         by_id: dict[int, FloodRule] = {}
         names: dict[int, str] = {}
+        mlp_blocks: set[int] = set()  # the model's blocks that have an MLP
         for mod_name, module in model.named_modules():
             rule: FloodRule | None = None
             matrix_rows = "dim0" if parts.conv1d else "dim1"
@@ -226,7 +245,9 @@ class AegisLLM(Defense):
             elif untied_head and module is head:
                 rule = FloodRule("lm_head", cfg.lam, cfg.rho, "dim0") if cfg.flood_lm_head else None
             elif re.search(parts.mlp, mod_name):
-                rule = FloodRule("mlp", cfg.lam_fc, cfg.rho_fc, matrix_rows) if cfg.flood_mlp else None
+                mlp_blocks.add(_block_of(mod_name))
+                flooded = cfg.flood_mlp and (not cfg.mlp_blocks or _block_of(mod_name) in cfg.mlp_blocks)
+                rule = FloodRule("mlp", cfg.lam_fc, cfg.rho_fc, matrix_rows) if flooded else None
             elif _is_norm(module):
                 rule = FloodRule("norm", cfg.lam_ln, cfg.rho_ln, "entries") if cfg.flood_layernorm else None
             if rule is None:
@@ -238,6 +259,10 @@ class AegisLLM(Defense):
                 names[id(p)] = f"{mod_name}.{p_name}"
         if cfg.flood_embedding and (emb is None or id(emb.weight) not in by_id):
             raise ValueError("aegis_llm: the model's input token embedding was not found or is frozen")
+        missing = sorted(set(cfg.mlp_blocks) - mlp_blocks)
+        if missing:
+            raise ValueError(f"aegis_llm: mlp_blocks {missing} name no block of the model (its MLP blocks are "
+                             f"1..{max(mlp_blocks, default=0)})")
         return {names[i]: r for i, r in by_id.items()}
 
     def _generator_for(self, device: torch.device, base: torch.Generator) -> torch.Generator:
