@@ -87,8 +87,8 @@ CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))  # per c
 
 
 class Standardize(nn.Module):
-    """``(x - mean) / std`` per channel, fixed (buffers, no parameters): a data pipeline's normalisation as the
-    model's first layer, so that images (and every attack's dummy images) stay in [0, 1]."""
+    """``(x - mean) / std`` per channel, fixed (buffers, no parameters): a data pipeline's normalisation as
+    the model's first layer, so that images (and every attack's dummy images) stay in [0, 1]."""
 
     def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]):
         super().__init__()
@@ -137,7 +137,9 @@ class LeNet(ConvClassifier):
 MODELS.register("aegis_cnn", AegisCNN, summary="paper 000 classifier: 3 conv + FC-512", modality="image")
 MODELS.register("sme_cnn", SMECNN, summary="paper 001 victim: 2 conv + 2 FC (SME/NL-SME)", modality="image")
 MODELS.register(
-    "sme_cifar_cnn", SMECifarCNN, summary="the official SME code's CIFAR victim: 2 conv (avg pool) + 2 FC",
+    "sme_cifar_cnn",
+    SMECifarCNN,
+    summary="the official SME code's CIFAR victim: 2 conv (avg pool) + 2 FC",
     modality="image",
 )
 MODELS.register("lenet", LeNet, summary="DLG's sigmoid LeNet", modality="image")
