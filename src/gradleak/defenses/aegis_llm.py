@@ -261,8 +261,10 @@ class AegisLLM(Defense):
             raise ValueError("aegis_llm: the model's input token embedding was not found or is frozen")
         missing = sorted(set(cfg.mlp_blocks) - mlp_blocks)
         if missing:
-            raise ValueError(f"aegis_llm: mlp_blocks {missing} name no block of the model (its MLP blocks are "
-                             f"1..{max(mlp_blocks, default=0)})")
+            raise ValueError(
+                f"aegis_llm: mlp_blocks {missing} name no block of the model (its MLP blocks are "
+                f"1..{max(mlp_blocks, default=0)})"
+            )
         return {names[i]: r for i, r in by_id.items()}
 
     def _generator_for(self, device: torch.device, base: torch.Generator) -> torch.Generator:

@@ -6,6 +6,11 @@
 - ``sme_cnn``: paper 001's victim, "two convolutional layers followed by two fully connected layers, as in
   SME/NL-SME" (001, Sec. 4): 5x5 convs of 32/64 channels with ReLU and 2x2 max-pooling, then FC-``hidden``
   and the output layer (LEAF's FEMNIST CNN uses hidden=2048; the CIFAR variant uses 512).
+- ``sme_cifar_cnn``: the CIFAR victim of the official SME code (its ``CNNcifar``, the model of issue 21's
+  side-by-side with it): 3x3 convs of 64/128 channels with ReLU and 2x2 *average* pooling, then FC-200, ReLU
+  and the output layer, its inputs standardised per channel (CIFAR-10's statistics) as the official data
+  pipeline does, here as a fixed first layer. Average pooling is linear, so its update is smoother in the
+  input than ``sme_cnn``'s max-pooled one.
 - ``lenet``: the sigmoid LeNet of DLG (Zhu et al. 2019): three 5x5 convs of 12 channels (strides 2, 2, 1)
   with sigmoid, then one linear layer. Smooth activations make it the classic gradient-inversion target.
 
@@ -78,6 +83,41 @@ class SMECNN(ConvClassifier):
         self.classifier = _two_layer_head(self.features, input_shape, hidden, num_classes)
 
 
+CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))  # per channel, of the training set
+
+
+class Standardize(nn.Module):
+    """``(x - mean) / std`` per channel, fixed (buffers, no parameters): a data pipeline's normalisation as
+    the model's first layer, so that images (and every attack's dummy images) stay in [0, 1]."""
+
+    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(mean).reshape(1, -1, 1, 1))
+        self.register_buffer("std", torch.tensor(std).reshape(1, -1, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+
+class SMECifarCNN(ConvClassifier):
+    """The official SME code's CIFAR victim: 2 conv (3x3, 64/128, average pooling) + FC-200 + output, on
+    inputs standardised per channel as its data pipeline does (``standardize``; RGB only)."""
+
+    def __init__(
+        self, input_shape: tuple[int, int, int], num_classes: int, hidden: int = 200, standardize: bool = True
+    ):
+        super().__init__()
+        c = input_shape[0]
+        if standardize and c != 3:
+            raise ValueError(f"sme_cifar_cnn standardizes RGB inputs (CIFAR-10 statistics); got {c} channels")
+        self.features = nn.Sequential(
+            *([Standardize(*CIFAR10_MEAN_STD)] if standardize else []),
+            nn.Conv2d(c, 64, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2),
+            nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2),
+        )  # fmt: skip
+        self.classifier = _two_layer_head(self.features, input_shape, hidden, num_classes)
+
+
 class LeNet(ConvClassifier):
     """DLG's LeNet (Zhu et al. 2019): sigmoid convs, one linear output layer."""
 
@@ -96,4 +136,10 @@ class LeNet(ConvClassifier):
 
 MODELS.register("aegis_cnn", AegisCNN, summary="paper 000 classifier: 3 conv + FC-512", modality="image")
 MODELS.register("sme_cnn", SMECNN, summary="paper 001 victim: 2 conv + 2 FC (SME/NL-SME)", modality="image")
+MODELS.register(
+    "sme_cifar_cnn",
+    SMECifarCNN,
+    summary="the official SME code's CIFAR victim: 2 conv (avg pool) + 2 FC",
+    modality="image",
+)
 MODELS.register("lenet", LeNet, summary="DLG's sigmoid LeNet", modality="image")
