@@ -90,6 +90,9 @@ class Standardize(nn.Module):
     """``(x - mean) / std`` per channel, fixed (buffers, no parameters): a data pipeline's normalisation as
     the model's first layer, so that images (and every attack's dummy images) stay in [0, 1]."""
 
+    mean: torch.Tensor
+    std: torch.Tensor
+
     def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]):
         super().__init__()
         self.register_buffer("mean", torch.tensor(mean).reshape(1, -1, 1, 1))
