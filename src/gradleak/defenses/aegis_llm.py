@@ -245,8 +245,9 @@ class AegisLLM(Defense):
             elif untied_head and module is head:
                 rule = FloodRule("lm_head", cfg.lam, cfg.rho, "dim0") if cfg.flood_lm_head else None
             elif re.search(parts.mlp, mod_name):
-                mlp_blocks.add(_block_of(mod_name))
-                flooded = cfg.flood_mlp and (not cfg.mlp_blocks or _block_of(mod_name) in cfg.mlp_blocks)
+                block = _block_of(mod_name)
+                mlp_blocks.add(block)
+                flooded = cfg.flood_mlp and (not cfg.mlp_blocks or block in cfg.mlp_blocks)
                 rule = FloodRule("mlp", cfg.lam_fc, cfg.rho_fc, matrix_rows) if flooded else None
             elif _is_norm(module):
                 rule = FloodRule("norm", cfg.lam_ln, cfg.rho_ln, "entries") if cfg.flood_layernorm else None
