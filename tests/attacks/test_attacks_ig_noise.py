@@ -147,20 +147,23 @@ def test_entries_sent_without_noise_are_not_counted_and_a_bad_stated_scale_is_re
         create_attack("ig_noise", max_iterations=1).reconstruct(empty, generator=torch.Generator())
 
 
-def test_the_tuning_images_are_not_the_audited_ones():
-    """ig_noise_tuning.toml tunes on other images than adaptive_image.toml audits (item 0: defaults from
-    data other than the audit's)."""
+@pytest.mark.parametrize(("tuning", "count"), [("ig_noise_tuning", 6), ("ig_tuning", 6 + 3 * 4)])
+def test_the_tuning_images_are_not_the_audited_ones(tuning: str, count: int):
+    """The IG tuning runs (ig_noise_tuning.toml, ig_tuning.toml: every cell) tune on other images than
+    adaptive_image.toml audits (item 0: defaults from data other than the audit's)."""
     from pathlib import Path
 
     from gradleak.experiments.benchmark import load_benchmark
     from gradleak.experiments.runner import audited_updates
 
     configs = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
-    images = []
-    for name in ("adaptive_image", "ig_noise_tuning"):
-        (_, _, cfg), *_ = load_benchmark(configs / f"{name}.toml").configs("small")
-        images.append(torch.cat([truth.images for _, truth in audited_updates(cfg)]))
-    audited, tuning = images
-    assert len(audited) == 3 and len(tuning) == 6
-    gaps = (audited[:, None] - tuning[None]).flatten(2).abs().amax(-1)
+
+    def images(name: str) -> torch.Tensor:
+        runs = load_benchmark(configs / f"{name}.toml").configs("small")
+        return torch.cat([truth.images for *_, cfg in runs for _, truth in audited_updates(cfg)])
+
+    audited = images("adaptive_image")
+    tuned = images(tuning)
+    assert len(audited) == 3 * 2 + 3 and len(tuned) == count  # adaptive_image: 2 models + the run-sigma cell
+    gaps = (audited[:, None] - tuned[None]).flatten(2).abs().amax(-1)
     assert float(gaps.min()) > 0.1  # no tuning image is an audited one (pixel values in [0, 1])

@@ -82,3 +82,24 @@ def test_every_multistep_attack_runs_from_the_example_config(tmp_path):
         assert "matching_loss_honest" in r and "matching_loss_calibrated" in r
     stored = store.records(out.run_id, "attack")
     assert [r["attack"] for r in stored] == ["ig", "sme", "nlsme", "pisme", "dlg"]
+
+
+@pytest.mark.parametrize("tuning", ["sme_tuning", "surrogate_tuning"])
+def test_the_surrogate_tuning_images_are_not_the_tables_ones(tuning: str):
+    """The surrogate attacks' tuning runs (sme_tuning.toml, surrogate_tuning.toml) tune on other CIFAR-10
+    images than paper 001's tables audit (issue 21 item 0: defaults from data other than the audit's);
+    checked at the small scale, whose clients are the paper scale's (the scales change k, not the clients)."""
+    from gradleak.experiments.benchmark import load_benchmark
+    from gradleak.experiments.runner import audited_updates
+
+    configs = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+
+    def images(name: str, cell: str) -> torch.Tensor:
+        runs = [cfg for c, _, cfg in load_benchmark(configs / f"{name}.toml").configs("small") if cell in c.name]
+        return torch.cat([truth.images for cfg in runs for _, truth in audited_updates(cfg)])
+
+    audited = images("paper001_table1", "cifar10-t100")
+    tuned = images(tuning, "cifar10")
+    assert len(audited) == 3 * 4 and len(tuned) == 3 * 8
+    gaps = (audited[:, None] - tuned[None]).flatten(2).abs().amax(-1)
+    assert float(gaps.min()) > 0.1  # no tuning image is an audited one (pixel values in [0, 1])

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DLGConfig:
+    """DLG's settings (Zhu et al. 2019, and its official code): L-BFGS at lr 1 for 300 steps of torch's
+    default 20 evaluations, soft labels optimised jointly (``labels="idlg"``: iDLG's recovered labels)."""
+
     max_iterations: int = 300  # L-BFGS steps (DLG: 300)
     lbfgs_max_iter: int = 20  # function evaluations per step (torch's default, as in DLG's code)
     lr: float = 1.0

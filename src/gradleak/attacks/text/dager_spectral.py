@@ -72,7 +72,10 @@ class DagerSpectralConfig(DagerConfig):
     ``max_threshold``, and the outlier rule: ``outlier_sd`` standard deviations below the mean residual of
     the scanned vocabulary (L1) or of ``reference`` random continuations (L2) (module docstring);
     ``average_views``: the spans of the mean of the observation's views
-    (:func:`gradleak.attacks.noise.mean_of_views`), whose noise is sqrt(K) times smaller."""
+    (:func:`gradleak.attacks.noise.mean_of_views`), whose noise is sqrt(K) times smaller. Defaults'
+    sources: ``outlier_sd`` 5 is the official DAGER's noise-robust cut-off (``--p1_std_thrs`` /
+    ``--l2_std_thrs`` 5); ``tail`` 6 puts the chance that pure noise crosses the edge below exp(-18)
+    (module docstring); ``scale`` 1 is the first-order bound itself."""
 
     noise_std: float | None = None
     tail: float = 6.0

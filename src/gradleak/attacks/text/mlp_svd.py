@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class MLPSVDConfig:
+    """``positions`` scanned per token (4: our choice; paper 002 does not give it, and the context-free input
+    is exact only at the first), ``select`` ``"rank"`` (the span dimension estimates the number of distinct
+    inputs: no threshold to tune, the default) or ``"threshold"`` (residual below ``threshold``, 0.2: our
+    choice), ``rank_tol`` (None: the family's, as DAGER's), ``chunk`` (tokens scored at once: memory)."""
+
     positions: int = 4
     select: str = "rank"  # "rank" or "threshold"
     threshold: float = 0.2

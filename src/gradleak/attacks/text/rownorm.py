@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RowNormConfig:
+    """``select`` ``"gap"`` (the largest ratio between consecutive sorted row norms among the top
+    ``max_tokens``: no threshold to tune, the default) or ``"threshold"`` (rows above ``threshold`` times
+    the largest; paper 002 states no value, 1e-3 is our choice)."""
+
     select: str = "gap"  # "gap" or "threshold"
     threshold: float = 1e-3  # relative to the largest row norm (select="threshold")
     max_tokens: int = 4096  # the gap is searched among the top max_tokens rows
