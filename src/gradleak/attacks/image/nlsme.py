@@ -27,6 +27,9 @@ from gradleak.types import Observation, Reconstruction
 
 @dataclass(frozen=True)
 class NLSMEConfig(SurrogateConfig):
+    """NL-SME's own options, paper 001's values (``lr_t``: ours, the paper gives none); the shared
+    optimiser settings (decay, box, TV) are :class:`SurrogateConfig`'s, tuned on held-out updates."""
+
     lr_path: float = 1e-3  # Adam lr of P1
     lr_t: float = 1e-2  # Adam lr of t (our choice; not given in paper 001)
     lr_d: float = 2.5e-3

@@ -10,7 +10,9 @@ matched to Delta w = w_0 - w_T under the calibrated objective of Eq. 10:
 
     L_sim(d * G, Delta w) + lambda_tv TV(X) + lambda_p ||P1 - (w_0 + w_T)/2||^2 + lambda_d ||d - 1||^2,
 
-jointly in X, P1 and d with Adam (Algorithm 1). Paper defaults: m = 7, lambda_tv = 1e-2, lambda_p = 1e-3,
+jointly in X, P1 and d with Adam (Algorithm 1). Paper defaults (ours differ in the optimiser settings the
+official SME code uses, :class:`~gradleak.attacks.image.surrogate.SurrogateConfig`: step decay, the
+[0, 1] box, lambda_tv 5e-3 on our TV): m = 7, lambda_tv = 1e-2, lambda_p = 1e-3,
 lambda_d = 1e-6, lr 1 (X), 1e-3 (P1), 2.5e-3 (d), 1000 iterations, X ~ N(0, I), P1 = midpoint, d = 1
 clamped to [0.1, 10]. Labels come from the last layer's update and stay fixed. Every result reports the
 calibrated and the honest (d = 1) matching loss. Shared machinery: :mod:`gradleak.attacks.image.surrogate`.
@@ -34,6 +36,10 @@ from gradleak.types import Observation, Reconstruction
 
 @dataclass(frozen=True)
 class PISMEConfig(SurrogateConfig):
+    """PI-SME's own options, paper 001's values (m = 7 nodes: on the plateau of its Table 2 and of ours);
+    the shared optimiser settings (decay, box, TV) are :class:`SurrogateConfig`'s, tuned on held-out
+    updates (PI-SME +1.1 dB over paper 001's, benchmarks/configs/surrogate_tuning.toml)."""
+
     nodes: int = 7
     lr_path: float = 1e-3  # Adam lr of P1
     lr_d: float = 2.5e-3

@@ -26,15 +26,11 @@ from gradleak.types import Observation, Reconstruction
 @dataclass(frozen=True)
 class SMEConfig(SurrogateConfig):
     """SME's defaults are the official SME code's settings (its experiments/configs/cifar_sme.json and
-    adversary: Adam lr 1e-3 for alpha, learning-rate decay x0.1 at 3/8, 5/8 and 7/8 of the iterations, the
-    images projected onto the valid range after every step), its TV weight 1e-2 mapped to 5e-3 on
-    gradleak's TV; chosen on held-out updates of the official victim (benchmarks/configs/sme_tuning.toml,
-    seed 1, k 50, T 100: docs/attacks-multistep.md). Paper 001's own SME runs (the paper001_* benchmarks)
-    pin the earlier settings: ``lr_decay = false, box = false, lr_path = 1e-2, tv_weight = 1e-2``."""
+    adversary: Adam lr 1e-3 for alpha, and the shared optimiser settings of :class:`SurrogateConfig`);
+    chosen on held-out updates of the official victim (benchmarks/configs/sme_tuning.toml, seed 1, k 50,
+    T 100: docs/attacks-multistep.md). Paper 001's own SME runs (the paper001_* benchmarks) pin the earlier
+    settings: ``lr_decay = false, box = false, lr_path = 1e-2, tv_weight = 1e-2``."""
 
-    tv_weight: float = 5e-3
-    lr_decay: bool = True
-    box: bool = True
     lr_path: float = 1e-3  # Adam lr of alpha
     init_alpha: float = 0.5  # the official code's alpha (cifar_sme.json)
 
