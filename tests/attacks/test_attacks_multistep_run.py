@@ -95,7 +95,8 @@ def test_the_surrogate_tuning_images_are_not_the_tables_ones(tuning: str):
     configs = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
 
     def images(name: str, cell: str) -> torch.Tensor:
-        runs = [cfg for c, _, cfg in load_benchmark(configs / f"{name}.toml").configs("small") if cell in c.name]
+        runs = load_benchmark(configs / f"{name}.toml").configs("small")
+        runs = [cfg for c, _, cfg in runs if cell in c.name]
         return torch.cat([truth.images for cfg in runs for _, truth in audited_updates(cfg)])
 
     audited = images("paper001_table1", "cifar10-t100")

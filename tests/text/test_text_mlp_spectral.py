@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gradleak.attacks.text.mlp_spectral import robust_noise_std
+from gradleak.attacks.noise import robust_noise_std
 from gradleak.defenses.aegis_llm import AegisLLM, AegisLLMConfig
 from gradleak.defenses.baselines import BatchNoise, BatchNoiseConfig
 from gradleak.registry import ATTACKS

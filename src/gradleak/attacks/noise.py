@@ -81,3 +81,24 @@ def noise_scale(update: Update, configured: float | None, attack: str) -> float:
     if not 0 <= std < math.inf:
         raise AttackInputError(f"the update states a noise scale {std!r}; it must be finite and >= 0")
     return std
+
+
+MAD_TO_STD = 0.6745  # median |x| of N(0, 1): a normal sample's median absolute value over it is its std
+
+
+def robust_noise_std(grad: torch.Tensor) -> float:
+    """median |g_ij| / 0.6745: the standard deviation of i.i.d. Gaussian noise that dominates nearly every
+    entry of ``grad`` (the normal median absolute deviation, a robust scale: Hampel 1974). A flood whose
+    scale the defense does not send (AEGIS's lambda * m_bar, m_bar the mean norm of the client's rows) is
+    estimated so."""
+    return float(grad.abs().median()) / MAD_TO_STD
+
+
+def entry_noise_std(
+    obs: Observation, grad: torch.Tensor, configured: float | None, attack: str
+) -> tuple[float, bool]:
+    """The noise scale of ``grad``'s entries and whether it was estimated: ``configured`` or the update's
+    stated scale (:func:`noise_scale`), else :func:`robust_noise_std` of ``grad`` itself."""
+    if configured is None and stated_noise_std(obs.update.metadata) is None:
+        return robust_noise_std(grad), True
+    return noise_scale(obs.update, configured, attack), False

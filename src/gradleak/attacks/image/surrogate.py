@@ -382,7 +382,7 @@ class SurrogateConfig:
     lr: float = 1.0  # Adam lr of the standardised dummy images z (x = 0.5 + 0.25 z)
     tv_weight: float = 5e-3  # the official SME code's 1e-2 on its TV, mapped to gradleak's (paper 001: 1e-2)
     lr_decay: bool = True  # x0.1 at 3/8, 5/8, 7/8 of the iterations (the official SME code; not in paper 001)
-    box: bool = True  # project the images onto [0, 1] after every step (the official SME code; not in paper 001)
+    box: bool = True  # project the images onto [0, 1] after every step (official SME code; not in paper 001)
     num_samples: int | None = (
         None  # images to reconstruct; None -> granted labels' count or update.num_samples
     )

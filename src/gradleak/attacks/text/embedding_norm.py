@@ -7,7 +7,7 @@ its sequences); a tied LM head adds a dense but smaller term. Selection: :mod:`r
 from __future__ import annotations
 
 from gradleak.attacks.text.family import embedding_param
-from gradleak.attacks.text.rownorm import RowNormAttack, RowNormConfig
+from gradleak.attacks.text.rownorm import NoisyRowNormAttack, NoisyRowNormConfig, RowNormAttack, RowNormConfig
 from gradleak.registry import ATTACKS
 from gradleak.types import Observation
 
@@ -26,5 +26,24 @@ ATTACKS.register(
     EmbeddingNorm,
     config_cls=RowNormConfig,
     summary="token set from embedding-gradient row norms (paper 002 Channel 2)",
+    modality="text",
+)
+
+
+class EmbeddingNormNoise(NoisyRowNormAttack):
+    """The batch's token set from the embedding rows above the noise edge. What it knows of the defense:
+    every entry of the embedding gradient carries i.i.d. Gaussian noise (AEGIS's flood, DP), of a stated,
+    configured or estimated scale (:mod:`gradleak.attacks.text.rownorm`)."""
+
+    channel = "embedding_norm_noise"
+    param = EmbeddingNorm.param
+
+
+ATTACKS.register(
+    "embedding_norm_noise",
+    EmbeddingNormNoise,
+    config_cls=NoisyRowNormConfig,
+    summary="embedding row norms above the noise edge, knowing the rows were flooded or noised (AEGIS, DP; "
+    "adaptive)",
     modality="text",
 )

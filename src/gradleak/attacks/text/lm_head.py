@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from gradleak.attacks.text.family import embedding_param
 from gradleak.attacks.text.lm_completion import lm_head_param
-from gradleak.attacks.text.rownorm import RowNormAttack, RowNormConfig
+from gradleak.attacks.text.rownorm import NoisyRowNormAttack, NoisyRowNormConfig, RowNormAttack, RowNormConfig
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation
 
@@ -31,5 +31,24 @@ ATTACKS.register(
     LMHeadProbe,
     config_cls=RowNormConfig,
     summary="target-token set from an untied LM head's gradient row norms (paper 002 Sec. VI-C)",
+    modality="text",
+)
+
+
+class LMHeadNoise(NoisyRowNormAttack):
+    """The target-token set from an untied head's rows above the noise edge. What it knows of the defense:
+    every entry of the head gradient carries i.i.d. Gaussian noise (AEGIS floods an untied head as the
+    embedding, DP), of a stated, configured or estimated scale (:mod:`gradleak.attacks.text.rownorm`)."""
+
+    channel = "lm_head_noise"
+    param = LMHeadProbe.param
+
+
+ATTACKS.register(
+    "lm_head_noise",
+    LMHeadNoise,
+    config_cls=NoisyRowNormConfig,
+    summary="untied LM-head row norms above the noise edge, knowing the rows were flooded or noised (AEGIS, "
+    "DP; adaptive)",
     modality="text",
 )

@@ -34,28 +34,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gradleak.attacks.noise import noise_scale
+from gradleak.attacks.noise import entry_noise_std
 from gradleak.attacks.text.dager_spectral import bulk_edge
 from gradleak.attacks.text.family import Span, family_of, input_side_gradient
 from gradleak.attacks.text.mlp_svd import MLPSVD, MLPSVDConfig
-from gradleak.defenses.base import stated_noise_std
 from gradleak.registry import ATTACKS
 from gradleak.types import Observation
-
-MAD_TO_STD = 0.6745  # median |x| of N(0, 1): a normal sample's median absolute value over it is its std
-
-
-def robust_noise_std(grad: torch.Tensor) -> float:
-    """median |g_ij| / 0.6745: the standard deviation of i.i.d. Gaussian noise that dominates nearly every
-    entry of ``grad`` (module docstring)."""
-    return float(grad.abs().median()) / MAD_TO_STD
 
 
 @dataclass(frozen=True)
 class MLPSpectralConfig(MLPSVDConfig):
     """MLP-SVD's options plus what the attack knows of the noise: ``noise_std`` (None: the update's stated
-    scale, else estimated from each matrix, :func:`robust_noise_std`) and the edge's ``tail`` (in noise
-    standard deviations)."""
+    scale, else estimated from each matrix, :func:`~gradleak.attacks.noise.robust_noise_std`) and the
+    edge's ``tail`` (in noise standard deviations)."""
 
     noise_std: float | None = None
     tail: float = 6.0
@@ -79,9 +70,7 @@ class MLPSpectral(MLPSVD):
 
     def noise_std(self, obs: Observation, grad: torch.Tensor) -> tuple[float, bool]:
         """The noise scale of ``grad``'s entries and whether it was estimated (not stated or configured)."""
-        if self.config.noise_std is None and stated_noise_std(obs.update.metadata) is None:
-            return robust_noise_std(grad), True
-        return noise_scale(obs.update, self.config.noise_std, "mlp_spectral"), False
+        return entry_noise_std(obs, grad, self.config.noise_std, "mlp_spectral")
 
     def edge(self, obs: Observation, grad: torch.Tensor) -> tuple[float, bool, float]:
         """``grad``'s noise scale, whether it was estimated, and the bulk edge at that scale."""

@@ -9,16 +9,29 @@ dL/dW_LM = (1/N) sum_t (p_t - e_{y_t}) h_t^T, whose large rows are the target to
 top k, k where the sorted norms drop the most (``select="gap"``; a zero row is an infinite drop) or the
 rows above ``threshold`` times the largest (``select="threshold"``). The result is an unordered token
 set, returned as one sequence in decreasing-norm order.
+
+The noise-aware probes (``embedding_norm_noise``, ``lm_head_noise``; issue 21, item 2) know that every
+entry of the rows carries i.i.d. Gaussian noise N(0, s^2), as AEGIS's flood adds to the embedding and an
+untied head (paper 002, Eq. 2) and DP noise to everything: s stated by the defense, set by hand, or
+estimated from the matrix (:func:`gradleak.attacks.noise.robust_noise_std`: nearly every entry of a
+flooded V x d table is noise). A row of pure noise has norm s chi_d, and the norm is 1-Lipschitz, so
+Gaussian concentration bounds P(norm > s (sqrt(d) + t)) by exp(-t^2 / 2); the probes keep the rows above
+the edge s (sqrt(d) + ``tail``) (``tail`` 6: at most 1.5e-8 per row, 8e-4 over a 50k vocabulary) and
+report ``snr`` = the largest row norm over the edge. Pure noise's is about (sqrt(d) + sqrt(2 ln V) / sqrt(2))
+/ (sqrt(d) + tail), 0.92 at d = 768 and V = 50k; with nothing above the edge they return nothing and say
+so. A retained row rho g_v stands above it only when ||rho g_v||^2 >~ 2 sqrt(d) tail s^2.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
+from gradleak.attacks.noise import entry_noise_std
 from gradleak.attacks.text.family import update_tensor
 from gradleak.types import Observation, Reconstruction
 
@@ -74,4 +87,51 @@ class RowNormAttack:
         log.info("%s: %d tokens selected", self.channel, len(tokens))
         stats = {"tokens": float(len(tokens)), "nonzero_rows": float((norms > 0).sum()),
                  "seconds": time.perf_counter() - start}  # fmt: skip
+        return Reconstruction(token_ids=[tokens], stats=stats, ordered=False)
+
+
+@dataclass(frozen=True)
+class NoisyRowNormConfig:
+    """What the noise-aware probes know (module docstring): ``noise_std`` (None: the update's stated scale,
+    else estimated from the matrix) and the edge's ``tail`` (6, as the spectral attacks')."""
+
+    noise_std: float | None = None
+    tail: float = 6.0
+
+    def __post_init__(self) -> None:
+        if self.noise_std is not None and not 0 < self.noise_std < math.inf:
+            raise ValueError(f"noise_std must be finite and > 0 (or None), got {self.noise_std}")
+        if not 0 <= self.tail < math.inf:
+            raise ValueError(f"tail must be finite and >= 0, got {self.tail}")
+
+
+def noise_edge(width: int, std: float, tail: float) -> float:
+    """``s (sqrt(width) + tail)``: a row of ``width`` i.i.d. N(0, s^2) entries has a larger norm with
+    probability at most exp(-tail^2 / 2) (module docstring)."""
+    return std * (math.sqrt(width) + tail)
+
+
+class NoisyRowNormAttack(RowNormAttack):
+    """The rows whose norm stands above the noise edge (module docstring)."""
+
+    noisy_config: NoisyRowNormConfig
+
+    def __init__(self, config: NoisyRowNormConfig | None = None) -> None:
+        super().__init__()
+        self.noisy_config = config or NoisyRowNormConfig()
+
+    def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
+        start = time.perf_counter()
+        grad = update_tensor(obs, self.param(obs)).to(torch.float64)
+        std, estimated = entry_noise_std(obs, grad, self.noisy_config.noise_std, self.channel)
+        norms = grad.norm(dim=1)
+        edge = noise_edge(grad.shape[1], std, self.noisy_config.tail)
+        order = norms.argsort(descending=True)
+        tokens = [int(v) for v in order[: int((norms > edge).sum())]]
+        top = float(norms.max()) if norms.numel() else 0.0
+        snr = top / edge if edge > 0 else (math.inf if top > 0 else 0.0)
+        if not tokens:
+            log.info("%s: no row above the noise edge (SNR %.3f)", self.channel, snr)
+        stats = {"tokens": float(len(tokens)), "noise_std": std, "noise_estimated": float(estimated),
+                 "edge": edge, "snr": snr, "seconds": time.perf_counter() - start}  # fmt: skip
         return Reconstruction(token_ids=[tokens], stats=stats, ordered=False)
