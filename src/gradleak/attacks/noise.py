@@ -1,9 +1,11 @@
-"""What the noise-aware attacks share: the noise scale they are told, and the average of several views.
+"""What the noise-aware attacks share: the noise scale they are told or estimate, and the average of
+several views.
 
 The scale. A DP configuration is public; ``batch_noise``, ``dp_sgd`` (one FedSGD step) and ``update_noise``
 state the per-entry standard deviation of the Gaussian noise they add in the update's metadata
 (``<defense>/noise_std``, :func:`gradleak.defenses.base.stated_noise_std`); an attack's ``noise_std`` option
-sets it by hand instead (the scale of one view).
+sets it by hand instead (the scale of one view). A flood whose scale is not sent (AEGIS) is estimated from
+the noised matrix itself (:func:`robust_noise_std`, :func:`entry_noise_std`).
 
 Several views. A server that broadcasts the same model to the same client K times (``audit.views``; a
 server that replays a round, or FedSGD rounds of a client whose local data is one batch while the model barely
@@ -98,7 +100,9 @@ def entry_noise_std(
     obs: Observation, grad: torch.Tensor, configured: float | None, attack: str
 ) -> tuple[float, bool]:
     """The noise scale of ``grad``'s entries and whether it was estimated: ``configured`` or the update's
-    stated scale (:func:`noise_scale`), else :func:`robust_noise_std` of ``grad`` itself."""
+    stated scale (:func:`noise_scale`), else :func:`robust_noise_std` of ``grad`` itself. A stated scale
+    wins: under DP noise stacked on an unstated flood the edge then sits at the DP scale, too low (set
+    ``noise_std`` by hand there)."""
     if configured is None and stated_noise_std(obs.update.metadata) is None:
         return robust_noise_std(grad), True
     return noise_scale(obs.update, configured, attack), False

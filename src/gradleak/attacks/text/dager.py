@@ -142,8 +142,9 @@ class DagerConfig:
     previous one (0: off); ``midpoint_weights`` evaluates candidates at w_0 + delta/2 (FedAvg). The
     nested ``decoder`` and ``encoder`` tables configure steps 3 and 4 (TOML: ``encoder = { end_token_id =
     102 }``). Defaults' sources (docs/attacks-text.md, "DAGER's defaults against the official code"): the
-    L2 threshold 1e-3 is the official code's; the L1 threshold 1e-3 (official 1e-5) and ``rank_tol`` 1e-8
-    come from the held-out calibration batches, where SmolLM2's true tokens reach 1.5e-5."""
+    L2 threshold 1e-3 is the official code's; the L1 threshold 1e-3 (official 1e-5) comes from the held-out
+    calibration batches, where SmolLM2's true tokens reach 1.5e-5; ``rank_tol`` 1e-8 is the float32 noise
+    floor of the largest singular value."""
 
     l1_threshold: float | None = None
     l2_threshold: float | None = None

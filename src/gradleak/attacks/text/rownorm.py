@@ -19,7 +19,10 @@ Gaussian concentration bounds P(norm > s (sqrt(d) + t)) by exp(-t^2 / 2); the pr
 the edge s (sqrt(d) + ``tail``) (``tail`` 6: at most 1.5e-8 per row, 8e-4 over a 50k vocabulary) and
 report ``snr`` = the largest row norm over the edge. Pure noise's is about (sqrt(d) + sqrt(2 ln V) / sqrt(2))
 / (sqrt(d) + tail), 0.92 at d = 768 and V = 50k; with nothing above the edge they return nothing and say
-so. A retained row rho g_v stands above it only when ||rho g_v||^2 >~ 2 sqrt(d) tail s^2.
+so. A retained row rho g_v stands above it only when ||rho g_v||^2 >~ (2 sqrt(d) tail + tail^2) s^2.
+Without noise the estimate is the table's own typical entry: exact zeros elsewhere (an untied embedding)
+give an edge of 0 and exactly the nonzero rows; a dense table (an untied head, a tied embedding) puts the
+edge at its own scale, and ``snr`` is then no noise ratio.
 """
 
 from __future__ import annotations
@@ -111,21 +114,24 @@ def noise_edge(width: int, std: float, tail: float) -> float:
     return std * (math.sqrt(width) + tail)
 
 
-class NoisyRowNormAttack(RowNormAttack):
-    """The rows whose norm stands above the noise edge (module docstring)."""
+class NoisyRowNormAttack:
+    """The rows whose norm stands above the noise edge (module docstring); a subclass names the
+    ``channel`` and the parameter it reads (``param``)."""
 
-    noisy_config: NoisyRowNormConfig
+    channel = ""
 
     def __init__(self, config: NoisyRowNormConfig | None = None) -> None:
-        super().__init__()
-        self.noisy_config = config or NoisyRowNormConfig()
+        self.config = config or NoisyRowNormConfig()
+
+    def param(self, obs: Observation) -> str:
+        raise NotImplementedError
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         start = time.perf_counter()
         grad = update_tensor(obs, self.param(obs)).to(torch.float64)
-        std, estimated = entry_noise_std(obs, grad, self.noisy_config.noise_std, self.channel)
+        std, estimated = entry_noise_std(obs, grad, self.config.noise_std, self.channel)
         norms = grad.norm(dim=1)
-        edge = noise_edge(grad.shape[1], std, self.noisy_config.tail)
+        edge = noise_edge(grad.shape[1], std, self.config.tail)
         order = norms.argsort(descending=True)
         tokens = [int(v) for v in order[: int((norms > edge).sum())]]
         top = float(norms.max()) if norms.numel() else 0.0
