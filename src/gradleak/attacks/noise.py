@@ -85,6 +85,16 @@ def noise_scale(update: Update, configured: float | None, attack: str) -> float:
     return std
 
 
+def check_noise_options(noise_std: float | None, tail: float) -> None:
+    """What a noise-aware attack's config knows of the noise, checked on construction: ``noise_std`` (one
+    view's per-entry standard deviation; None: the update's stated or an estimated one) finite and > 0,
+    and the edge's ``tail`` (in noise standard deviations) finite and >= 0."""
+    if noise_std is not None and not 0 < noise_std < math.inf:
+        raise ValueError(f"noise_std must be finite and > 0 (or None: the update's), got {noise_std}")
+    if not 0 <= tail < math.inf:
+        raise ValueError(f"tail must be finite and >= 0, got {tail}")
+
+
 MAD_TO_STD = 0.6745  # median |x| of N(0, 1): a normal sample's median absolute value over it is its std
 
 

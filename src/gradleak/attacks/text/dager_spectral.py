@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gradleak.attacks.noise import averaged, noise_scale
+from gradleak.attacks.noise import averaged, check_noise_options, noise_scale
 from gradleak.attacks.text.dager import Dager, DagerConfig
 from gradleak.attacks.text.family import FamilySpec, Span, layer_inputs, vocab_size, with_thresholds
 from gradleak.attacks.text.search import L2Search
@@ -88,12 +88,7 @@ class DagerSpectralConfig(DagerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.noise_std is not None and not 0 < self.noise_std < math.inf:
-            raise ValueError(
-                f"noise_std must be finite and > 0 (or None: the update's), got {self.noise_std}"
-            )
-        if not 0 <= self.tail < math.inf:
-            raise ValueError(f"tail must be finite and >= 0, got {self.tail}")
+        check_noise_options(self.noise_std, self.tail)
         if not 0 < self.scale < math.inf:
             raise ValueError(f"scale must be finite and > 0, got {self.scale}")
         if not 0 < self.max_threshold < 1:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gradleak.attacks.noise import entry_noise_std
+from gradleak.attacks.noise import check_noise_options, entry_noise_std
 from gradleak.attacks.text.dager_spectral import bulk_edge
 from gradleak.attacks.text.family import Span, family_of, input_side_gradient
 from gradleak.attacks.text.mlp_svd import MLPSVD, MLPSVDConfig
@@ -53,10 +53,7 @@ class MLPSpectralConfig(MLPSVDConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.noise_std is not None and not 0 < self.noise_std < math.inf:
-            raise ValueError(f"noise_std must be finite and > 0 (or None), got {self.noise_std}")
-        if not 0 <= self.tail < math.inf:
-            raise ValueError(f"tail must be finite and >= 0, got {self.tail}")
+        check_noise_options(self.noise_std, self.tail)
 
 
 class MLPSpectral(MLPSVD):

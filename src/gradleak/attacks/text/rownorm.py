@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gradleak.attacks.noise import entry_noise_std
+from gradleak.attacks.noise import check_noise_options, entry_noise_std
 from gradleak.attacks.text.family import update_tensor
 from gradleak.types import Observation, Reconstruction
 
@@ -75,22 +75,37 @@ def select_rows(grad: torch.Tensor, cfg: RowNormConfig) -> tuple[list[int], torc
     return top[:k].tolist(), norms
 
 
-class RowNormAttack:
-    channel = ""
+class RowProbe:
+    """A row-norm probe: reads the rows of one parameter's update (``param``, named by a subclass with its
+    ``channel``) and keeps the rows ``select`` picks, as one unordered token set with its stats."""
 
-    def __init__(self, config: RowNormConfig | None = None) -> None:
-        self.config = config or RowNormConfig()
+    channel = ""
 
     def param(self, obs: Observation) -> str:
         raise NotImplementedError
 
+    def select(self, obs: Observation, grad: torch.Tensor) -> tuple[list[int], dict[str, float]]:
+        """The selected rows of ``grad`` (float64), largest norm first, and the probe's stats."""
+        raise NotImplementedError
+
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         start = time.perf_counter()
-        tokens, norms = select_rows(update_tensor(obs, self.param(obs)), self.config)
+        grad = update_tensor(obs, self.param(obs)).to(torch.float64)
+        tokens, stats = self.select(obs, grad)
         log.info("%s: %d tokens selected", self.channel, len(tokens))
-        stats = {"tokens": float(len(tokens)), "nonzero_rows": float((norms > 0).sum()),
-                 "seconds": time.perf_counter() - start}  # fmt: skip
+        stats = {"tokens": float(len(tokens)), **stats, "seconds": time.perf_counter() - start}
         return Reconstruction(token_ids=[tokens], stats=stats, ordered=False)
+
+
+class RowNormAttack(RowProbe):
+    """The rows ``select_rows`` keeps (module docstring)."""
+
+    def __init__(self, config: RowNormConfig | None = None) -> None:
+        self.config = config or RowNormConfig()
+
+    def select(self, obs: Observation, grad: torch.Tensor) -> tuple[list[int], dict[str, float]]:
+        tokens, norms = select_rows(grad, self.config)
+        return tokens, {"nonzero_rows": float((norms > 0).sum())}
 
 
 @dataclass(frozen=True)
@@ -102,10 +117,7 @@ class NoisyRowNormConfig:
     tail: float = 6.0
 
     def __post_init__(self) -> None:
-        if self.noise_std is not None and not 0 < self.noise_std < math.inf:
-            raise ValueError(f"noise_std must be finite and > 0 (or None), got {self.noise_std}")
-        if not 0 <= self.tail < math.inf:
-            raise ValueError(f"tail must be finite and >= 0, got {self.tail}")
+        check_noise_options(self.noise_std, self.tail)
 
 
 def noise_edge(width: int, std: float, tail: float) -> float:
@@ -114,30 +126,19 @@ def noise_edge(width: int, std: float, tail: float) -> float:
     return std * (math.sqrt(width) + tail)
 
 
-class NoisyRowNormAttack:
-    """The rows whose norm stands above the noise edge (module docstring); a subclass names the
-    ``channel`` and the parameter it reads (``param``)."""
-
-    channel = ""
+class NoisyRowNormAttack(RowProbe):
+    """The rows whose norm stands above the noise edge (module docstring)."""
 
     def __init__(self, config: NoisyRowNormConfig | None = None) -> None:
         self.config = config or NoisyRowNormConfig()
 
-    def param(self, obs: Observation) -> str:
-        raise NotImplementedError
-
-    def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
-        start = time.perf_counter()
-        grad = update_tensor(obs, self.param(obs)).to(torch.float64)
+    def select(self, obs: Observation, grad: torch.Tensor) -> tuple[list[int], dict[str, float]]:
         std, estimated = entry_noise_std(obs, grad, self.config.noise_std, self.channel)
         norms = grad.norm(dim=1)
         edge = noise_edge(grad.shape[1], std, self.config.tail)
-        order = norms.argsort(descending=True)
-        tokens = [int(v) for v in order[: int((norms > edge).sum())]]
+        tokens = [int(v) for v in norms.argsort(descending=True)[: int((norms > edge).sum())]]
         top = float(norms.max()) if norms.numel() else 0.0
         snr = top / edge if edge > 0 else (math.inf if top > 0 else 0.0)
         if not tokens:
             log.info("%s: no row above the noise edge (SNR %.3f)", self.channel, snr)
-        stats = {"tokens": float(len(tokens)), "noise_std": std, "noise_estimated": float(estimated),
-                 "edge": edge, "snr": snr, "seconds": time.perf_counter() - start}  # fmt: skip
-        return Reconstruction(token_ids=[tokens], stats=stats, ordered=False)
+        return tokens, {"noise_std": std, "noise_estimated": float(estimated), "edge": edge, "snr": snr}
