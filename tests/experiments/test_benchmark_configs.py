@@ -297,4 +297,5 @@ def test_a_utility_benchmark_row_has_no_attack_and_the_mean_accuracy_of_its_last
     (row,) = _mean_rows(Cell("u"), 0, RunOutcome("r", cfg, records, [], None, False), "aegis", tail=3)
     assert row["attack"] is None and row["updates"] == 0 and row["defense"] == "aegis"
     assert row["accuracy_last_3"] == pytest.approx((0.5 + 0.3 + 0.4) / 3)
+    assert row["accuracy_by_round"] == accs
     assert row["final_accuracy"] == 0.4 and row["fl_seconds"] == 8.0

@@ -11,7 +11,8 @@ A benchmark file is an experiment config (the base every cell shares) plus a ``[
     aliases = { "aegis_llm(flood_mlp=False)" = "aegis_2ch" }   # our defense label -> the committed one's
     keys = { psnr_mean = "psnr_mean_all" }      # our score -> the committed one's name
     stats = ["matching_loss_honest"]            # attack statistics averaged beside the standard scores
-    tail = 5                                    # also the mean test accuracy of the last 5 rounds
+    tail = 5                                    # also the mean test accuracy of the last 5 rounds (and
+                                                # every evaluated round's: accuracy_by_round)
     base = "paper001_victim.toml"               # a shared experiment config under this one
 
     [[benchmark.cells]]                         # one experiment (or grid) per cell; or [[benchmark.axes.X]]
@@ -258,8 +259,9 @@ def _mean_rows(
                               **{c.key: summary.get(c.key) for c in columns.UTILITY if c.key in summary},
                               "fl_seconds": summary.get("fl_seconds")}  # fmt: skip
     if tail:
-        accs = [r["accuracy"] for r in outcome.of_kind("round") if r.get("accuracy") is not None][-tail:]
-        common[f"accuracy_last_{tail}"] = statistics.fmean(accs) if accs else None
+        curve = [r["accuracy"] for r in outcome.of_kind("round") if r.get("accuracy") is not None]
+        common[f"accuracy_last_{tail}"] = statistics.fmean(curve[-tail:]) if curve else None
+        common["accuracy_by_round"] = curve  # every evaluated round's, in order (blocks of rounds)
     if outcome.config.audit.clients == 0:
         return [{**common, "attack": None, "updates": 0}]
     rows = []

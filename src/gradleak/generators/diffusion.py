@@ -43,6 +43,7 @@ from torch import nn
 from gradleak.data.base import ImageDataset
 from gradleak.fileio import atomic_write
 from gradleak.generators.base import PublicSplit, check_labels, data_digest
+from gradleak.generators.pool import PoolDraws, SamplePool
 from gradleak.progress import bar
 from gradleak.registry import GENERATORS
 
@@ -184,7 +185,9 @@ class DiffusionGeneratorConfig:
     """``train_on``: ``"own"`` (the client's share) or ``"public"`` (the split named by ``public``);
     ``unet``, ``training``, ``sampling``: nested tables; ``seed`` for the weights' initialisation and the
     training draws (mixed with a hash of the training data); ``store``: folder of the saved generators
-    (safetensors, reused by content; None: not saved)."""
+    (safetensors, reused by content; None: not saved); ``pool``: with ``train_on = "public"``, sample that
+    many images per class once and let every client draw its candidates from them
+    (:mod:`gradleak.generators.pool`; 0: each client samples its own)."""
 
     train_on: str = "own"
     public: PublicSplit = field(default_factory=PublicSplit)
@@ -193,6 +196,7 @@ class DiffusionGeneratorConfig:
     sampling: DiffusionSamplingConfig = field(default_factory=DiffusionSamplingConfig)
     seed: int = 0
     store: str | None = "gradleak-out/generators"
+    pool: int = 0
 
     def __post_init__(self) -> None:
         if self.train_on not in TRAIN_SOURCES:
@@ -201,6 +205,12 @@ class DiffusionGeneratorConfig:
             raise ValueError("train_on = 'public' needs public = { dataset = ..., split = ... }")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        if isinstance(self.pool, bool) or not isinstance(self.pool, int) or self.pool < 0:
+            raise ValueError(f"pool must be an int >= 0 (images per class; 0: none), got {self.pool!r}")
+        if self.pool and self.train_on != "public":
+            raise ValueError(
+                "a shared sample pool needs train_on = 'public' (a client's own generator never leaves it)"
+            )
         if self.sampling.guidance != 1 and self.training.class_dropout == 0:
             raise ValueError(
                 "guidance > 1 needs training.class_dropout > 0 (the null class is never trained)"
@@ -434,11 +444,30 @@ def stored_name(digest: bytes, config: DiffusionGeneratorConfig) -> str:
     return f"diffusion-{hashlib.blake2b(digest + key, digest_size=10).hexdigest()}.safetensors"
 
 
+def diffusion_source(
+    data: ImageDataset, config: DiffusionGeneratorConfig, *, generator: torch.Generator | None = None
+) -> DiffusionGenerator | PoolDraws:
+    """The registered factory: the generator of :func:`fit_diffusion` or, with ``pool``, the client's draws
+    (in an order from ``generator``) from the public generator's shared pool."""
+    made, name = _trained(data, config)
+    if not config.pool:
+        return made
+    return PoolDraws(
+        _shared_pool(made, name, config),
+        generator=generator if generator is not None else torch.Generator().manual_seed(config.seed),
+        info=made.info,
+    )
+
+
 def fit_diffusion(
     data: ImageDataset, config: DiffusionGeneratorConfig, *, generator: torch.Generator | None = None
 ) -> DiffusionGenerator:
-    """The registered factory: train on ``data`` (``train_on = "own"``) or on the public split, or reload
-    the generator a previous run trained on the same data with the same options from ``store``."""
+    """Train on ``data`` (``train_on = "own"``) or on the public split, or reload the generator a previous
+    run trained on the same data with the same options from ``store``."""
+    return _trained(data, config)[0]
+
+
+def _trained(data: ImageDataset, config: DiffusionGeneratorConfig) -> tuple[DiffusionGenerator, str]:
     require_diffusers()
     source = data if config.train_on == "own" else config.public.load_for(data)
     # the weights are a function of (training data, options), like the file that keeps them: the seed comes
@@ -448,7 +477,7 @@ def fit_diffusion(
     name = stored_name(digest, config)
     public = config.train_on == "public"
     if public and (name, config.sampling) in _PUBLIC:  # one public generator serves every client
-        return _PUBLIC[name, config.sampling]
+        return _PUBLIC[name, config.sampling], name
     path = Path(config.store) / name if config.store else None
     made = _reuse(path, config) if path is not None and path.exists() else None
     if made is None:
@@ -458,7 +487,32 @@ def fit_diffusion(
             made.info["saved"] = str(path)
     if public:
         _PUBLIC[name, config.sampling] = made
-    return made
+    return made, name
+
+
+def _shared_pool(made: DiffusionGenerator, name: str, config: DiffusionGeneratorConfig) -> SamplePool:
+    """The public generator's pool of ``config.pool`` images per class: this process's, the stored one
+    (file named by the generator, the sampling options, the size and the seed), or sampled now and stored."""
+    key = repr((name, config.sampling, config.pool, config.seed))
+    if key in _POOLS:
+        return _POOLS[key]
+    file = f"diffusion-pool-{hashlib.blake2b(key.encode(), digest_size=10).hexdigest()}.safetensors"
+    path = Path(config.store) / file if config.store else None
+    pool = None
+    if path is not None and path.exists():
+        try:
+            pool = SamplePool.load(path, key)
+            log.info("sample pool: reused %s", path)
+        except Exception as exc:  # a damaged or foreign file: sampled again
+            log.warning("sample pool: cannot reuse %s (%s); sampling it again", path, exc)
+    if pool is None:
+        seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest())
+        pool = SamplePool.draw(made, made.classes, config.pool, generator=torch.Generator().manual_seed(seed),
+                               chunk=config.sampling.batch_size)  # fmt: skip
+        if path is not None:
+            pool.save(path, key)
+    _POOLS[key] = pool
+    return pool
 
 
 def _reuse(path: Path, config: DiffusionGeneratorConfig) -> DiffusionGenerator | None:
@@ -474,18 +528,21 @@ def _reuse(path: Path, config: DiffusionGeneratorConfig) -> DiffusionGenerator |
 
 
 def clear_public_generators() -> None:
-    """Drop the public-split generators this process holds."""
+    """Drop the public-split generators and sample pools this process holds."""
     _PUBLIC.clear()
+    _POOLS.clear()
 
 
 # public-split generators trained or loaded in this process, by file name (a client's own are memoised with
 # its cache by Aegis, and never shared)
 _PUBLIC: dict[tuple[str, DiffusionSamplingConfig], DiffusionGenerator] = {}
+# their sample pools, by what they were drawn from (generator file, sampling, size, seed)
+_POOLS: dict[str, SamplePool] = {}
 
 
 GENERATORS.register(
     "diffusion",
-    fit_diffusion,
+    diffusion_source,
     config_cls=DiffusionGeneratorConfig,
     summary="class-conditional diffusion UNet (diffusers) trained on CPU on the client's or a public split",
 )
