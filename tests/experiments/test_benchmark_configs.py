@@ -292,10 +292,14 @@ def test_a_utility_benchmark_row_has_no_attack_and_the_mean_accuracy_of_its_last
 
     cfg = load_config({"audit": {"clients": 0}, "fl": {"rounds": 4}})
     accs = [0.1, 0.5, 0.3, 0.4]
-    records = [{"kind": "round", "round": r, "accuracy": a} for r, a in enumerate(accs)]
+    records = [
+        {"kind": "round", "round": r, "accuracy": a, "seconds": 2.0 + r, "clients": [r]}
+        for r, a in enumerate(accs)
+    ]
     records.append({"kind": "summary", "final_accuracy": 0.4, "fl_seconds": 8.0})
     (row,) = _mean_rows(Cell("u"), 0, RunOutcome("r", cfg, records, [], None, False), "aegis", tail=3)
     assert row["attack"] is None and row["updates"] == 0 and row["defense"] == "aegis"
     assert row["accuracy_last_3"] == pytest.approx((0.5 + 0.3 + 0.4) / 3)
-    assert row["accuracy_by_round"] == accs
+    assert row["accuracy_by_round"] == accs and row["seconds_by_round"] == [2.0, 3.0, 4.0, 5.0]
+    assert row["clients_by_round"] == [[0], [1], [2], [3]]
     assert row["final_accuracy"] == 0.4 and row["fl_seconds"] == 8.0
