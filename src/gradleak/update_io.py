@@ -38,12 +38,18 @@ def tensors_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
         raise InvalidUpdateError(f"not a safetensors payload: {exc}") from None
 
 
+def write_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> Path:
+    """Write ``tensors`` and string ``metadata`` to ``path`` (safetensors, atomically: a reader never sees
+    half a file)."""
+    data = tensors_to_bytes(tensors, metadata)
+    return atomic_write(Path(path), lambda tmp: tmp.write_bytes(data))
+
+
 def save_update(update: Update, path: str | Path) -> Path:
     """Write ``update`` to ``path`` (safetensors, atomically: a reader never sees half a file)."""
     meta = {"kind": update.kind, "num_samples": str(update.num_samples),
             "metadata": json.dumps(dict(update.metadata), default=str)}  # fmt: skip
-    data = tensors_to_bytes(update.tensors, meta)
-    return atomic_write(Path(path), lambda tmp: tmp.write_bytes(data))
+    return write_tensors(path, update.tensors, meta)
 
 
 def load_update(path: str | Path, model: nn.Module, *, complete: bool = True) -> Update:
@@ -53,7 +59,7 @@ def load_update(path: str | Path, model: nn.Module, *, complete: bool = True) ->
     that is not a valid safetensors update of this model.
     """
     source = f"update file {path}"
-    tensors, meta = _read(Path(path), source)
+    tensors, meta = read_tensors(Path(path), source)
     try:
         kind = cast(UpdateKind, meta["kind"])  # Update checks it
         num_samples = int(meta["num_samples"])
@@ -100,11 +106,10 @@ def save_tree(path: str | Path, tree: Mapping[str, object]) -> Path:
     """Write a nested mapping of JSON values and tensors to ``path`` (safetensors, atomically)."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = json.dumps(_split(dict(tree), tensors))
-    data = tensors_to_bytes(tensors, {"tree": skeleton})
-    return atomic_write(Path(path), lambda tmp: tmp.write_bytes(data))
+    return write_tensors(path, tensors, {"tree": skeleton})
 
 
-def _read(path: Path, source: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_tensors(path: Path, source: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A safetensors file's tensors (on the CPU) and metadata, in one read; ``InvalidUpdateError`` naming
     ``source`` for a file that is missing, unreadable or not safetensors (a pickle, say)."""
     if not path.is_file():
@@ -121,7 +126,7 @@ def _read(path: Path, source: str) -> tuple[dict[str, torch.Tensor], dict[str, s
 def load_tree(path: str | Path) -> dict[str, object]:
     """The mapping written by :func:`save_tree` (tensors on the CPU)."""
     p = Path(path)
-    tensors, meta = _read(p, str(p))
+    tensors, meta = read_tensors(p, str(p))
     if "tree" not in meta:
         raise InvalidUpdateError(f"{p}: a safetensors file without a saved tree")
     out = _join(json.loads(meta["tree"]), tensors)

@@ -20,6 +20,7 @@ from gradleak.models import build_model
 from gradleak.options import OptionError, build_dataclass
 from gradleak.registry import DEFENSES
 from gradleak.types import LocalTraining
+from gradleak.update_io import read_tensors, write_tensors
 
 pytest.importorskip(
     "diffusers", reason="the diffusion generator needs diffusers (pip install 'gradleak[diffusion]')"
@@ -127,24 +128,56 @@ def test_the_public_generator_samples_its_pool_once_and_every_client_draws_from_
 ) -> None:
     monkeypatch.setattr(PublicSplit, "load", lambda self: halves(60, seed=0))
     clear_cache_memo()
+    draws: list[int] = []
+    real_draw = SamplePool.draw.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: type, *args: object, **kw: object) -> object:
+        draws.append(1)
+        return real_draw(cls, *args, **kw)
+
+    monkeypatch.setattr(SamplePool, "draw", classmethod(counting))
     cfg = public_config(tmp_path, pool=12)
     a = diffusion_source(halves(20, 1), cfg, generator=torch.Generator().manual_seed(1))
     b = diffusion_source(halves(20, 2), cfg, generator=torch.Generator().manual_seed(2))
-    assert isinstance(a, PoolDraws) and isinstance(b, PoolDraws) and a.pool is b.pool
+    assert isinstance(a, PoolDraws) and isinstance(b, PoolDraws) and a.pool is b.pool and len(draws) == 1
     assert a.info["pool_per_class"] == 12 and a.info["train_images"] == 60
     (stored,) = tmp_path.glob("diffusion-pool-*.safetensors")
-    clear_cache_memo()  # a new process: the stored pool, bit for bit, no sampling
+    clear_cache_memo()  # a new process: the stored pool, bit for bit, not sampled again
     c = diffusion_source(halves(20, 3), cfg, generator=torch.Generator())
-    assert isinstance(c, PoolDraws) and torch.equal(c.pool.images, a.pool.images)
+    assert isinstance(c, PoolDraws) and torch.equal(c.pool.images, a.pool.images) and len(draws) == 1
     stored.write_bytes(b"damaged")
     clear_cache_memo()
-    d = diffusion_source(halves(20, 3), cfg, generator=torch.Generator())  # sampled again, the same pool
-    assert isinstance(d, PoolDraws) and torch.equal(d.pool.images, a.pool.images)
-    # another size is another pool; no pool: the generator itself
+    d = diffusion_source(halves(20, 3), cfg, generator=torch.Generator())  # sampled again: the same pool
+    assert isinstance(d, PoolDraws) and torch.equal(d.pool.images, a.pool.images) and len(draws) == 2
+    # guidance 1 and 1.0 are one pool; another size, seed or sampler another; no pool: the generator itself
+    for extra in ({"sampling": {"steps": 2, "guidance": 2}}, {"sampling": {"steps": 2, "guidance": 2.0}}):
+        diffusion_source(
+            halves(20, 3), public_config(tmp_path, pool=12, **extra), generator=torch.Generator()
+        )
+    assert len(draws) == 3
     three = diffusion_source(halves(20, 3), public_config(tmp_path, pool=3), generator=torch.Generator())
     assert isinstance(three, PoolDraws) and len(three.pool.images) == 9
+    diffusion_source(halves(20, 3), public_config(tmp_path, pool=12, seed=1), generator=torch.Generator())
+    assert len(draws) == 5 and len(list(tmp_path.glob("diffusion-pool-*.safetensors"))) == 4
     assert not isinstance(diffusion_source(halves(20, 3), public_config(tmp_path)), PoolDraws)
+    with pytest.raises(ValueError, match="needs the client's generator"):
+        diffusion_source(halves(20, 3), cfg)
     clear_cache_memo()
+
+
+def test_a_stored_pool_with_other_content_is_refused(tmp_path: Path) -> None:
+    pool, other = pool_of(5), pool_of(5, seed=1)
+    path = pool.save(tmp_path / "p.safetensors", key="k")
+    _, meta = read_tensors(path, "p")
+    write_tensors(path, {"images": other.images, "labels": other.labels}, meta)  # the key and old digest
+    with pytest.raises(ValueError, match="do not match their digest"):
+        SamplePool.load(path, key="k")
+    pool.save(path, key="k")
+    assert torch.equal(SamplePool.load(path, "k", SamplePool.layout([0, 1, 2], 5)).images, pool.images)
+    with pytest.raises(ValueError, match="per-class size are not the ones asked for"):
+        SamplePool.load(path, key="k", labels=SamplePool.layout([0, 1, 2], 6))
+    with pytest.raises(ValueError, match=r"finite and in \[0, 1\]"):
+        SamplePool(pool.images + 1, pool.labels, 3, {})
 
 
 def test_aegis_builds_distinct_caches_from_the_pool_and_fails_closed_when_it_runs_dry(
@@ -177,6 +210,7 @@ def test_aegis_builds_distinct_caches_from_the_pool_and_fails_closed_when_it_run
     for cache in (one, two):  # every candidate from the pool, none twice in a cache
         assert len(rows(cache.images)) == 24 and rows(cache.images) <= pool_images
     assert rows(one.images) != rows(two.images)  # each client in its own order
+    assert torch.equal(cache_from_data(halves(30, 4), aegis).images, one.images)  # a function of the data
     # a pool too small for the cache: the client's update is withheld, with the reason
     small = DEFENSES.create(
         "aegis",
@@ -198,6 +232,7 @@ def test_a_pool_needs_a_public_generator_and_a_size() -> None:
     for bad, match in (
         ({"pool": 8}, "needs train_on = 'public'"),
         ({"pool": -1}, "pool must be an int >= 0"),
+        ({"pool": True, "train_on": "public", "public": {"dataset": "x"}}, "expected int, got bool"),
     ):
         with pytest.raises(OptionError, match=match):
             build_dataclass(DiffusionGeneratorConfig, bad, where="diffusion")

@@ -290,16 +290,18 @@ def test_a_utility_benchmark_row_has_no_attack_and_the_mean_accuracy_of_its_last
     from gradleak.experiments.config import load_config
     from gradleak.experiments.runner import RunOutcome
 
-    cfg = load_config({"audit": {"clients": 0}, "fl": {"rounds": 4}})
-    accs = [0.1, 0.5, 0.3, 0.4]
+    cfg = load_config({"audit": {"clients": 0}, "fl": {"rounds": 5}})
+    accs = [0.1, 0.5, None, 0.3, 0.4]  # round 2 not evaluated; round 3 lost client 7 (failed closed)
     records = [
-        {"kind": "round", "round": r, "accuracy": a, "seconds": 2.0 + r, "clients": [r]}
-        for r, a in enumerate(accs)
-    ]
+        {"kind": "round", "round": r, "accuracy": a, "seconds": 2.0 + r, "clients": [r, 7],
+         "errors": {"7": "aegis: pool exhausted"} if r == 3 else {}}
+        for r, a in reversed(list(enumerate(accs)))  # the store's order is not the rounds'
+    ]  # fmt: skip
     records.append({"kind": "summary", "final_accuracy": 0.4, "fl_seconds": 8.0})
     (row,) = _mean_rows(Cell("u"), 0, RunOutcome("r", cfg, records, [], None, False), "aegis", tail=3)
     assert row["attack"] is None and row["updates"] == 0 and row["defense"] == "aegis"
-    assert row["accuracy_last_3"] == pytest.approx((0.5 + 0.3 + 0.4) / 3)
-    assert row["accuracy_by_round"] == accs and row["seconds_by_round"] == [2.0, 3.0, 4.0, 5.0]
-    assert row["clients_by_round"] == [[0], [1], [2], [3]]
+    assert row["accuracy_last_3"] == pytest.approx((0.5 + 0.3 + 0.4) / 3)  # the last 3 evaluated rounds
+    assert row["accuracy_by_round"] == accs and row["seconds_by_round"] == [2.0, 3.0, 4.0, 5.0, 6.0]
+    assert row["clients_by_round"] == [[r, 7] for r in range(5)]
+    assert row["withheld_by_round"] == [0, 0, 0, 1, 0]
     assert row["final_accuracy"] == 0.4 and row["fl_seconds"] == 8.0

@@ -77,9 +77,9 @@ class AegisConfig:
     :data:`~gradleak.registry.GENERATORS`, configured by the nested table of its name: ``"gaussian"``
     (default, :class:`~gradleak.generators.ClassGaussianGenerator`: ``components``, ``temperature``),
     ``"diffusion"`` (:mod:`gradleak.generators.diffusion`: ``train_on``, ``public``, ``unet``,
-    ``training``, ``sampling``, ``store``), ``"oracle"`` (diagnostic: real images of a ``public`` split);
-    a plugin's generator with its default options. The nested ``cache`` table is the acceptance
-    filter (:class:`~gradleak.defenses.aegis_cache.CacheConfig`: ``size`` M, ``budget`` H (None:
+    ``training``, ``sampling``, ``seed``, ``store``, ``pool``), ``"oracle"`` (diagnostic: real images of a
+    ``public`` split); a plugin's generator with its default options. The nested ``cache`` table is the
+    acceptance filter (:class:`~gradleak.defenses.aegis_cache.CacheConfig`: ``size`` M, ``budget`` H (None:
     calibrated), ``budget_quantile``, ``budget_scale``, ``match_k``, ``max_candidates_factor``);
     ``cache_seed``; ``memo_size`` caches memoised. In TOML: ``cache = { size = 512 }``.
     """

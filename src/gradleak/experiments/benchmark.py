@@ -12,9 +12,8 @@ A benchmark file is an experiment config (the base every cell shares) plus a ``[
     keys = { psnr_mean = "psnr_mean_all" }      # our score -> the committed one's name
     stats = ["matching_loss_honest"]            # attack statistics averaged beside the standard scores
     tail = 5                                    # also the mean test accuracy of the last 5 rounds (and
-                                                # every evaluated round's: accuracy_by_round, and
-                                                # every round's wall time and sampled clients:
-                                                # seconds_by_round, clients_by_round)
+                                                # round by round: accuracy, wall time, sampled clients,
+                                                # clients that withheld their update: *_by_round)
     base = "paper001_victim.toml"               # a shared experiment config under this one
 
     [[benchmark.cells]]                         # one experiment (or grid) per cell; or [[benchmark.axes.X]]
@@ -261,12 +260,15 @@ def _mean_rows(
                               **{c.key: summary.get(c.key) for c in columns.UTILITY if c.key in summary},
                               "fl_seconds": summary.get("fl_seconds")}  # fmt: skip
     if tail:
-        rounds = outcome.of_kind("round")
+        rounds = sorted(outcome.of_kind("round"), key=lambda r: int(r["round"]))
         curve = [r["accuracy"] for r in rounds if r.get("accuracy") is not None]
         common[f"accuracy_last_{tail}"] = statistics.fmean(curve[-tail:]) if curve else None
-        common["accuracy_by_round"] = curve  # every evaluated round's, in order (blocks of rounds)
-        common["seconds_by_round"] = [r.get("seconds") for r in rounds]  # each round's wall time
-        common["clients_by_round"] = [r.get("clients") for r in rounds]  # and its sampled clients
+        # round by round (index = round; accuracy None where the round was not evaluated): the wall time, the
+        # sampled clients and how many of them withheld their update (a defense that failed closed)
+        common["accuracy_by_round"] = [r.get("accuracy") for r in rounds]
+        common["seconds_by_round"] = [r.get("seconds") for r in rounds]
+        common["clients_by_round"] = [r.get("clients") for r in rounds]
+        common["withheld_by_round"] = [len(r.get("errors") or {}) for r in rounds]
     if outcome.config.audit.clients == 0:
         return [{**common, "attack": None, "updates": 0}]
     rows = []

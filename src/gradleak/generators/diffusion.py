@@ -35,19 +35,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from gradleak.data.base import ImageDataset
-from gradleak.fileio import atomic_write
 from gradleak.generators.base import PublicSplit, check_labels, data_digest
 from gradleak.generators.pool import PoolDraws, SamplePool
 from gradleak.progress import bar
 from gradleak.registry import GENERATORS
+from gradleak.update_io import read_tensors, write_tensors
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 FORMAT = "gradleak-diffusion-generator/1"
 TRAIN_SOURCES = ("own", "public")
@@ -176,8 +177,13 @@ class DiffusionSamplingConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"diffusion sampling {key} must be an int >= 1, got {v!r}")
-        if not self.guidance >= 1:
-            raise ValueError(f"guidance must be >= 1 (1: no guidance), got {self.guidance}")
+        if (
+            isinstance(self.guidance, bool)
+            or not isinstance(self.guidance, int | float)
+            or not self.guidance >= 1
+        ):
+            raise ValueError(f"guidance must be a number >= 1 (1: no guidance), got {self.guidance!r}")
+        object.__setattr__(self, "guidance", float(self.guidance))  # 1 and 1.0: one config, one pool key
 
 
 @dataclass(frozen=True)
@@ -187,7 +193,7 @@ class DiffusionGeneratorConfig:
     training draws (mixed with a hash of the training data); ``store``: folder of the saved generators
     (safetensors, reused by content; None: not saved); ``pool``: with ``train_on = "public"``, sample that
     many images per class once and let every client draw its candidates from them
-    (:mod:`gradleak.generators.pool`; 0: each client samples its own)."""
+    (:mod:`gradleak.generators.pool`; 0: each client samples its own; ``seed`` also seeds the pool)."""
 
     train_on: str = "own"
     public: PublicSplit = field(default_factory=PublicSplit)
@@ -391,8 +397,6 @@ class DiffusionGenerator:
     def save(self, path: str | Path) -> Path:
         """Write the weights and, as metadata, the options and provenance (atomically: a unique temporary
         file renamed over ``path``, so a killed run or a concurrent writer leaves no half-written file)."""
-        from safetensors.torch import save_file
-
         meta = {
             "format": FORMAT,
             "config": json.dumps(dataclasses.asdict(self.config)),
@@ -401,20 +405,15 @@ class DiffusionGenerator:
             "classes": json.dumps(self.classes),
             "info": json.dumps(self.info),
         }
-        state = {k: v.detach().contiguous() for k, v in self.unet.state_dict().items()}
-        return atomic_write(Path(path), lambda tmp: save_file(state, str(tmp), metadata=meta))
+        return write_tensors(path, self.unet.state_dict(), meta)
 
     @classmethod
     def load(cls, path: str | Path, *, sampling: DiffusionSamplingConfig | None = None) -> DiffusionGenerator:
         """Read a generator written by :meth:`save`; ``sampling`` replaces its sampling options."""
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
         from gradleak.options import build_dataclass
 
         diffusers = require_diffusers()
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
+        state, meta = read_tensors(Path(path), f"diffusion generator {path}")
         if meta.get("format") != FORMAT:
             raise ValueError(f"{path} is not a gradleak diffusion generator (format {meta.get('format')!r})")
         config: DiffusionGeneratorConfig = build_dataclass(
@@ -426,7 +425,7 @@ class DiffusionGenerator:
         image_shape = (c, h, w)
         num_classes = int(meta["num_classes"])
         unet = _unet(diffusers, config.unet, image_shape, num_classes)
-        unet.load_state_dict(load_file(str(path)), strict=True)
+        unet.load_state_dict(state, strict=True)
         return cls(
             unet,
             config,
@@ -448,15 +447,14 @@ def diffusion_source(
     data: ImageDataset, config: DiffusionGeneratorConfig, *, generator: torch.Generator | None = None
 ) -> DiffusionGenerator | PoolDraws:
     """The registered factory: the generator of :func:`fit_diffusion` or, with ``pool``, the client's draws
-    (in an order from ``generator``) from the public generator's shared pool."""
+    from the public generator's shared pool, in an order from ``generator`` (required: the client's seed)."""
     made, name = _trained(data, config)
     if not config.pool:
         return made
-    return PoolDraws(
-        _shared_pool(made, name, config),
-        generator=generator if generator is not None else torch.Generator().manual_seed(config.seed),
-        info=made.info,
-    )
+    if generator is None:
+        raise ValueError("drawing from a shared sample pool needs the client's generator (its own order)")
+    pool = _shared_pool(made, name, config)
+    return PoolDraws(pool, generator=generator, info=made.info)
 
 
 def fit_diffusion(
@@ -478,52 +476,67 @@ def _trained(data: ImageDataset, config: DiffusionGeneratorConfig) -> tuple[Diff
     public = config.train_on == "public"
     if public and (name, config.sampling) in _PUBLIC:  # one public generator serves every client
         return _PUBLIC[name, config.sampling], name
+
+    def load(path: Path) -> DiffusionGenerator:
+        made = DiffusionGenerator.load(path, sampling=config.sampling)
+        made.info["reused"] = str(path)
+        return made
+
+    def save(made: DiffusionGenerator, path: Path) -> None:
+        made.save(path)
+        made.info["saved"] = str(path)
+
     path = Path(config.store) / name if config.store else None
-    made = _reuse(path, config) if path is not None and path.exists() else None
-    if made is None:
-        made = DiffusionGenerator.fit(source, config, generator=seed_gen)
-        if path is not None:
-            made.save(path)
-            made.info["saved"] = str(path)
+    made = _kept(path, load, lambda: DiffusionGenerator.fit(source, config, generator=seed_gen), save)
     if public:
         _PUBLIC[name, config.sampling] = made
     return made, name
 
 
 def _shared_pool(made: DiffusionGenerator, name: str, config: DiffusionGeneratorConfig) -> SamplePool:
-    """The public generator's pool of ``config.pool`` images per class: this process's, the stored one
-    (file named by the generator, the sampling options, the size and the seed), or sampled now and stored."""
-    key = repr((name, config.sampling, config.pool, config.seed))
+    """The public generator's pool of ``config.pool`` images per class: this process's, the stored one, or
+    sampled now and stored. Its key (and file name) holds the generator's file name and a hash of its
+    weights (a generator trained again elsewhere gets its own pool), the sampling options, size and seed."""
+    weights = hashlib.blake2b(digest_size=10)
+    for v in made.unet.state_dict().values():
+        weights.update(v.detach().contiguous().numpy().tobytes())
+    drawn = repr((name, config.sampling, config.pool, config.seed))  # what seeds the draws
+    key = repr((name, weights.hexdigest(), config.sampling, config.pool, config.seed))
     if key in _POOLS:
         return _POOLS[key]
     file = f"diffusion-pool-{hashlib.blake2b(key.encode(), digest_size=10).hexdigest()}.safetensors"
     path = Path(config.store) / file if config.store else None
-    pool = None
-    if path is not None and path.exists():
-        try:
-            pool = SamplePool.load(path, key)
-            log.info("sample pool: reused %s", path)
-        except Exception as exc:  # a damaged or foreign file: sampled again
-            log.warning("sample pool: cannot reuse %s (%s); sampling it again", path, exc)
-    if pool is None:
-        seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest())
-        pool = SamplePool.draw(made, made.classes, config.pool, generator=torch.Generator().manual_seed(seed),
+    labels = SamplePool.layout(made.classes, config.pool)
+    seed = int.from_bytes(hashlib.blake2b(drawn.encode(), digest_size=7).digest())
+
+    def draw() -> SamplePool:
+        return SamplePool.draw(made, made.classes, config.pool, generator=torch.Generator().manual_seed(seed),
                                chunk=config.sampling.batch_size)  # fmt: skip
-        if path is not None:
-            pool.save(path, key)
+
+    pool = _kept(path, lambda p: SamplePool.load(p, key, labels), draw, lambda pool, p: pool.save(p, key))
     _POOLS[key] = pool
     return pool
 
 
-def _reuse(path: Path, config: DiffusionGeneratorConfig) -> DiffusionGenerator | None:
-    """The stored generator, or None (logged) when the file cannot be read: it is trained again."""
-    try:
-        made = DiffusionGenerator.load(path, sampling=config.sampling)
-    except Exception as exc:  # a damaged or foreign file must not stop every later run
-        log.warning("diffusion generator: cannot reuse %s (%s); training it again", path, exc)
-        return None
-    log.info("diffusion generator: reused %s", path)
-    made.info["reused"] = str(path)
+def _kept(
+    path: Path | None,
+    load: Callable[[Path], _T],
+    make: Callable[[], _T],
+    save: Callable[[_T, Path], object],
+) -> _T:
+    """``load(path)`` where that file exists and reads; else ``make()``, saved to ``path`` (when given). A
+    damaged or foreign file is logged and made again: it must not stop every later run."""
+    if path is not None and path.exists():
+        try:
+            kept = load(path)
+        except Exception as exc:
+            log.warning("cannot reuse %s (%s); making it again", path, exc)
+        else:
+            log.info("reused %s", path)
+            return kept
+    made = make()
+    if path is not None:
+        save(made, path)
     return made
 
 

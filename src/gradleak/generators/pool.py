@@ -15,6 +15,7 @@ know the clients' draws. Build the pool where the clients are, never on the serv
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -23,9 +24,9 @@ from typing import Any
 
 import torch
 
-from gradleak.fileio import atomic_write
 from gradleak.generators.base import ConditionalGenerator, check_labels
 from gradleak.progress import bar
+from gradleak.update_io import read_tensors, write_tensors
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +38,25 @@ class PoolExhausted(RuntimeError):
 
 
 class SamplePool:
-    """``images (N, C, H, W)`` in [0, 1] with their ``labels (N,)``: ``per_class`` samples of each class."""
+    """``images (N, C, H, W)`` float32 in [0, 1] with their ``labels (N,)`` in [0, ``num_classes``): the
+    samples of each class, class by class (checked on construction)."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, num_classes: int, info: dict[str, Any]):
-        if images.dim() != 4 or labels.shape != (len(images),) or labels.dtype != torch.int64:
-            raise ValueError(f"a pool needs (N, C, H, W) images and (N,) int64 labels, got "
-                             f"{tuple(images.shape)} and {labels.dtype} {tuple(labels.shape)}")  # fmt: skip
+        if images.dim() != 4 or images.dtype != torch.float32 or labels.shape != (len(images),):
+            raise ValueError(f"a pool needs float32 (N, C, H, W) images and (N,) labels, got {images.dtype} "
+                             f"{tuple(images.shape)} and {tuple(labels.shape)}")  # fmt: skip
+        check_labels(labels, num_classes)
+        if not bool(torch.isfinite(images).all()) or float(images.min()) < 0 or float(images.max()) > 1:
+            raise ValueError("pool images must be finite and in [0, 1]")
         self.images, self.labels = images, labels
         self.num_classes = num_classes
         self.image_shape: tuple[int, int, int] = (images.shape[1], images.shape[2], images.shape[3])
         self.info = dict(info)
+
+    @staticmethod
+    def layout(classes: list[int], per_class: int) -> torch.Tensor:
+        """The labels of a pool of ``per_class`` images of each of ``classes``, class by class."""
+        return torch.tensor(sorted(classes), dtype=torch.int64).repeat_interleave(per_class)
 
     @classmethod
     def draw(
@@ -62,7 +72,7 @@ class SamplePool:
         by class), every draw from ``generator``."""
         if per_class < 1 or not classes:
             raise ValueError(f"a pool needs classes and per_class >= 1, got {classes} x {per_class}")
-        labels = torch.tensor(sorted(classes), dtype=torch.int64).repeat_interleave(per_class)
+        labels = cls.layout(classes, per_class)
         start = time.perf_counter()
         parts = []
         with bar(desc="sample pool", total=len(labels), unit="img") as progress:
@@ -70,31 +80,36 @@ class SamplePool:
                 parts.append(source.sample(y, generator=generator))
                 progress.update(len(y))
         seconds = time.perf_counter() - start
-        log.info("sample pool: %d images (%d per class) in %.1fs", len(labels), per_class, seconds)
-        info = {"pool_per_class": per_class, "pool_images": len(labels), "pool_seconds": seconds}
-        return cls(torch.cat(parts), labels, source.num_classes, info)
+        log.info("sample pool: %d images (%d per class) in %.1fs, once", len(labels), per_class, seconds)
+        return cls(torch.cat(parts), labels, source.num_classes, {"pool_per_class": per_class})
+
+    def digest(self) -> str:
+        """A hash of the images and labels (stored with them, checked on load)."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(self.images.contiguous().numpy().tobytes())
+        h.update(self.labels.contiguous().numpy().tobytes())
+        return h.hexdigest()
 
     def save(self, path: Path, key: str) -> Path:
-        """Write images and labels, with ``key`` (what the pool was drawn from) as metadata, atomically."""
-        from safetensors.torch import save_file
-
+        """Write images and labels, with ``key`` (what the pool was drawn from) and their digest as
+        metadata, atomically."""
         meta = {"format": FORMAT, "key": key, "num_classes": str(self.num_classes),
-                "info": json.dumps(self.info)}  # fmt: skip
-        state = {"images": self.images.contiguous(), "labels": self.labels.contiguous()}
-        return atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata=meta))
+                "info": json.dumps(self.info), "digest": self.digest()}  # fmt: skip
+        return write_tensors(path, {"images": self.images, "labels": self.labels}, meta)
 
     @classmethod
-    def load(cls, path: Path, key: str) -> SamplePool:
-        """A pool written by :meth:`save` for the same ``key``; ValueError for any other file."""
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
+    def load(cls, path: Path, key: str, labels: torch.Tensor | None = None) -> SamplePool:
+        """A pool written by :meth:`save` for the same ``key`` whose content matches its digest (and, given,
+        the expected ``labels``); ValueError for any other file."""
+        tensors, meta = read_tensors(path, f"sample pool {path}")
         if meta.get("format") != FORMAT or meta.get("key") != key:
             raise ValueError(f"{path} is not the sample pool of {key!r}")
-        state = load_file(str(path))
-        return cls(state["images"], state["labels"], int(meta["num_classes"]), json.loads(meta["info"]))
+        pool = cls(tensors["images"], tensors["labels"], int(meta["num_classes"]), json.loads(meta["info"]))
+        if pool.digest() != meta.get("digest"):
+            raise ValueError(f"{path}: the images and labels do not match their digest")
+        if labels is not None and not torch.equal(pool.labels, labels):
+            raise ValueError(f"{path}: the pool's classes or per-class size are not the ones asked for")
+        return pool
 
 
 class PoolDraws:
