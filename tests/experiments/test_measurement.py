@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -84,3 +85,37 @@ def test_bare_round_matches_engine() -> None:
     finally:
         torch.set_num_threads(threads)
     assert fl_overhead.max_abs_diff(sim.model, bare) <= 1e-6
+
+
+def test_the_utility_blocks_are_paired_round_means_and_the_bound_counts_the_cache_per_client():
+    blocks = _script("aegis_utility_blocks")
+    rounds = 60
+    none = {
+        "accuracy_by_round": [0.5] * rounds,
+        "seconds_by_round": [2.0] * rounds,
+        "clients_by_round": [[0, 1]] * rounds,
+        "withheld_by_round": [0] * rounds,
+        "final_accuracy": 0.5,
+    }
+    aegis = {**none, "accuracy_by_round": [0.5 - 0.001 * r for r in range(rounds)],  # r is the 0-based round
+             "seconds_by_round": [2.0 * (11.0 if r < 4 else 5.0) for r in range(rounds)],
+             "withheld_by_round": [1 if r == 30 else 0 for r in range(rounds)],
+             "final_accuracy": 0.44}  # fmt: skip
+    aegis["accuracy_by_round"][40] = None  # round 41 not evaluated: left out of its block
+    out = blocks.analyse(none, aegis, {0: 100, 1: 300}, cache=400, start=5)
+    # rounds 25-36 are indices 24..35: mean gap -0.1 x (24 + 35) / 2 points
+    assert out["gap_points_by_block"]["25-36"] == pytest.approx(-0.1 * 29.5)
+    assert out["gap_points_by_block"]["37-48"] == pytest.approx(
+        -0.1 * statistics.fmean([*range(36, 40), *range(41, 48)])
+    )
+    assert out["gap_points_by_block"]["25-60"] == pytest.approx(
+        -0.1 * statistics.fmean([*range(24, 40), *range(41, 60)])
+    )
+    # bound (100 + 300 + 2 x 400) / 400 = 3; rounds 1-4 (cache builds) are not timed
+    assert out["compute_bound_median"] == pytest.approx(3.0) and out[
+        "round_time_ratio_median"
+    ] == pytest.approx(5.0)
+    assert out["ratio_over_bound_median"] == pytest.approx(5 / 3) and out["rounds_timed"] == 56
+    assert out["withheld"] == {"none": 0, "aegis": 1}
+    with pytest.raises(ValueError, match="not a paired run"):
+        blocks.analyse(none, {**aegis, "clients_by_round": [[0, 2]] * rounds}, {0: 1, 1: 1, 2: 1}, 400, 5)

@@ -1,0 +1,107 @@
+"""Issue 22's utility and round-time targets, read off a committed utility benchmark result.
+
+A utility benchmark (e.g. ``configs/aegis_generator_utility.toml``) trains no defense and Aegis on the same
+federation (same sampled clients, same initial model) and records, round by round, the test accuracy, the
+wall time, the sampled clients and the clients that withheld their update. From those rows this script
+reports, per seed and over the seeds:
+
+- the accuracy gap Aegis - none (points) in blocks of rounds (default 25-36, 37-48, 49-60) and over rounds
+  25-60 (issue 22's target: within 1 point);
+- the round-time ratio Aegis / none against the compute bound of each round, ``sum_i (n_i + M) / sum_i n_i``
+  over the round's clients (each Aegis epoch adds one pass over the M cache images to the client's n real
+  ones), as the median over the rounds from ``--from-round`` (earlier rounds carry most cache builds); issue
+  22's target: at most 1.1 x the bound.
+
+    python benchmarks/aegis_utility_blocks.py [--result results/aegis_generator_utility_paper.json]
+        [--setting configs/base/paper000_setting.toml] [--cache 2048] [--from-round 5]
+
+It writes ``results/aegis_utility_blocks_<scale>.json`` (the scale of the result it reads).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from gradleak.experiments.config import load_config
+from gradleak.experiments.measurement import make_parser, parse_args, write_result
+from gradleak.experiments.runner import build_simulation
+
+HERE = Path(__file__).resolve().parent
+NAME = "aegis_utility_blocks"
+BLOCKS = ((25, 36), (37, 48), (49, 60))
+
+
+def block_mean(values: list[float | None], first: int, last: int) -> float | None:
+    """Mean of the evaluated rounds ``first..last`` (1-based, inclusive) of a round-indexed list."""
+    got = [v for v in values[first - 1 : last] if v is not None]
+    return statistics.fmean(got) if got else None
+
+
+def sizes_of(setting: Path, seed: int) -> dict[int, int]:
+    """Each client's number of training images in the federation of ``setting`` at ``seed``."""
+    sim = build_simulation(load_config(setting, [f"experiment.seed={seed}"]))
+    return {cid: len(data) for cid, data in enumerate(sim.clients)}
+
+
+def analyse(
+    none: dict[str, Any], aegis: dict[str, Any], sizes: dict[int, int], cache: int, start: int
+) -> dict[str, Any]:
+    """The paired rows' accuracy gaps by block and round-time ratio against the compute bound."""
+    if none["clients_by_round"] != aegis["clients_by_round"]:
+        raise ValueError("the two rows did not train the same sampled clients: not a paired run")
+    gap = [None if a is None or b is None else 100 * (a - b)
+           for a, b in zip(aegis["accuracy_by_round"], none["accuracy_by_round"], strict=True)]  # fmt: skip
+    blocks = {f"{a}-{b}": block_mean(gap, a, b) for a, b in BLOCKS}
+    blocks["25-60"] = block_mean(gap, 25, 60)
+    ratios, bounds = [], []
+    for r, clients in enumerate(aegis["clients_by_round"]):
+        if r + 1 < start:
+            continue
+        n = sum(sizes[c] for c in clients)
+        bounds.append((n + cache * len(clients)) / n)
+        ratios.append(aegis["seconds_by_round"][r] / none["seconds_by_round"][r])
+    return {
+        "gap_points_by_block": blocks,
+        "final_accuracy": {"none": none["final_accuracy"], "aegis": aegis["final_accuracy"]},
+        "withheld": {"none": sum(none.get("withheld_by_round", [])),
+                     "aegis": sum(aegis.get("withheld_by_round", []))},
+        "round_time_ratio_median": statistics.median(ratios),
+        "compute_bound_median": statistics.median(bounds),
+        "ratio_over_bound_median": statistics.median(r / b for r, b in zip(ratios, bounds, strict=True)),
+        "rounds_timed": len(ratios),
+        "seconds_median": {"none": statistics.median(none["seconds_by_round"][start - 1 :]),
+                           "aegis": statistics.median(aegis["seconds_by_round"][start - 1 :])},
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = make_parser(__doc__.splitlines()[0], HERE / "results")
+    parser.add_argument(
+        "--result", type=Path, default=HERE / "results" / "aegis_generator_utility_paper.json"
+    )
+    parser.add_argument("--setting", type=Path, default=HERE / "configs" / "base" / "paper000_setting.toml")
+    parser.add_argument("--cache", type=int, default=2048, help="Aegis' M")
+    parser.add_argument("--from-round", type=int, default=5, help="first round (1-based) of the timing")
+    args = parse_args(parser)
+    result = json.loads(args.result.read_text())
+    per_seed: dict[str, Any] = {}
+    for seed in sorted({r["seed"] for r in result["rows"]}):
+        rows = [r for r in result["rows"] if r["seed"] == seed]
+        none = next(r for r in rows if r["defense"] == "none")
+        (aegis,) = [r for r in rows if r["defense"] != "none"]
+        per_seed[str(seed)] = analyse(none, aegis, sizes_of(args.setting, seed), args.cache, args.from_round)
+    keys = [*(f"{a}-{b}" for a, b in BLOCKS), "25-60"]
+    mean_blocks = {k: statistics.fmean(s["gap_points_by_block"][k] for s in per_seed.values()) for k in keys}
+    payload = {"source": args.result.name, "source_git": result["git"], "cache": args.cache,
+               "from_round": args.from_round, "seeds": per_seed,
+               "mean_gap_points_by_block": mean_blocks}  # fmt: skip
+    path = write_result(NAME, result["scale"], payload, seeds=[int(s) for s in per_seed], out=args.out)
+    print(json.dumps(payload, indent=1))  # noqa: T201 (a script's report)
+    print(f"wrote {path}")  # noqa: T201
+
+
+if __name__ == "__main__":
+    main()
