@@ -100,20 +100,14 @@ def test_the_pool_is_stored_and_reloaded_bit_identically(tmp_path: Path) -> None
         SamplePool.load(path, key="other")
 
 
+def public_options(tmp_path: Path, **extra: object) -> dict[str, object]:
+    """A 2-step public generator on the "halves" split (PublicSplit.load patched by each test)."""
+    return {"train_on": "public", "public": {"dataset": "halves"}, "unet": {"channels": [8, 16]},
+            "training": {"steps": 2}, "sampling": {"steps": 2}, "store": str(tmp_path), **extra}  # fmt: skip
+
+
 def public_config(tmp_path: Path, **extra: object) -> DiffusionGeneratorConfig:
-    return build_dataclass(
-        DiffusionGeneratorConfig,
-        {
-            "train_on": "public",
-            "public": {"dataset": "halves"},
-            "unet": {"channels": [8, 16]},
-            "training": {"steps": 2},
-            "sampling": {"steps": 2},
-            "store": str(tmp_path),
-            **extra,
-        },
-        where="t",
-    )
+    return build_dataclass(DiffusionGeneratorConfig, public_options(tmp_path, **extra), where="t")
 
 
 def halves(n: int, seed: int) -> ImageDataset:
@@ -185,15 +179,7 @@ def test_aegis_builds_distinct_caches_from_the_pool_and_fails_closed_when_it_run
 ) -> None:
     monkeypatch.setattr(PublicSplit, "load", lambda self: halves(60, seed=0))
     clear_cache_memo()
-    options = {
-        "train_on": "public",
-        "public": {"dataset": "halves"},
-        "unet": {"channels": [8, 16]},
-        "training": {"steps": 2},
-        "sampling": {"steps": 2},
-        "store": str(tmp_path),
-        "pool": 40,
-    }
+    options = public_options(tmp_path, pool=40)
     aegis = build_dataclass(
         AegisConfig,
         {
