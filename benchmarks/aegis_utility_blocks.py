@@ -36,7 +36,12 @@ BLOCKS = ((25, 36), (37, 48), (49, 60))
 
 def block_mean(values: list[float | None], first: int, last: int) -> float | None:
     """Mean of the evaluated rounds ``first..last`` (1-based, inclusive) of a round-indexed list."""
-    got = [v for v in values[first - 1 : last] if v is not None]
+    return mean_of(values[first - 1 : last])
+
+
+def mean_of(values: list[float | None]) -> float | None:
+    """The mean of the values that exist (a run shorter than a block has none for it)."""
+    got = [v for v in values if v is not None]
     return statistics.fmean(got) if got else None
 
 
@@ -94,7 +99,7 @@ def main() -> None:
         (aegis,) = [r for r in rows if r["defense"] != "none"]
         per_seed[str(seed)] = analyse(none, aegis, sizes_of(args.setting, seed), args.cache, args.from_round)
     keys = [*(f"{a}-{b}" for a, b in BLOCKS), "25-60"]
-    mean_blocks = {k: statistics.fmean(s["gap_points_by_block"][k] for s in per_seed.values()) for k in keys}
+    mean_blocks = {k: mean_of([s["gap_points_by_block"][k] for s in per_seed.values()]) for k in keys}
     payload = {"source": args.result.name, "source_git": result["git"], "cache": args.cache,
                "from_round": args.from_round, "seeds": per_seed,
                "mean_gap_points_by_block": mean_blocks}  # fmt: skip

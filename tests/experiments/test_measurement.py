@@ -117,5 +117,14 @@ def test_the_utility_blocks_are_paired_round_means_and_the_bound_counts_the_cach
     ] == pytest.approx(5.0)
     assert out["ratio_over_bound_median"] == pytest.approx(5 / 3) and out["rounds_timed"] == 56
     assert out["withheld"] == {"none": 0, "aegis": 1}
+    short = {k: v[:5] if isinstance(v, list) else v for k, v in aegis.items()}  # a 5-round run: no block
+    short_none = {k: v[:5] if isinstance(v, list) else v for k, v in none.items()}
+    assert blocks.analyse(short_none, short, {0: 100, 1: 300}, cache=400, start=2)["gap_points_by_block"] == {
+        "25-36": None,
+        "37-48": None,
+        "49-60": None,
+        "25-60": None,
+    }
+    assert blocks.mean_of([None, 1.0, 3.0]) == 2.0 and blocks.mean_of([None]) is None
     with pytest.raises(ValueError, match="not a paired run"):
         blocks.analyse(none, {**aegis, "clients_by_round": [[0, 2]] * rounds}, {0: 1, 1: 1, 2: 1}, 400, 5)
