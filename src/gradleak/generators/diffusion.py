@@ -457,9 +457,7 @@ def diffusion_source(
     return PoolDraws(pool, generator=generator, info=made.info)
 
 
-def fit_diffusion(
-    data: ImageDataset, config: DiffusionGeneratorConfig, *, generator: torch.Generator | None = None
-) -> DiffusionGenerator:
+def fit_diffusion(data: ImageDataset, config: DiffusionGeneratorConfig) -> DiffusionGenerator:
     """Train on ``data`` (``train_on = "own"``) or on the public split, or reload the generator a previous
     run trained on the same data with the same options from ``store``."""
     return _trained(data, config)[0]
@@ -497,13 +495,15 @@ def _shared_pool(made: DiffusionGenerator, name: str, config: DiffusionGenerator
     """The public generator's pool of ``config.pool`` images per class: this process's, the stored one, or
     sampled now and stored. Its key (and file name) holds the generator's file name and a hash of its
     weights (a generator trained again elsewhere gets its own pool), the sampling options, size and seed."""
+    # what seeds the draws, and the process memo's key: in one process a generator file name holds one set
+    # of weights (_PUBLIC, cleared with _POOLS), so the weights are hashed only for the stored file
+    drawn = repr((name, config.sampling, config.pool, config.seed))
+    if drawn in _POOLS:
+        return _POOLS[drawn]
     weights = hashlib.blake2b(digest_size=10)
     for v in made.unet.state_dict().values():
         weights.update(v.detach().contiguous().numpy().tobytes())
-    drawn = repr((name, config.sampling, config.pool, config.seed))  # what seeds the draws
     key = repr((name, weights.hexdigest(), config.sampling, config.pool, config.seed))
-    if key in _POOLS:
-        return _POOLS[key]
     file = f"diffusion-pool-{hashlib.blake2b(key.encode(), digest_size=10).hexdigest()}.safetensors"
     path = Path(config.store) / file if config.store else None
     labels = SamplePool.layout(made.classes, config.pool)
@@ -514,7 +514,7 @@ def _shared_pool(made: DiffusionGenerator, name: str, config: DiffusionGenerator
                                chunk=config.sampling.batch_size)  # fmt: skip
 
     pool = _kept(path, lambda p: SamplePool.load(p, key, labels), draw, lambda pool, p: pool.save(p, key))
-    _POOLS[key] = pool
+    _POOLS[drawn] = pool
     return pool
 
 
@@ -549,7 +549,7 @@ def clear_public_generators() -> None:
 # public-split generators trained or loaded in this process, by file name (a client's own are memoised with
 # its cache by Aegis, and never shared)
 _PUBLIC: dict[tuple[str, DiffusionSamplingConfig], DiffusionGenerator] = {}
-# their sample pools, by what they were drawn from (generator file, sampling, size, seed)
+# their sample pools, by what seeds their draws (generator file, sampling, size, seed)
 _POOLS: dict[str, SamplePool] = {}
 
 
