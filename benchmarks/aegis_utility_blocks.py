@@ -12,10 +12,12 @@ reports, per seed and over the seeds:
   ones), as the median over the rounds from ``--from-round`` (earlier rounds carry most cache builds); issue
   22's target: at most 1.1 x the bound.
 
-    python benchmarks/aegis_utility_blocks.py [--result results/aegis_generator_utility_paper.json]
+    python benchmarks/aegis_utility_blocks.py [--result results/aegis_generator_utility_paper.json ...]
         [--setting configs/base/paper000_setting.toml] [--cache 2048] [--from-round 5]
 
-It writes ``results/aegis_utility_blocks_<scale>.json`` (the scale of the result it reads).
+``--result`` takes one file or several (e.g. one per seed, run in different sessions with ``--seeds``); a
+seed found in two files, or files of different scales, are refused. It writes
+``results/aegis_utility_blocks_<scale>.json`` (the scale of the results it reads).
 """
 
 from __future__ import annotations
@@ -82,28 +84,44 @@ def analyse(
     }  # fmt: skip
 
 
+def merged_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of several utility results of one scale, each seed from exactly one of them."""
+    if len({r["scale"] for r in results}) != 1:
+        raise SystemExit(f"results of different scales: {sorted({r['scale'] for r in results})}")
+    rows: list[dict[str, Any]] = []
+    for result in results:
+        seeds = {r["seed"] for r in result["rows"]}
+        twice = seeds & {r["seed"] for r in rows}
+        if twice:
+            raise SystemExit(f"seed(s) {sorted(twice)} appear in more than one result file")
+        rows.extend(result["rows"])
+    return rows
+
+
 def main() -> None:
     parser = make_parser(__doc__.splitlines()[0], HERE / "results")
     parser.add_argument(
-        "--result", type=Path, default=HERE / "results" / "aegis_generator_utility_paper.json"
+        "--result", type=Path, nargs="+", default=[HERE / "results" / "aegis_generator_utility_paper.json"]
     )
     parser.add_argument("--setting", type=Path, default=HERE / "configs" / "base" / "paper000_setting.toml")
     parser.add_argument("--cache", type=int, default=2048, help="Aegis' M")
     parser.add_argument("--from-round", type=int, default=5, help="first round (1-based) of the timing")
     args = parse_args(parser)
-    result = json.loads(args.result.read_text())
+    results = [json.loads(path.read_text()) for path in args.result]
+    all_rows = merged_rows(results)
     per_seed: dict[str, Any] = {}
-    for seed in sorted({r["seed"] for r in result["rows"]}):
-        rows = [r for r in result["rows"] if r["seed"] == seed]
+    for seed in sorted({r["seed"] for r in all_rows}):
+        rows = [r for r in all_rows if r["seed"] == seed]
         none = next(r for r in rows if r["defense"] == "none")
         (aegis,) = [r for r in rows if r["defense"] != "none"]
         per_seed[str(seed)] = analyse(none, aegis, sizes_of(args.setting, seed), args.cache, args.from_round)
     keys = [*(f"{a}-{b}" for a, b in BLOCKS), "25-60"]
     mean_blocks = {k: mean_of([s["gap_points_by_block"][k] for s in per_seed.values()]) for k in keys}
-    payload = {"source": args.result.name, "source_git": result["git"], "cache": args.cache,
+    payload = {"source": [p.name for p in args.result], "source_git": [r["git"] for r in results],
+               "cache": args.cache,
                "from_round": args.from_round, "seeds": per_seed,
                "mean_gap_points_by_block": mean_blocks}  # fmt: skip
-    path = write_result(NAME, result["scale"], payload, seeds=[int(s) for s in per_seed], out=args.out)
+    path = write_result(NAME, results[0]["scale"], payload, seeds=[int(s) for s in per_seed], out=args.out)
     print(json.dumps(payload, indent=1))  # noqa: T201 (a script's report)
     print(f"wrote {path}")  # noqa: T201
 

@@ -128,3 +128,15 @@ def test_the_utility_blocks_are_paired_round_means_and_the_bound_counts_the_cach
     assert blocks.mean_of([None, 1.0, 3.0]) == 2.0 and blocks.mean_of([None]) is None
     with pytest.raises(ValueError, match="not a paired run"):
         blocks.analyse(none, {**aegis, "clients_by_round": [[0, 2]] * rounds}, {0: 1, 1: 1, 2: 1}, 400, 5)
+
+
+def test_the_utility_blocks_merge_one_result_per_seed_and_refuse_a_seed_twice_or_mixed_scales():
+    blocks = _script("aegis_utility_blocks")
+    seed0 = {"scale": "paper", "rows": [{"seed": 0, "defense": "none"}, {"seed": 0, "defense": "aegis"}]}
+    seed1 = {"scale": "paper", "rows": [{"seed": 1, "defense": "none"}, {"seed": 1, "defense": "aegis"}]}
+    rows = blocks.merged_rows([seed0, seed1])
+    assert [(r["seed"], r["defense"]) for r in rows] == [(0, "none"), (0, "aegis"), (1, "none"), (1, "aegis")]
+    with pytest.raises(SystemExit, match=r"seed\(s\) \[0\]"):
+        blocks.merged_rows([seed0, seed1, seed0])
+    with pytest.raises(SystemExit, match="different scales"):
+        blocks.merged_rows([seed0, {**seed1, "scale": "small"}])
