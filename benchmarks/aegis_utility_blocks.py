@@ -118,8 +118,7 @@ def main() -> None:
     keys = [*(f"{a}-{b}" for a, b in BLOCKS), "25-60"]
     mean_blocks = {k: mean_of([s["gap_points_by_block"][k] for s in per_seed.values()]) for k in keys}
     payload = {"source": [p.name for p in args.result], "source_git": [r["git"] for r in results],
-               "cache": args.cache,
-               "from_round": args.from_round, "seeds": per_seed,
+               "cache": args.cache, "from_round": args.from_round, "seeds": per_seed,
                "mean_gap_points_by_block": mean_blocks}  # fmt: skip
     path = write_result(NAME, results[0]["scale"], payload, seeds=[int(s) for s in per_seed], out=args.out)
     print(json.dumps(payload, indent=1))  # noqa: T201 (a script's report)
