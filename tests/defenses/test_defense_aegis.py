@@ -71,6 +71,58 @@ def test_one_step_per_epoch_with_the_configured_weight(normalization: str, weigh
         torch.testing.assert_close(p.detach(), w0[n] - 0.1 * weight * grad[n], rtol=1e-4, atol=1e-6)
 
 
+def test_separate_optimizer_state_leaves_the_real_adam_state_alone() -> None:
+    """optimizer_state = "separate": the synthetic step is a fresh Adam's first step on the weighted mean
+    gradient, lr * G / (|G| + eps) per coordinate, and the real steps' moments are untouched; "shared" puts
+    the step into the real state (its step count and moments change)."""
+    cache = cache_of(40)
+    real = synthetic_dataset(n=8, shape=SHAPE, classes=3, seed=2)
+    lr, weight = 0.01, 40 / 8
+    for state in ("separate", "shared"):
+        model = build_model("aegis_cnn", SHAPE, 3, seed=0)
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        cfg = AegisConfig(
+            cache=CacheConfig(size=40), micro_batch=16, real_batch_size=8, optimizer_state=state
+        )
+        aegis = AegisSynthetic(cfg, cache)
+        aegis.setup(model, generator=torch.Generator())
+        for _ in range(2):  # two real steps: the real Adam state holds moments
+            opt.zero_grad()
+            F.cross_entropy(model(real.images), real.labels).backward()
+            opt.step()
+        before = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()}
+        w0 = [p.detach().clone() for p in model.parameters()]
+        model.zero_grad()
+        (weight * F.cross_entropy(model(cache.images), cache.labels)).backward()
+        big_g = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        aegis.on_epoch_end(model, opt)
+        moved = [p.detach() - w for p, w in zip(model.parameters(), w0, strict=True)]
+        if state == "separate":
+            for p, g, d in zip(model.parameters(), big_g, moved, strict=True):
+                torch.testing.assert_close(d, -lr * g / (g.abs() + 1e-8), rtol=1e-4, atol=1e-9)
+                for k, v in before[p].items():
+                    assert torch.equal(opt.state[p][k], v)  # the real stream's moments, bit for bit
+            assert all(float(s["step"]) == 1 for s in aegis._synthetic_state.values())
+            aegis.on_epoch_end(model, opt)  # the synthetic stream's state carries over the epochs
+            assert all(float(s["step"]) == 2 for s in aegis._synthetic_state.values())
+        else:
+            assert all(float(opt.state[p]["step"]) == 3 for p in model.parameters())
+            assert not aegis._synthetic_state
+
+
+def test_optimizer_state_is_irrelevant_for_a_stateless_optimizer() -> None:
+    data = synthetic_dataset(n=20, shape=SHAPE, classes=3, seed=1)
+    model = build_model("aegis_cnn", SHAPE, 3, seed=0)
+    training = LocalTraining("fedavg", epochs=2, batch_size=8, optimizer="sgd")
+    updates = []
+    for state in ("shared", "separate"):
+        aegis = aegis_for_client(cache_of(40), cache={"size": 40}, micro_batch=16, optimizer_state=state)
+        res = train_client(0, model, data, training, [aegis], torch.Generator().manual_seed(0))
+        assert res.update is not None and aegis.steps == 2
+        updates.append(res.update.flat())
+    assert torch.equal(updates[0], updates[1])
+
+
 def test_cache_never_leaves_the_client() -> None:
     data = synthetic_dataset(n=20, shape=SHAPE, classes=3, seed=1)
     cache = cache_of(40)
@@ -122,6 +174,8 @@ def test_fails_closed_without_a_usable_cache() -> None:
 def test_config_validation() -> None:
     with pytest.raises(ValueError, match="normalization"):
         AegisConfig(normalization="mean")
+    with pytest.raises(ValueError, match="optimizer_state"):
+        AegisConfig(optimizer_state="fresh")
     with pytest.raises(ValueError, match="cache size"):
         AegisConfig(cache=CacheConfig(size=0))
     with pytest.raises(ValueError, match="budget"):

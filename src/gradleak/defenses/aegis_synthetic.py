@@ -21,6 +21,19 @@ Normalisation (paper 000 uses two descriptions and does not reconcile them):
   left unchanged. **Default**: it is the reading under which synthetic samples actually mix with real ones
   in a linear-leakage bin (docs/defenses.md gives the measurements for both).
 
+Optimiser state of the synthetic step (``optimizer_state``; Algorithm 1 says "one extra optimiser step" and
+leaves the state open):
+
+- ``"shared"`` (default, Algorithm 1 read literally): the step runs on the client's optimiser and its state.
+  With Adam and lambda weighting the synthetic gradient is ``M / B`` = 32x a real step's, so it enters
+  Adam's second moment (``v <- beta2 v + (1 - beta2) g^2``, Kingma & Ba 2015, Alg. 1) about 1,000x a real
+  gradient's square and its first moment 32x: the real steps after it follow the synthetic direction.
+- ``"separate"``: the step runs on an optimiser state of its own, kept across the epochs of one local
+  training run (the synthetic stream's moments); the real steps keep theirs, as without the defense. With
+  Adam the synthetic step is then scale-free (the first one is ``lr * g / (|g| + eps)`` per coordinate), so
+  the lambda weight no longer sets its size. For a stateless optimiser (SGD without momentum) the two are
+  the same.
+
 Cache: bound explicitly (:meth:`AegisSynthetic.bind`, :func:`aegis_for_client`), or, when none is bound,
 built in ``setup`` from the client's private data that the client passes to the hook (``setup(model, *,
 generator, data)``, :class:`~gradleak.defenses.base.DefenseChain`): the configured class-conditional
@@ -44,7 +57,7 @@ import hashlib
 import logging
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +77,7 @@ from gradleak.types import Update
 log = logging.getLogger(__name__)
 
 NORMALISATIONS = ("lambda", "same_lr")
+OPTIMIZER_STATES = ("shared", "separate")  # the synthetic step's optimiser state (module docstring)
 GENERATOR_TABLES = ("gaussian", "diffusion", "oracle")  # built-in generators whose options are a field below
 
 
@@ -71,7 +85,8 @@ GENERATOR_TABLES = ("gaussian", "diffusion", "oracle")  # built-in generators wh
 class AegisConfig:
     """``cache.size`` M (the cache must hold at least M images; the first M are used); ``micro_batch``
     images per forward/backward; ``normalization`` ``"lambda"`` | ``"same_lr"``; ``real_batch_size`` B in
-    ``lambda = M / (B + M)``.
+    ``lambda = M / (B + M)``; ``optimizer_state`` ``"shared"`` | ``"separate"``: the synthetic step's
+    optimiser state (module docstring).
 
     Building the cache from the client's data in ``setup`` (when none is bound): ``generator``, a name of
     :data:`~gradleak.registry.GENERATORS`, configured by the nested table of its name: ``"gaussian"``
@@ -87,6 +102,7 @@ class AegisConfig:
     micro_batch: int = 256
     normalization: str = "lambda"
     real_batch_size: int = 64
+    optimizer_state: str = "shared"
     cache: CacheConfig = field(default_factory=CacheConfig)
     generator: str = "gaussian"
     gaussian: GaussianGeneratorConfig = field(default_factory=GaussianGeneratorConfig)
@@ -102,6 +118,10 @@ class AegisConfig:
                 raise ValueError(f"{key} must be an int >= 1, got {v!r}")
         if self.normalization not in NORMALISATIONS:
             raise ValueError(f"normalization must be one of {NORMALISATIONS}, got {self.normalization!r}")
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(
+                f"optimizer_state must be one of {OPTIMIZER_STATES}, got {self.optimizer_state!r}"
+            )
         if not isinstance(self.generator, str) or self.generator not in GENERATORS:
             raise ValueError(f"generator must be one of {GENERATORS.names()}, got {self.generator!r}")
         object.__setattr__(self, "generator", self.generator.lower())  # the registry's names are lower-case
@@ -228,6 +248,7 @@ class AegisSynthetic(Defense):
         self.last_loss = math.nan
         self._real_shape: tuple[int, ...] | None = None
         self._hook: torch.utils.hooks.RemovableHandle | None = None
+        self._synthetic_state: defaultdict[torch.Tensor, dict[str, object]] = defaultdict(dict)
         if cache is not None:
             self.bind(cache)
 
@@ -260,6 +281,7 @@ class AegisSynthetic(Defense):
             raise RuntimeError(f"batch-dependent layers {bad[:3]} break micro-batch accumulation")
         self.active_cache = active
         self.steps = 0
+        self._synthetic_state = defaultdict(dict)  # a fresh synthetic stream for each local training run
         self._real_shape = None
         self._hook = model.register_forward_pre_hook(self._record_shape)
 
@@ -285,7 +307,14 @@ class AegisSynthetic(Defense):
         for n, p in model.named_parameters():
             if p.grad is not None and not torch.isfinite(p.grad).all():
                 raise FloatingPointError(f"non-finite synthetic gradient in {n}")
-        optimizer.step()
+        if self.config.optimizer_state == "separate":
+            real_state, optimizer.state = optimizer.state, self._synthetic_state
+            try:
+                optimizer.step()
+            finally:
+                self._synthetic_state, optimizer.state = optimizer.state, real_state
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         log.debug("aegis: synthetic step %d, mean loss %.4f", self.steps, self.last_loss)
