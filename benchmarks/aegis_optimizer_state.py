@@ -43,7 +43,7 @@ from gradleak.experiments.measurement import configure_torch, make_parser, parse
 from gradleak.experiments.runner import build_simulation
 from gradleak.fl import derive_seed
 from gradleak.fl.client import train_client
-from gradleak.fl.server import evaluate
+from gradleak.fl.server import apply_update, evaluate, weighted_mean
 
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
@@ -90,10 +90,11 @@ class _Probe(Defense):
 def one_round(sim: Any, cids: list[int], training: Any, arm: dict[str, Any] | None, aegis: dict[str, Any],
               test: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:  # fmt: skip
     """Every client of ``cids`` trains from the global model with the arm's defense; FedAvg; accuracy."""
-    deltas, weights, sqrt_v, real_s, syn_s, real_n = [], [], [], [], [], 0
+    updates, sqrt_v, real_s, syn_s, real_n, m = [], [], [], [], 0, 0
     for cid in cids:
         before, after = _Probe(), _Probe()
         defenses = [] if arm is None else build_defenses([("aegis", {**aegis, **arm})])
+        m = defenses[0].config.cache_size if defenses else 0  # type: ignore[attr-defined]
         start = time.perf_counter()
         res = train_client(cid, sim.model, sim.clients[cid], training, [before, *defenses, after],
                            torch.Generator().manual_seed(derive_seed(cid, 0x0A5)))  # fmt: skip
@@ -104,13 +105,9 @@ def one_round(sim: Any, cids: list[int], training: Any, arm: dict[str, Any] | No
         syn_s.append(sum(b - a for a, b in zip(before.times, after.times, strict=True)))
         real_n += (len(before.times) - 1) * len(sim.clients[cid])
         sqrt_v.append(after.sqrt_v)
-        deltas.append(res.update.tensors)
-        weights.append(res.update.num_samples)
+        updates.append(res.update)
     model = copy.deepcopy(sim.model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(sum(d[name] * w for d, w in zip(deltas, weights, strict=True)) / sum(weights))
-    m = int(aegis.get("cache", {}).get("size", 2048))
+    apply_update(model, weighted_mean(updates))  # FedAvg, weights n_i
     return {
         "accuracy": evaluate(model, *test),
         "adam_sqrt_v_by_epoch": np.nanmean(np.array(sqrt_v), axis=0).tolist(),
