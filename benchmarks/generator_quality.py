@@ -21,7 +21,6 @@ rate, seconds).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 from gradleak.data import ImageDataset, load_dataset
 from gradleak.defenses.aegis_cache import CacheConfig, build_cache
 from gradleak.experiments.config import load_config
-from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
+from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, timed, write_result
 from gradleak.experiments.runner import build_simulation
 from gradleak.generators.base import ConditionalGenerator, PublicSplit
 from gradleak.generators.diffusion import DiffusionGeneratorConfig, fit_diffusion
@@ -73,13 +72,6 @@ SCALES = {
     "small": Scale(10000, 3000, None, 1500, 100, 0, 2048),
     "paper": Scale(34561, 6000, None, 6000, 500, 0, 2048),
 }
-
-
-def timed(step: Any) -> tuple[Any, float, float]:
-    """``step()``'s result, wall seconds and CPU seconds (summed over torch's threads)."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    out = step()
-    return out, time.perf_counter() - wall, time.process_time() - cpu
 
 
 def sampling_seconds(source: ConditionalGenerator, classes: list[int], m: int) -> tuple[float, float]:

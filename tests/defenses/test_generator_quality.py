@@ -57,3 +57,31 @@ def test_memorisation_check_flags_a_generator_that_returns_private_images(refere
     label = copier.classes[1].label
     own = float((ref.predict(private.images[private.labels == label]) == label).float().mean())
     assert copier.classes[1].accuracy == pytest.approx(own, abs=0.2)  # 40 draws with replacement
+
+
+class _SomeCopies:
+    """Per requested class: the first ``copies`` images are private images of that class, the rest a 0/1
+    checkerboard, far from every private image (pixel RMS about 0.5)."""
+
+    def __init__(self, private, copies: int) -> None:  # type: ignore[no-untyped-def]
+        self.private, self.copies = private, copies
+        self.image_shape, self.num_classes = private.input_shape, private.num_classes
+
+    def sample(self, labels: torch.Tensor, *, generator: torch.Generator) -> torch.Tensor:
+        h, w = self.image_shape[1:]
+        board = ((torch.arange(h)[:, None] + torch.arange(w)[None, :]) % 2).float()
+        out = board.expand(len(labels), self.image_shape[0], h, w).clone()
+        own = self.private.images[self.private.labels == labels[0]]
+        out[: self.copies] = own[: self.copies]
+        return out
+
+
+@pytest.mark.parametrize(("copies", "flagged"), [(2, False), (3, True)])
+def test_memorisation_flag_is_strictly_above_the_share(reference: tuple, copies: int, flagged: bool) -> None:
+    # 2 copies in 40 samples a class is exactly max_copy_rate (5 %): not above it, so not flagged (a float32
+    # mean made it 0.0500000007 and flagged it); 3 in 40 (7.5 %) is
+    private, _, ref = reference
+    report = ref.score("some copies", _SomeCopies(private, copies), private)
+    assert [c.copy_rate for c in report.classes] == [copies / 40] * len(report.classes), report
+    assert report.copy_rate == pytest.approx(copies / 40, abs=1e-15)
+    assert report.memorised is flagged

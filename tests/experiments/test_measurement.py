@@ -8,6 +8,7 @@ import importlib.util
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,15 @@ def test_the_utility_blocks_merge_one_result_per_seed_and_refuse_a_seed_twice_or
         blocks.merged_rows([seed0, seed1, seed0])
     with pytest.raises(SystemExit, match="different scales"):
         blocks.merged_rows([seed0, {**seed1, "scale": "small"}])
+
+
+def test_timed_separates_wall_from_cpu_seconds() -> None:
+    # sleeping costs wall time and (almost) no CPU time: a swapped pair or one clock for both fails here
+    def nap() -> str:
+        time.sleep(0.3)
+        return "done"
+
+    out, wall, cpu = measurement.timed(nap)
+    assert out == "done"
+    assert 0.3 <= wall < 5.0
+    assert 0.0 <= cpu < 0.1

@@ -25,7 +25,8 @@ import re
 import shlex
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,14 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     return args
+
+
+def timed(step: Callable[[], Any]) -> tuple[Any, float, float]:
+    """``step()``'s result, its wall seconds and its CPU seconds (this process, summed over torch's threads:
+    the CPU-minutes of a budget)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = step()
+    return out, time.perf_counter() - wall, time.process_time() - cpu
 
 
 def configure_torch(threads: int | None) -> int:
