@@ -3,7 +3,8 @@
 A utility benchmark (e.g. ``configs/aegis_generator_utility.toml``) trains no defense and Aegis on the same
 federation (same sampled clients, same initial model) and records, round by round, the test accuracy, the
 wall time, the sampled clients and the clients that withheld their update. From those rows this script
-reports, per seed and over the seeds:
+reports, for each Aegis arm (one per benchmark cell, each against its seed's no-defense row), per seed and
+over the seeds:
 
 - the accuracy gap Aegis - none (points) in blocks of rounds (default 25-36, 37-48, 49-60) and over rounds
   25-60 (issue 22's target: within 1 point);
@@ -15,8 +16,9 @@ reports, per seed and over the seeds:
     python benchmarks/aegis_utility_blocks.py [--result results/aegis_generator_utility_paper.json ...]
         [--setting configs/base/paper000_setting.toml] [--cache 2048] [--from-round 5]
 
-``--result`` takes one file or several (e.g. one per seed, run in different sessions with ``--seeds``); a
-seed found in two files, or files of different scales, are refused. It writes
+``--result`` takes one file or several (e.g. one per seed, run in different sessions with ``--seeds``, or
+``aegis_generator_utility_6000_paper.json``, an Aegis arm whose no-defense twin is in the first file); a
+row (seed, cell, defense) found in two files, or files of different scales, are refused. It writes
 ``results/aegis_utility_blocks_<scale>.json`` (the scale of the results it reads).
 """
 
@@ -85,17 +87,34 @@ def analyse(
 
 
 def merged_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows of several utility results of one scale, each seed from exactly one of them."""
+    """The rows of several utility results of one scale (e.g. one per seed, or an Aegis arm run apart from
+    its no-defense twin), each (seed, cell, defense) from exactly one of them."""
     if len({r["scale"] for r in results}) != 1:
         raise SystemExit(f"results of different scales: {sorted({r['scale'] for r in results})}")
     rows: list[dict[str, Any]] = []
+    key = lambda r: (r["seed"], r.get("cell"), r["defense"])  # noqa: E731
     for result in results:
-        seeds = {r["seed"] for r in result["rows"]}
-        twice = seeds & {r["seed"] for r in rows}
+        twice = {key(r) for r in result["rows"]} & {key(r) for r in rows}
         if twice:
-            raise SystemExit(f"seed(s) {sorted(twice)} appear in more than one result file")
+            raise SystemExit(f"rows {sorted(twice)} appear in more than one result file")
         rows.extend(result["rows"])
     return rows
+
+
+def paired(rows: list[dict[str, Any]]) -> dict[str, dict[int, tuple[dict[str, Any], dict[str, Any]]]]:
+    """Each Aegis arm (a non-``none`` row, named by its cell) per seed, beside that seed's one no-defense
+    row: arms of several cells (e.g. generators trained longer) share the seed's no-defense run."""
+    arms: dict[str, dict[int, tuple[dict[str, Any], dict[str, Any]]]] = {}
+    for seed in sorted({r["seed"] for r in rows}):
+        nones = [r for r in rows if r["seed"] == seed and r["defense"] == "none"]
+        if len(nones) != 1:
+            raise SystemExit(f"seed {seed} has {len(nones)} no-defense rows; a pairing needs exactly one")
+        for row in (r for r in rows if r["seed"] == seed and r["defense"] != "none"):
+            cell = str(row.get("cell", row["defense"]))
+            if seed in arms.setdefault(cell, {}):
+                raise SystemExit(f"seed {seed} has two Aegis rows in cell {cell!r}")
+            arms[cell][seed] = (nones[0], row)
+    return arms
 
 
 def main() -> None:
@@ -108,19 +127,20 @@ def main() -> None:
     parser.add_argument("--from-round", type=int, default=5, help="first round (1-based) of the timing")
     args = parse_args(parser)
     results = [json.loads(path.read_text()) for path in args.result]
-    all_rows = merged_rows(results)
-    per_seed: dict[str, Any] = {}
-    for seed in sorted({r["seed"] for r in all_rows}):
-        rows = [r for r in all_rows if r["seed"] == seed]
-        none = next(r for r in rows if r["defense"] == "none")
-        (aegis,) = [r for r in rows if r["defense"] != "none"]
-        per_seed[str(seed)] = analyse(none, aegis, sizes_of(args.setting, seed), args.cache, args.from_round)
     keys = [*(f"{a}-{b}" for a, b in BLOCKS), "25-60"]
-    mean_blocks = {k: mean_of([s["gap_points_by_block"][k] for s in per_seed.values()]) for k in keys}
+    sizes: dict[int, dict[int, int]] = {}
+    arms: dict[str, Any] = {}
+    for cell, seeds in paired(merged_rows(results)).items():
+        per_seed = {}
+        for seed, (none, aegis) in seeds.items():
+            if seed not in sizes:
+                sizes[seed] = sizes_of(args.setting, seed)
+            per_seed[str(seed)] = analyse(none, aegis, sizes[seed], args.cache, args.from_round)
+        mean_blocks = {k: mean_of([s["gap_points_by_block"][k] for s in per_seed.values()]) for k in keys}
+        arms[cell] = {"seeds": per_seed, "mean_gap_points_by_block": mean_blocks}
     payload = {"source": [p.name for p in args.result], "source_git": [r["git"] for r in results],
-               "cache": args.cache, "from_round": args.from_round, "seeds": per_seed,
-               "mean_gap_points_by_block": mean_blocks}  # fmt: skip
-    path = write_result(NAME, results[0]["scale"], payload, seeds=[int(s) for s in per_seed], out=args.out)
+               "cache": args.cache, "from_round": args.from_round, "arms": arms}  # fmt: skip
+    path = write_result(NAME, results[0]["scale"], payload, seeds=sorted(sizes), out=args.out)
     print(json.dumps(payload, indent=1))  # noqa: T201 (a script's report)
     print(f"wrote {path}")  # noqa: T201
 

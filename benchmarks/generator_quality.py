@@ -10,13 +10,18 @@ on):
 - ``diffusion_own`` / ``gaussian_own``: fit on one client's own share (the generator never leaves it);
 - ``oracle``: real test images the clients do not hold (a perfect generator);
 - ``diffusion_public_trailing`` / ``diffusion_public_guidance1``: the public diffusion generator sampled
-  with "trailing" timestep spacing, or without classifier-free guidance (half the cost per image).
+  with "trailing" timestep spacing, or without classifier-free guidance (half the cost per image);
+- ``diffusion_public_<n>steps``: the public diffusion generator trained for fewer steps (the scale's
+  ``shorter``), scored against the same reference: what the longer training buys.
 
 For each: fit seconds, seconds to sample M images, parameters and file size, and the Aegis cache build for
 that client (M = 2,048 at small / paper scale accepted against its share, at most 4 M candidates: rejection
 rate, seconds).
 
-    python benchmarks/generator_quality.py --scale smoke|small|paper --threads 2
+    python benchmarks/generator_quality.py --scale smoke|small|paper --threads 2 [--device cuda]
+
+``--device cuda`` trains and samples the diffusion generators on a GPU (everything else stays on the CPU);
+the paper scale was run so, on the device machine lent to a session (docs/reproducing.md).
 """
 
 from __future__ import annotations
@@ -65,12 +70,13 @@ class Scale:
     samples_per_class: int
     client: int  # the client whose share the own generators fit on
     M: int  # cache size; also the images timed for sampling
+    shorter: tuple[int, ...] = ()  # other training lengths of the public diffusion generator
 
 
 SCALES = {
     "smoke": Scale(1000, 300, 500, 50, 20, 0, 128),
     "small": Scale(10000, 3000, None, 1500, 100, 0, 2048),
-    "paper": Scale(34561, 6000, None, 6000, 500, 0, 2048),
+    "paper": Scale(34561, 6000, None, 6000, 500, 0, 2048, shorter=(1500,)),
 }
 
 
@@ -146,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--store", default="benchmarks/.state/generators", help="folder of trained generators"
     )
+    parser.add_argument("--device", default="cpu", help="where the diffusion generators train and sample")
     args = parse_args(parser, argv)
     scale = SCALES[args.scale]
     threads = configure_torch(args.threads)
@@ -168,16 +175,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  reference classifier: {ref.real_accuracy:.3f} on {len(heldout)} held-out test images", flush=True
     )
 
-    def diffusion(train_on: str, **sampling: Any) -> DiffusionGeneratorConfig:
+    def diffusion(train_on: str, steps: int = scale.steps, **sampling: Any) -> DiffusionGeneratorConfig:
         return build_dataclass(
             DiffusionGeneratorConfig,
             {
                 "train_on": train_on,
                 "public": asdict(public),
-                "training": {"steps": scale.steps},
+                "training": {"steps": steps},
                 "sampling": sampling,
                 "seed": seed,
                 "store": args.store,
+                "device": args.device,
             },
             where="diffusion",
         )
@@ -217,6 +225,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
         rows[-1]["sampling"] = sampling
+    for steps in scale.shorter:
+        rows.append(
+            measure(
+                f"diffusion_public_{steps}steps",
+                lambda steps=steps: fit_diffusion(client, diffusion("public", steps)),
+                public_data,
+                client,
+                ref,
+                scale.M,
+            )
+        )
     payload = {
         "setting": {
             "federation": str(SETTING.relative_to(HERE)),
@@ -230,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "diffusion": asdict(diffusion("public")),
             **asdict(scale),
         },
+        "device": args.device,
         "reference_accuracy": ref.real_accuracy,
         "torch_threads": threads,
         "rows": rows,

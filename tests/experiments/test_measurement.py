@@ -143,6 +143,22 @@ def test_the_utility_blocks_merge_one_result_per_seed_and_refuse_a_seed_twice_or
         blocks.merged_rows([seed0, {**seed1, "scale": "small"}])
 
 
+def test_the_utility_blocks_pair_every_aegis_arm_with_its_seeds_one_no_defense_row():
+    blocks = _script("aegis_utility_blocks")
+    rows = [{"seed": 0, "defense": "none", "cell": "a"}, {"seed": 0, "defense": "aegis", "cell": "a"},
+            {"seed": 0, "defense": "aegis", "cell": "b"}, {"seed": 1, "defense": "none", "cell": "a"},
+            {"seed": 1, "defense": "aegis", "cell": "b"}]  # fmt: skip
+    arms = blocks.paired(rows)
+    assert sorted(arms) == ["a", "b"] and sorted(arms["a"]) == [0] and sorted(arms["b"]) == [0, 1]
+    assert arms["b"][0] == (rows[0], rows[2]) and arms["b"][1] == (rows[3], rows[4])
+    with pytest.raises(SystemExit, match="seed 0 has 2 no-defense rows"):
+        blocks.paired([*rows, {"seed": 0, "defense": "none", "cell": "b"}])
+    with pytest.raises(SystemExit, match="seed 1 has 0 no-defense rows"):
+        blocks.paired([r for r in rows if r is not rows[3]])
+    with pytest.raises(SystemExit, match="two Aegis rows in cell 'a'"):
+        blocks.paired([*rows, {"seed": 0, "defense": "aegis2", "cell": "a"}])
+
+
 def test_timed_separates_wall_from_cpu_seconds() -> None:
     # sleeping costs wall time and (almost) no CPU time: a swapped pair or one clock for both fails here
     def nap() -> str:

@@ -65,6 +65,18 @@ def require_diffusers() -> Any:
         ) from exc
 
 
+def usable_device(name: str) -> torch.device:
+    """``name`` as a torch device, or a RuntimeError before any work where this machine has no such device."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"diffusion generator device {name!r}: torch sees no CUDA device here; use 'cpu'")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"diffusion generator device {name!r}: only {torch.cuda.device_count()} CUDA devices"
+        )
+    return device
+
+
 def diffusers_available() -> bool:
     try:
         require_diffusers()
@@ -193,7 +205,10 @@ class DiffusionGeneratorConfig:
     training draws (mixed with a hash of the training data); ``store``: folder of the saved generators
     (safetensors, reused by content; None: not saved); ``pool``: with ``train_on = "public"``, sample that
     many images per class once and let every client draw its candidates from them
-    (:mod:`gradleak.generators.pool`; 0: each client samples its own; ``seed`` also seeds the pool)."""
+    (:mod:`gradleak.generators.pool`; 0: each client samples its own; ``seed`` also seeds the pool);
+    ``device``: where the model trains and samples (``"cuda"`` where a GPU is lent; every random draw still
+    comes from a CPU generator, so only the kernels' rounding differs). The device is not part of the stored
+    file's name: a generator trained on a GPU is reused by a CPU run of the same options, and vice versa."""
 
     train_on: str = "own"
     public: PublicSplit = field(default_factory=PublicSplit)
@@ -203,8 +218,15 @@ class DiffusionGeneratorConfig:
     seed: int = 0
     store: str | None = "gradleak-out/generators"
     pool: int = 0
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(
+                f"device must name a torch device ('cpu', 'cuda', 'cuda:1'), got {self.device!r}"
+            ) from exc
         if self.train_on not in TRAIN_SOURCES:
             raise ValueError(f"train_on must be one of {TRAIN_SOURCES}, got {self.train_on!r}")
         if self.train_on == "public" and not self.public.named:
@@ -289,12 +311,13 @@ class DiffusionGenerator:
         diffusers = require_diffusers()
         if len(data) == 0:
             raise ValueError("cannot fit a diffusion generator on no images")
+        device = usable_device(config.device)
         tc = config.training
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         g = torch.Generator().manual_seed(seed)
         with torch.random.fork_rng(devices=[]):  # diffusers initialises from the global RNG: seed it here
             torch.manual_seed(seed)
-            unet = _unet(diffusers, config.unet, data.input_shape, data.num_classes)
+            unet = _unet(diffusers, config.unet, data.input_shape, data.num_classes).to(device)
         schedule = _schedule(diffusers, tc)
         ema = importlib.import_module("diffusers.training_utils").EMAModel(
             unet.parameters(), decay=tc.ema_decay, use_ema_warmup=True, power=3 / 4
@@ -316,6 +339,7 @@ class DiffusionGenerator:
                 y[torch.rand(len(y), generator=g) < tc.class_dropout] = null
                 noise = torch.randn(x0.shape, generator=g)
                 t = torch.randint(0, tc.timesteps, (len(x0),), generator=g)
+                x0, noise, t, y = x0.to(device), noise.to(device), t.to(device), y.to(device)
                 xt = schedule.add_noise(x0, noise, t)
                 loss = nn.functional.mse_loss(unet(xt, t, class_labels=y).sample, noise)
                 optimizer.zero_grad(set_to_none=True)
@@ -339,6 +363,7 @@ class DiffusionGenerator:
             "train_images": len(data),
             "train_seconds": seconds,
             "train_cpu_seconds": cpu_seconds,  # summed over torch's threads: the CPU-minutes budget
+            "device": str(device),
             "train_loss": last_loss if not math.isnan(last_loss) else loss_sum / max(loss_n, 1),
             "data": data.name,
             "digest": data_digest(data).hex(),
@@ -366,11 +391,13 @@ class DiffusionGenerator:
                 f"diffusion generator was not trained on classes {missing}; it knows {self.classes}"
             )
         sc = self.config.sampling
+        device = usable_device(self.config.device)
+        self.unet.to(device)
         out = torch.empty(len(labels), *self.image_shape)
         for start in range(0, len(labels), sc.batch_size):
             y = labels[start : start + sc.batch_size]
-            x = torch.randn((len(y), *self.image_shape), generator=generator)
-            out[start : start + len(y)] = self._denoise(diffusers, x, y)
+            x = torch.randn((len(y), *self.image_shape), generator=generator)  # on the CPU: any device
+            out[start : start + len(y)] = self._denoise(diffusers, x.to(device), y.to(device)).cpu()
         return ((out + 1) / 2).clamp(0.0, 1.0)
 
     def _denoise(self, diffusers: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -405,11 +432,14 @@ class DiffusionGenerator:
             "classes": json.dumps(self.classes),
             "info": json.dumps(self.info),
         }
-        return write_tensors(path, self.unet.state_dict(), meta)
+        return write_tensors(path, {k: v.cpu() for k, v in self.unet.state_dict().items()}, meta)
 
     @classmethod
-    def load(cls, path: str | Path, *, sampling: DiffusionSamplingConfig | None = None) -> DiffusionGenerator:
-        """Read a generator written by :meth:`save`; ``sampling`` replaces its sampling options."""
+    def load(
+        cls, path: str | Path, *, sampling: DiffusionSamplingConfig | None = None, device: str = "cpu"
+    ) -> DiffusionGenerator:
+        """Read a generator written by :meth:`save`; ``sampling`` replaces its sampling options; it samples on
+        ``device`` (where it was trained is ``info["device"]``)."""
         from gradleak.options import build_dataclass
 
         diffusers = require_diffusers()
@@ -421,6 +451,7 @@ class DiffusionGenerator:
         )
         if sampling is not None:
             config = dataclasses.replace(config, sampling=sampling)
+        config = dataclasses.replace(config, device=device)
         c, h, w = (int(v) for v in json.loads(meta["image_shape"]))
         image_shape = (c, h, w)
         num_classes = int(meta["num_classes"])
@@ -476,7 +507,7 @@ def _trained(data: ImageDataset, config: DiffusionGeneratorConfig) -> tuple[Diff
         return _PUBLIC[name, config.sampling], name
 
     def load(path: Path) -> DiffusionGenerator:
-        made = DiffusionGenerator.load(path, sampling=config.sampling)
+        made = DiffusionGenerator.load(path, sampling=config.sampling, device=config.device)
         made.info["reused"] = str(path)
         return made
 
@@ -502,7 +533,7 @@ def _shared_pool(made: DiffusionGenerator, name: str, config: DiffusionGenerator
         return _POOLS[drawn]
     weights = hashlib.blake2b(digest_size=10)
     for v in made.unet.state_dict().values():
-        weights.update(v.detach().contiguous().numpy().tobytes())
+        weights.update(v.detach().cpu().contiguous().numpy().tobytes())
     key = repr((name, weights.hexdigest(), config.sampling, config.pool, config.seed))
     file = f"diffusion-pool-{hashlib.blake2b(key.encode(), digest_size=10).hexdigest()}.safetensors"
     path = Path(config.store) / file if config.store else None

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 22 on a lent GPU machine (the session's `device` tool; docs/reproducing.md): train the public
+# OrganAMNIST diffusion generator of configs/aegis_generator_utility_6000.toml and sample its pool there
+# (benchmarks/public_generators.py), then run benchmarks/generator_quality.py at paper scale with the
+# diffusion generators on the GPU. Everything comes back under $OUT: the result JSONs, the generator, and
+# the pool xz-compressed in 15 MiB parts (the tool returns files of at most 16 MiB, 64 MiB in all); put them
+# into benchmarks/.state/generators with scripts/device_generators_unpack.sh.
+# Carried: .whl (diffusers, absent there) and .devdata/medmnist/organamnist.npz (the data set).
+# SCALE, DEVICE and PY (the python) may be set to try it elsewhere: SCALE=smoke DEVICE=cpu PY=.venv/bin/python
+set -uo pipefail
+SCALE=${SCALE:-paper}; DEVICE=${DEVICE:-cuda}; PY=${PY:-python3}
+$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 3
+export PYTHONPATH=/tmp/site:$PWD/src GRADLEAK_DATA=$PWD/.devdata PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+STORE=/tmp/store
+nvidia-smi -L
+timeout 240 $PY benchmarks/public_generators.py --config benchmarks/configs/aegis_generator_utility_6000.toml \
+    --scale "$SCALE" --device "$DEVICE" --threads 16 --store "$STORE" --out "$OUT" 2>&1 | tail -n 20
+cp "$STORE"/diffusion-[0-9a-f]*.safetensors "$OUT"/
+$PY - "$STORE" "$OUT" <<'PY'
+import lzma, pathlib, sys
+store, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+for pool in sorted(store.glob("diffusion-pool-*.safetensors")):
+    packed = lzma.compress(pool.read_bytes(), preset=6)
+    part = 15 * 2**20
+    for i in range(0, len(packed), part):
+        (out / f"{pool.name}.xz.{i // part}").write_bytes(packed[i : i + part])
+    print(pool.name, pool.stat().st_size, "->", len(packed), flush=True)
+PY
+timeout 330 $PY benchmarks/generator_quality.py --scale "$SCALE" --device "$DEVICE" --threads 16 --store "$STORE" \
+    --out "$OUT" 2>&1 | grep -v "^  *[0-9]*%" | tail -n 60
+ls -la "$OUT"
