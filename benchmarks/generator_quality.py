@@ -11,8 +11,10 @@ on):
 - ``oracle``: real test images the clients do not hold (a perfect generator);
 - ``diffusion_public_trailing`` / ``diffusion_public_guidance1``: the public diffusion generator sampled
   with "trailing" timestep spacing, or without classifier-free guidance (half the cost per image);
-- ``diffusion_public_<n>steps``: the public diffusion generator trained for fewer steps (the scale's
-  ``shorter``), scored against the same reference: what the longer training buys.
+- ``diffusion_public_<n>steps``: the public diffusion generator trained for another number of steps (the
+  scale's ``shorter``, or ``--public-steps``), scored against the same reference: what training length buys.
+  ``--rows`` computes only the rows named (e.g. ``oracle gaussian_public diffusion_public_6000steps``:
+  the reference's rows again, as a check, beside a new one).
 
 For each: fit seconds, seconds to sample M images, parameters and file size, and the Aegis cache build for
 that client (M = 2,048 at small / paper scale accepted against its share, at most 4 M candidates: rejection
@@ -153,8 +155,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--store", default="benchmarks/.state/generators", help="folder of trained generators"
     )
     parser.add_argument("--device", default="cpu", help="where the diffusion generators train and sample")
+    parser.add_argument(
+        "--public-steps",
+        type=int,
+        nargs="+",
+        help="other training lengths of the public diffusion generator (default: the scale's)",
+    )
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        help="only these rows (names as in the result); the result is then written as "
+        "generator_quality_rows_<scale>.json beside the full one",
+    )
     args = parse_args(parser, argv)
     scale = SCALES[args.scale]
+    public_steps = tuple(args.public_steps) if args.public_steps else scale.shorter
+    if any(n < 1 for n in public_steps):
+        parser.error(f"--public-steps must be >= 1, got {list(public_steps)}")
+    names = ["oracle", "gaussian_public", "gaussian_own", "diffusion_public", "diffusion_own",
+             *SAMPLING_VARIANTS, *(f"diffusion_public_{n}steps" for n in public_steps)]  # fmt: skip
+    chosen = set(args.rows) if args.rows else None
+    if chosen is not None and chosen - set(names):
+        parser.error(f"--rows {sorted(chosen - set(names))} unknown; rows: {names}")
     threads = configure_torch(args.threads)
     seed = args.seeds[0]
     print(f"{NAME} --scale {args.scale}: {scale}, seed {seed}, torch threads {threads}", flush=True)
@@ -190,52 +212,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             where="diffusion",
         )
 
-    rows = [
-        measure("oracle", lambda: RealImageGenerator(oracle_pool), client, client, ref, scale.M),
-        measure(
-            "gaussian_public",
-            lambda: ClassGaussianGenerator.fit(public_data),
-            public_data,
-            client,
-            ref,
-            scale.M,
-        ),
-        measure("gaussian_own", lambda: ClassGaussianGenerator.fit(client), client, client, ref, scale.M),
-        measure(
-            "diffusion_public",
-            lambda: fit_diffusion(client, diffusion("public")),
-            public_data,
-            client,
-            ref,
-            scale.M,
-        ),
-        measure(
-            "diffusion_own", lambda: fit_diffusion(client, diffusion("own")), client, client, ref, scale.M
-        ),
+    # every row: (name, the images it is fit on, how to make it), made only when chosen (--rows)
+    specs: list[tuple[str, ImageDataset, Any]] = [
+        ("oracle", client, lambda: RealImageGenerator(oracle_pool)),
+        ("gaussian_public", public_data, lambda: ClassGaussianGenerator.fit(public_data)),
+        ("gaussian_own", client, lambda: ClassGaussianGenerator.fit(client)),
+        ("diffusion_public", public_data, lambda: fit_diffusion(client, diffusion("public"))),
+        ("diffusion_own", client, lambda: fit_diffusion(client, diffusion("own"))),
     ]
     for name, sampling in SAMPLING_VARIANTS.items():  # the same stored public generator, sampled otherwise
-        rows.append(
-            measure(
+        specs.append(
+            (
                 name,
+                public_data,
                 lambda sampling=sampling: fit_diffusion(client, diffusion("public", **sampling)),
-                public_data,
-                client,
-                ref,
-                scale.M,
             )
         )
-        rows[-1]["sampling"] = sampling
-    for steps in scale.shorter:
-        rows.append(
-            measure(
-                f"diffusion_public_{steps}steps",
-                lambda steps=steps: fit_diffusion(client, diffusion("public", steps)),
-                public_data,
-                client,
-                ref,
-                scale.M,
-            )
-        )
+    for steps in public_steps:
+        specs.append(
+            (f"diffusion_public_{steps}steps", public_data,
+             lambda steps=steps: fit_diffusion(client, diffusion("public", steps)))
+        )  # fmt: skip
+    rows = []
+    for name, fit_on, make in specs:
+        if chosen is None or name in chosen:
+            rows.append(measure(name, make, fit_on, client, ref, scale.M))
+            if name in SAMPLING_VARIANTS:
+                rows[-1]["sampling"] = SAMPLING_VARIANTS[name]
     payload = {
         "setting": {
             "federation": str(SETTING.relative_to(HERE)),
@@ -248,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "classifier": f"aegis_cnn, organamnist/train[:{scale.classifier_images}]",
             "diffusion": asdict(diffusion("public")),
             **asdict(scale),
+            "shorter": list(public_steps),
         },
         "device": args.device,
         "reference_accuracy": ref.real_accuracy,
@@ -255,7 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": rows,
     }
     print_gate(rows, ref.real_accuracy)
-    path = write_result(NAME, args.scale, payload, seeds=[seed], out=args.out)
+    path = write_result(
+        NAME if chosen is None else f"{NAME}_rows", args.scale, payload, seeds=[seed], out=args.out
+    )
     print(f"wrote {path}")
     return 0
 

@@ -91,6 +91,36 @@ def measure(config: AegisConfig, client: ImageDataset, ref: Reference, time_cach
     return row
 
 
+def reference_for(sim: Any, cid: int, scale: Scale, seed: int) -> tuple[ImageDataset, Reference]:
+    """Client ``cid``'s share and its quality reference: an ``aegis_cnn`` trained on the *other* clients'
+    images (it never saw the client's), scored on the federation's held-out images."""
+    client = sim.clients[cid]
+    others = [c for i, c in enumerate(sim.clients) if i != cid and isinstance(c, ImageDataset)]
+    assert isinstance(client, ImageDataset) and len(others) == len(sim.clients) - 1
+    quality = QualityConfig(samples_per_class=scale.samples_per_class, feature_dims=scale.feature_dims,
+                            classifier_epochs=REFERENCE_EPOCHS, seed=seed)  # fmt: skip
+    ref = Reference(ImageDataset.concat(others), sim.test, quality)
+    print(f"client {cid} ({len(client)} images): reference {ref.real_accuracy:.3f}", flush=True)
+    return client, ref
+
+
+def save(name: str, args: Any, setting: dict[str, Any], threads: int, rows: list[dict[str, Any]]) -> Path:
+    """The result of ``rows`` with the benchmark, the budget and the scale beside ``setting``."""
+    payload = {
+        "setting": {
+            "benchmark": str(BENCHMARK.relative_to(HERE)),
+            "budget_cpu_minutes": BUDGET_CPU_MINUTES,
+            **setting,
+            **asdict(SCALES[args.scale]),
+        },  # fmt: skip
+        "torch_threads": threads,
+        "rows": rows,
+    }
+    path = write_result(name, args.scale, payload, seeds=args.seeds[:1], out=args.out)
+    print(f"wrote {path}")
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser(__doc__.splitlines()[0], RESULTS_DIR)
     args = parse_args(parser, argv)
@@ -110,31 +140,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     assert isinstance(sim.test, ImageDataset)
     rows = []
     for k, cid in enumerate(audited):
-        client = sim.clients[cid]
-        others = [c for i, c in enumerate(sim.clients) if i != cid and isinstance(c, ImageDataset)]
-        assert isinstance(client, ImageDataset) and len(others) == len(sim.clients) - 1
-        reference_data = ImageDataset.concat(others)  # the reference never saw the client's images
-        quality = QualityConfig(samples_per_class=scale.samples_per_class, feature_dims=scale.feature_dims,
-                                classifier_epochs=REFERENCE_EPOCHS, seed=seed)  # fmt: skip
-        ref = Reference(reference_data, sim.test, quality)
-        print(f"client {cid} ({len(client)} images): reference {ref.real_accuracy:.3f}", flush=True)
+        client, ref = reference_for(sim, cid, scale, seed)
         for config in columns:
             row = measure(config, client, ref, time_cache=k < scale.cost_clients)
             rows.append({"client": cid, "reference_accuracy": ref.real_accuracy, **row})
-    payload = {
-        "setting": {
-            "benchmark": str(BENCHMARK.relative_to(HERE)),
-            "clients": audited,
-            "heldout_images": len(sim.test),
-            "budget_cpu_minutes": BUDGET_CPU_MINUTES,
-            "columns": [asdict(c) for c in columns],
-            **asdict(scale),
-        },
-        "torch_threads": threads,
-        "rows": rows,
-    }
-    path = write_result(NAME, args.scale, payload, seeds=[seed], out=args.out)
-    print(f"wrote {path}")
+    setting = {"clients": audited, "heldout_images": len(sim.test), "columns": [asdict(c) for c in columns]}
+    save(NAME, args, setting, threads, rows)
     return 0
 
 

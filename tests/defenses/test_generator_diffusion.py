@@ -168,6 +168,7 @@ def test_options_are_checked_on_construction() -> None:
         ({"training": {"stepz": 3}}, "unknown option"),
         ({"training": {"class_dropout": 0.0}}, "null class is never trained"),
         ({"sampling": {"steps": 50}, "training": {"timesteps": 50}}, "below training.timesteps"),
+        ({"device": "gpu0"}, "torch device"),
     ):
         with pytest.raises(OptionError, match=match):
             build_dataclass(DiffusionGeneratorConfig, bad, where="diffusion")
@@ -303,3 +304,28 @@ def test_the_sampling_spacing_places_the_steps() -> None:
     )
     trailing = made.sample(labels, generator=torch.Generator().manual_seed(0))
     assert not torch.allclose(leading, trailing, atol=1e-3)
+
+
+def test_the_device_is_checked_before_work_and_is_not_part_of_the_stored_generator(
+    trained: tuple, tmp_path: Path
+) -> None:
+    data, gen = trained
+    cfg = tiny_config(store=str(tmp_path), steps=2)
+    on_gpu = dataclasses.replace(cfg, device="cuda")
+    # one file for every device: a generator trained on a GPU is reused by a CPU run of the same options
+    digest = diffusion_mod.data_digest(data)
+    assert diffusion_mod.stored_name(digest, cfg) == diffusion_mod.stored_name(digest, on_gpu)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            DiffusionGenerator.fit(data, on_gpu, generator=torch.Generator())
+        assert not list(tmp_path.iterdir())  # refused before any training or file
+    # saved with where it ran: a load samples on the device it is given (the CPU by default)
+    moved = DiffusionGenerator(gen.unet, dataclasses.replace(gen.config, device="cuda:3"), gen.image_shape,
+                               gen.num_classes, gen.classes, {**gen.info, "device": "cuda:3"})  # fmt: skip
+    again = DiffusionGenerator.load(moved.save(tmp_path / "g.safetensors"))
+    assert again.config.device == "cpu" and again.info["device"] == "cuda:3"
+    labels = torch.tensor([0, 1, 2])
+    assert torch.equal(
+        gen.sample(labels, generator=torch.Generator().manual_seed(5)),
+        again.sample(labels, generator=torch.Generator().manual_seed(5)),
+    )

@@ -131,14 +131,17 @@ def test_the_utility_blocks_are_paired_round_means_and_the_bound_counts_the_cach
         blocks.analyse(none, {**aegis, "clients_by_round": [[0, 2]] * rounds}, {0: 1, 1: 1, 2: 1}, 400, 5)
 
 
-def test_the_utility_blocks_merge_one_result_per_seed_and_refuse_a_seed_twice_or_mixed_scales():
+def test_the_utility_blocks_merge_one_result_per_row_and_refuse_a_row_twice_or_mixed_scales():
     blocks = _script("aegis_utility_blocks")
     seed0 = {"scale": "paper", "rows": [{"seed": 0, "defense": "none"}, {"seed": 0, "defense": "aegis"}]}
     seed1 = {"scale": "paper", "rows": [{"seed": 1, "defense": "none"}, {"seed": 1, "defense": "aegis"}]}
     rows = blocks.merged_rows([seed0, seed1])
     assert [(r["seed"], r["defense"]) for r in rows] == [(0, "none"), (0, "aegis"), (1, "none"), (1, "aegis")]
-    with pytest.raises(SystemExit, match=r"seed\(s\) \[0\]"):
+    with pytest.raises(SystemExit, match=r"rows \[\(0, None, 'aegis'\), \(0, None, 'none'\)\]"):
         blocks.merged_rows([seed0, seed1, seed0])
+    # an Aegis arm run apart (another cell) merges beside its seed's no-defense row
+    apart = {"scale": "paper", "rows": [{"seed": 0, "defense": "aegis", "cell": "longer"}]}
+    assert len(blocks.merged_rows([seed0, apart])) == 3
     with pytest.raises(SystemExit, match="different scales"):
         blocks.merged_rows([seed0, {**seed1, "scale": "small"}])
 
@@ -169,3 +172,34 @@ def test_timed_separates_wall_from_cpu_seconds() -> None:
     assert out == "done"
     assert 0.3 <= wall < 5.0
     assert 0.0 <= cpu < 0.1
+
+
+def test_the_sampling_cost_variants_change_only_how_the_shortest_column_samples(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gradleak.defenses.aegis_synthetic import AegisConfig
+    from gradleak.generators.diffusion import stored_name
+    from gradleak.options import build_dataclass
+
+    monkeypatch.syspath_prepend(str(BENCH))  # it imports generator_steps beside it
+    cost = _script("generator_sampling_cost")
+    columns = [
+        build_dataclass(AegisConfig, opts, where="t")
+        for opts in (
+            {},
+            *({"generator": "diffusion", "diffusion": {"training": {"steps": n}}} for n in (1500, 600)),
+        )
+    ]
+    column = cost.shortest_column(columns)
+    assert column.diffusion.training.steps == 600
+    both = cost.variant(column, {"guidance": 1.0, "steps": 6})
+    s, base = both.diffusion.sampling, column.diffusion.sampling
+    assert (s.guidance, s.steps, s.sampler, s.spacing) == (1.0, 6, base.sampler, base.spacing)
+    assert (base.guidance, base.steps) == (1.5, 10)  # the column itself is untouched
+    # the same trained generator (file name) for every variant: only the sampling differs
+    assert stored_name(b"data", both.diffusion) == stored_name(b"data", column.diffusion)
+    assert cost.variant(column, {}) == column
+    with pytest.raises(ValueError, match="guidance"):
+        cost.variant(column, {"guidance": 0.5})
+    with pytest.raises(SystemExit, match="no diffusion column"):
+        cost.shortest_column(columns[:1])
