@@ -86,17 +86,22 @@ def analyse(
     }  # fmt: skip
 
 
+def arm_of(row: dict[str, Any]) -> str:
+    """The arm a row belongs to: its benchmark cell (rows of older results without one: the defense)."""
+    return str(row.get("cell", row["defense"]))
+
+
 def merged_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows of several utility results of one scale (e.g. one per seed, or an Aegis arm run apart from
     its no-defense twin), each (seed, cell, defense) from exactly one of them."""
     if len({r["scale"] for r in results}) != 1:
         raise SystemExit(f"results of different scales: {sorted({r['scale'] for r in results})}")
     rows: list[dict[str, Any]] = []
-    key = lambda r: (r["seed"], r.get("cell"), r["defense"])  # noqa: E731
+    key = lambda r: (r["seed"], arm_of(r), r["defense"])  # noqa: E731
     for result in results:
         twice = {key(r) for r in result["rows"]} & {key(r) for r in rows}
         if twice:
-            raise SystemExit(f"rows {sorted(twice)} appear in more than one result file")
+            raise SystemExit(f"rows {sorted(twice, key=repr)} appear in more than one result file")
         rows.extend(result["rows"])
     return rows
 
@@ -110,7 +115,7 @@ def paired(rows: list[dict[str, Any]]) -> dict[str, dict[int, tuple[dict[str, An
         if len(nones) != 1:
             raise SystemExit(f"seed {seed} has {len(nones)} no-defense rows; a pairing needs exactly one")
         for row in (r for r in rows if r["seed"] == seed and r["defense"] != "none"):
-            cell = str(row.get("cell", row["defense"]))
+            cell = arm_of(row)
             if seed in arms.setdefault(cell, {}):
                 raise SystemExit(f"seed {seed} has two Aegis rows in cell {cell!r}")
             arms[cell][seed] = (nones[0], row)

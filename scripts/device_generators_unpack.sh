@@ -4,7 +4,7 @@
 set -euo pipefail
 from=$1; store=${2:-benchmarks/.state/generators}
 mkdir -p "$store"
-cp "$from"/diffusion-[0-9a-f]*.safetensors "$store"/
+install -m 0644 "$from"/diffusion-[0-9a-f]*.safetensors "$store"/  # the returned files are read-only
 for first in "$from"/diffusion-pool-*.safetensors.xz.0; do
     [ -e "$first" ] || continue
     name=$(basename "$first" .xz.0)

@@ -168,7 +168,9 @@ def test_options_are_checked_on_construction() -> None:
         ({"training": {"stepz": 3}}, "unknown option"),
         ({"training": {"class_dropout": 0.0}}, "null class is never trained"),
         ({"sampling": {"steps": 50}, "training": {"timesteps": 50}}, "below training.timesteps"),
-        ({"device": "gpu0"}, "torch device"),
+        ({"device": "gpu0"}, "'cpu' or 'cuda'"),
+        ({"device": "meta"}, "'cpu' or 'cuda'"),
+        ({"device": 0}, "expected str"),
     ):
         with pytest.raises(OptionError, match=match):
             build_dataclass(DiffusionGeneratorConfig, bad, where="diffusion")
@@ -317,8 +319,11 @@ def test_the_device_is_checked_before_work_and_is_not_part_of_the_stored_generat
     assert diffusion_mod.stored_name(digest, cfg) == diffusion_mod.stored_name(digest, on_gpu)
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="no CUDA device"):
-            DiffusionGenerator.fit(data, on_gpu, generator=torch.Generator())
+            fit_diffusion(data, on_gpu)
         assert not list(tmp_path.iterdir())  # refused before any training or file
+        fit_diffusion(data, cfg)  # stored now: a GPU config must still be refused, not load and fail later
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            fit_diffusion(data, on_gpu)
     # saved with where it ran: a load samples on the device it is given (the CPU by default)
     moved = DiffusionGenerator(gen.unet, dataclasses.replace(gen.config, device="cuda:3"), gen.image_shape,
                                gen.num_classes, gen.classes, {**gen.info, "device": "cuda:3"})  # fmt: skip
@@ -329,3 +334,20 @@ def test_the_device_is_checked_before_work_and_is_not_part_of_the_stored_generat
         gen.sample(labels, generator=torch.Generator().manual_seed(5)),
         again.sample(labels, generator=torch.Generator().manual_seed(5)),
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the lent GPU machine)")
+def test_a_generator_trained_on_the_gpu_samples_on_the_cpu_like_on_the_gpu(tmp_path: Path) -> None:
+    data = halves(60, seed=5)
+    cfg = dataclasses.replace(tiny_config(store=str(tmp_path), steps=20), device="cuda")
+    made = fit_diffusion(data, cfg)
+    assert all(p.device.type == "cuda" for p in made.unet.parameters()) and made.info["device"] == "cuda:0"
+    on_cpu = fit_diffusion(data, dataclasses.replace(cfg, device="cpu"))  # the same file, loaded on the CPU
+    assert on_cpu.info["reused"] == made.info["saved"]
+    for v, w in zip(made.unet.state_dict().values(), on_cpu.unet.state_dict().values(), strict=True):
+        assert torch.equal(v.cpu(), w)
+    labels = torch.tensor([0, 1, 2] * 4)
+    gpu = made.sample(labels, generator=torch.Generator().manual_seed(2))
+    cpu = on_cpu.sample(labels, generator=torch.Generator().manual_seed(2))
+    # the same noise, weights and solver: only the kernels' rounding differs (no TF32: fp32 throughout)
+    assert gpu.device.type == "cpu" and torch.allclose(gpu, cpu, atol=1e-3), (gpu - cpu).abs().max()

@@ -137,7 +137,7 @@ def test_the_utility_blocks_merge_one_result_per_row_and_refuse_a_row_twice_or_m
     seed1 = {"scale": "paper", "rows": [{"seed": 1, "defense": "none"}, {"seed": 1, "defense": "aegis"}]}
     rows = blocks.merged_rows([seed0, seed1])
     assert [(r["seed"], r["defense"]) for r in rows] == [(0, "none"), (0, "aegis"), (1, "none"), (1, "aegis")]
-    with pytest.raises(SystemExit, match=r"rows \[\(0, None, 'aegis'\), \(0, None, 'none'\)\]"):
+    with pytest.raises(SystemExit, match=r"rows \[\(0, 'aegis', 'aegis'\), \(0, 'none', 'none'\)\]"):
         blocks.merged_rows([seed0, seed1, seed0])
     # an Aegis arm run apart (another cell) merges beside its seed's no-defense row
     apart = {"scale": "paper", "rows": [{"seed": 0, "defense": "aegis", "cell": "longer"}]}
@@ -203,3 +203,19 @@ def test_the_sampling_cost_variants_change_only_how_the_shortest_column_samples(
         cost.variant(column, {"guidance": 0.5})
     with pytest.raises(SystemExit, match="no diffusion column"):
         cost.shortest_column(columns[:1])
+
+
+def test_public_generators_finds_each_distinct_public_diffusion_arm_and_refuses_a_config_without_one() -> (
+    None
+):
+    public = _script("public_generators")
+    configs = BENCH / "configs"
+    (smoke,) = public.public_arms(configs / "aegis_generator_utility_6000.toml", "smoke", 0)
+    assert (smoke.train_on, smoke.training.steps, smoke.pool) == ("public", 50, 128)  # the smoke overrides
+    (paper,) = public.public_arms(configs / "aegis_generator_utility_6000.toml", "paper", 0)
+    assert (paper.training.steps, paper.pool, paper.public.dataset) == (6000, 2048, "organamnist")
+    # the other config's arm (1,500 steps) is another generator
+    (other,) = public.public_arms(configs / "aegis_generator_utility.toml", "paper", 0)
+    assert other.training.steps == 1500 and other != paper
+    with pytest.raises(SystemExit, match="no Aegis arm with a public diffusion generator"):
+        public.public_arms(configs / "aegis_generators_pathmnist.toml", "small", 0)  # own-share generators

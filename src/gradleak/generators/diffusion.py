@@ -25,6 +25,7 @@ this generator is a clear error.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib
@@ -52,6 +53,7 @@ _T = TypeVar("_T")
 
 FORMAT = "gradleak-diffusion-generator/1"
 TRAIN_SOURCES = ("own", "public")
+DEVICE_TYPES = ("cpu", "cuda")
 
 
 def require_diffusers() -> Any:
@@ -75,6 +77,15 @@ def usable_device(name: str) -> torch.device:
             f"diffusion generator device {name!r}: only {torch.cuda.device_count()} CUDA devices"
         )
     return device
+
+
+def _full_precision() -> contextlib.AbstractContextManager[None]:
+    """cuDNN without TF32 (PyTorch allows it for convolutions by default; on a GPU it would train and sample
+    at 10-bit mantissas); a no-op on the CPU."""
+    cudnn = torch.backends.cudnn
+    return cudnn.flags(
+        enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic, allow_tf32=False
+    )
 
 
 def diffusers_available() -> bool:
@@ -206,9 +217,11 @@ class DiffusionGeneratorConfig:
     (safetensors, reused by content; None: not saved); ``pool``: with ``train_on = "public"``, sample that
     many images per class once and let every client draw its candidates from them
     (:mod:`gradleak.generators.pool`; 0: each client samples its own; ``seed`` also seeds the pool);
-    ``device``: where the model trains and samples (``"cuda"`` where a GPU is lent; every random draw still
-    comes from a CPU generator, so only the kernels' rounding differs). The device is not part of the stored
-    file's name: a generator trained on a GPU is reused by a CPU run of the same options, and vice versa."""
+    ``device``: where the model trains and samples (``"cpu"`` or ``"cuda"``; every random draw still comes
+    from a CPU generator and cuDNN runs without TF32, so a GPU differs from the CPU by the kernels' rounding;
+    GPU training is not bit-repeatable run to run: some backward kernels add atomically). The device is not
+    part of the stored file's name: a generator trained on a GPU is reused by a CPU run of the same options,
+    and vice versa (a pool's key holds a hash of the weights it was sampled from)."""
 
     train_on: str = "own"
     public: PublicSplit = field(default_factory=PublicSplit)
@@ -222,11 +235,14 @@ class DiffusionGeneratorConfig:
 
     def __post_init__(self) -> None:
         try:
-            torch.device(self.device)
-        except (RuntimeError, TypeError) as exc:
+            device = torch.device(self.device) if isinstance(self.device, str) else None
+        except RuntimeError:
+            device = None
+        if device is None or device.type not in DEVICE_TYPES:
             raise ValueError(
-                f"device must name a torch device ('cpu', 'cuda', 'cuda:1'), got {self.device!r}"
-            ) from exc
+                f"device must be 'cpu' or 'cuda' ('cuda:1': a GPU of several), got {self.device!r}"
+            )
+        object.__setattr__(self, "device", str(device))  # "cuda:0" and "cuda:0 ": one config
         if self.train_on not in TRAIN_SOURCES:
             raise ValueError(f"train_on must be one of {TRAIN_SOURCES}, got {self.train_on!r}")
         if self.train_on == "public" and not self.public.named:
@@ -332,7 +348,7 @@ class DiffusionGenerator:
         start, cpu_start = time.perf_counter(), time.process_time()
         unet.train()
         loss_sum, loss_n, last_loss = 0.0, 0, math.nan
-        with bar(desc="diffusion generator", total=tc.steps, unit="step") as progress:
+        with _full_precision(), bar(desc="diffusion generator", total=tc.steps, unit="step") as progress:
             for _ in range(tc.steps):
                 idx = torch.randint(0, len(data), (tc.batch_size,), generator=g)
                 x0, y = x_all[idx], y_all[idx].clone()
@@ -394,10 +410,11 @@ class DiffusionGenerator:
         device = usable_device(self.config.device)
         self.unet.to(device)
         out = torch.empty(len(labels), *self.image_shape)
-        for start in range(0, len(labels), sc.batch_size):
-            y = labels[start : start + sc.batch_size]
-            x = torch.randn((len(y), *self.image_shape), generator=generator)  # on the CPU: any device
-            out[start : start + len(y)] = self._denoise(diffusers, x.to(device), y.to(device)).cpu()
+        with _full_precision():
+            for start in range(0, len(labels), sc.batch_size):
+                y = labels[start : start + sc.batch_size]
+                x = torch.randn((len(y), *self.image_shape), generator=generator)  # on the CPU: any device
+                out[start : start + len(y)] = self._denoise(diffusers, x.to(device), y.to(device)).cpu()
         return ((out + 1) / 2).clamp(0.0, 1.0)
 
     def _denoise(self, diffusers: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -496,6 +513,7 @@ def fit_diffusion(data: ImageDataset, config: DiffusionGeneratorConfig) -> Diffu
 
 def _trained(data: ImageDataset, config: DiffusionGeneratorConfig) -> tuple[DiffusionGenerator, str]:
     require_diffusers()
+    usable_device(config.device)  # before loading or training: a stored file would load, then fail to sample
     source = data if config.train_on == "own" else config.public.load_for(data)
     # the weights are a function of (training data, options), like the file that keeps them: the seed comes
     # from the options and the data's content, not from the caller's generator
@@ -503,8 +521,10 @@ def _trained(data: ImageDataset, config: DiffusionGeneratorConfig) -> tuple[Diff
     seed_gen = torch.Generator().manual_seed(config.seed ^ int.from_bytes(digest[:7]))
     name = stored_name(digest, config)
     public = config.train_on == "public"
-    if public and (name, config.sampling) in _PUBLIC:  # one public generator serves every client
-        return _PUBLIC[name, config.sampling], name
+    if (
+        public and (name, config.sampling, config.device) in _PUBLIC
+    ):  # one public generator serves every client
+        return _PUBLIC[name, config.sampling, config.device], name
 
     def load(path: Path) -> DiffusionGenerator:
         made = DiffusionGenerator.load(path, sampling=config.sampling, device=config.device)
@@ -518,7 +538,7 @@ def _trained(data: ImageDataset, config: DiffusionGeneratorConfig) -> tuple[Diff
     path = Path(config.store) / name if config.store else None
     made = _kept(path, load, lambda: DiffusionGenerator.fit(source, config, generator=seed_gen), save)
     if public:
-        _PUBLIC[name, config.sampling] = made
+        _PUBLIC[name, config.sampling, config.device] = made
     return made, name
 
 
@@ -579,7 +599,7 @@ def clear_public_generators() -> None:
 
 # public-split generators trained or loaded in this process, by file name (a client's own are memoised with
 # its cache by Aegis, and never shared)
-_PUBLIC: dict[tuple[str, DiffusionSamplingConfig], DiffusionGenerator] = {}
+_PUBLIC: dict[tuple[str, DiffusionSamplingConfig, str], DiffusionGenerator] = {}
 # their sample pools, by what seeds their draws (generator file, sampling, size, seed)
 _POOLS: dict[str, SamplePool] = {}
 
