@@ -172,11 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     public_steps = tuple(args.public_steps) if args.public_steps else scale.shorter
     if any(n < 1 for n in public_steps):
         parser.error(f"--public-steps must be >= 1, got {list(public_steps)}")
-    names = ["oracle", "gaussian_public", "gaussian_own", "diffusion_public", "diffusion_own",
-             *SAMPLING_VARIANTS, *(f"diffusion_public_{n}steps" for n in public_steps)]  # fmt: skip
     chosen = set(args.rows) if args.rows else None
-    if chosen is not None and chosen - set(names):
-        parser.error(f"--rows {sorted(chosen - set(names))} unknown; rows: {names}")
     threads = configure_torch(args.threads)
     seed = args.seeds[0]
     print(f"{NAME} --scale {args.scale}: {scale}, seed {seed}, torch threads {threads}", flush=True)
@@ -190,12 +186,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     oracle_pool = test.subset(list(range(scale.heldout, len(test))))
     public = PublicSplit("organamnist", "val", scale.public_limit)
     public_data = public.load()
-    ref = Reference(
-        classifier_data, heldout, QualityConfig(samples_per_class=scale.samples_per_class, seed=seed)
-    )
-    print(
-        f"  reference classifier: {ref.real_accuracy:.3f} on {len(heldout)} held-out test images", flush=True
-    )
 
     def diffusion(train_on: str, steps: int = scale.steps, **sampling: Any) -> DiffusionGeneratorConfig:
         return build_dataclass(
@@ -233,6 +223,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             (f"diffusion_public_{steps}steps", public_data,
              lambda steps=steps: fit_diffusion(client, diffusion("public", steps)))
         )  # fmt: skip
+    names = [name for name, _, _ in specs]
+    if chosen is not None and chosen - set(names):
+        parser.error(f"--rows {sorted(chosen - set(names))} unknown; rows: {names}")
+    ref = Reference(
+        classifier_data, heldout, QualityConfig(samples_per_class=scale.samples_per_class, seed=seed)
+    )
+    print(
+        f"  reference classifier: {ref.real_accuracy:.3f} on {len(heldout)} held-out test images", flush=True
+    )
+
     rows = []
     for name, fit_on, make in specs:
         if chosen is None or name in chosen:

@@ -20,13 +20,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from generator_steps import BENCHMARK, SCALES, column_name, measure, reference_for, save
+from generator_steps import BENCHMARK, SCALES, aegis_columns, column_name, measure, reference_for, save
 from gradleak.data import ImageDataset
 from gradleak.defenses.aegis_synthetic import AegisConfig
 from gradleak.experiments.benchmark import load_benchmark
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args
 from gradleak.experiments.runner import build_simulation
-from gradleak.options import build_dataclass
 
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
@@ -63,13 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     threads = configure_torch(args.threads)
     seed = args.seeds[0]
     _, _, cfg = load_benchmark(BENCHMARK).configs(args.scale, [seed])[0]
-    column = shortest_column(
-        [
-            build_dataclass(AegisConfig, {**spec.options, "memo_size": 0}, where=f"grid.defenses[{i}]")
-            for i, spec in enumerate(cfg.grid.defenses)
-            if spec.name == "aegis"
-        ]
-    )
+    column = shortest_column(aegis_columns(cfg))
     configs = {name: variant(column, sampling) for name, sampling in VARIANTS.items()}  # checked first
     sim = build_simulation(cfg)
     unknown = sorted(set(args.clients) - set(range(len(sim.clients))))

@@ -32,8 +32,7 @@ from gradleak.experiments.benchmark import load_benchmark
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, timed, write_result
 from gradleak.experiments.runner import build_simulation
 from gradleak.generators.quality import QualityConfig, Reference
-from gradleak.options import build_dataclass
-from gradleak.registry import GENERATORS
+from gradleak.registry import DEFENSES, GENERATORS
 
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
@@ -94,6 +93,16 @@ def measure(config: AegisConfig, client: ImageDataset, ref: Reference, time_cach
     return row
 
 
+def aegis_columns(cfg: Any) -> list[AegisConfig]:
+    """The Aegis arms of an experiment config, built by the defense registry (each client builds its cache
+    afresh: ``memo_size = 0``)."""
+    return [
+        DEFENSES.make_config(s.name, {**s.options, "memo_size": 0})
+        for s in cfg.grid.defenses
+        if s.name == "aegis"
+    ]
+
+
 def reference_for(sim: Any, cid: int, scale: Scale, seed: int) -> tuple[ImageDataset, Reference]:
     """Client ``cid``'s share and its quality reference: an ``aegis_cnn`` trained on the *other* clients'
     images (it never saw the client's), scored on the federation's held-out images."""
@@ -132,11 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     seed = args.seeds[0]
     bench = load_benchmark(BENCHMARK)
     _, _, cfg = bench.configs(args.scale, [seed])[0]  # every cell shares the federation and the columns
-    columns = [
-        build_dataclass(AegisConfig, {**spec.options, "memo_size": 0}, where=f"grid.defenses[{i}]")
-        for i, spec in enumerate(cfg.grid.defenses)
-        if spec.name == "aegis"
-    ]  # the configs are checked before any work
+    columns = aegis_columns(cfg)  # the configs are checked before any work
     print(f"{NAME} --scale {args.scale}: {scale}, seed {seed}, torch threads {threads}", flush=True)
     sim = build_simulation(cfg)
     audited = sim.sample()[: cfg.audit.clients]  # the benchmark's audited clients (all sampled in round 0)

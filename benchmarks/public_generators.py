@@ -21,11 +21,10 @@ from typing import Any
 
 import torch
 
-from gradleak.defenses.aegis_synthetic import AegisConfig
 from gradleak.experiments.benchmark import load_benchmark
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, timed, write_result
 from gradleak.generators.diffusion import DiffusionGeneratorConfig, diffusion_source, fit_diffusion
-from gradleak.options import build_dataclass
+from gradleak.registry import DEFENSES
 
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
@@ -36,10 +35,8 @@ def public_arms(config: Path, scale: str, seed: int) -> list[DiffusionGeneratorC
     """The distinct public diffusion generators of the benchmark's Aegis arms at ``scale`` (checked first)."""
     found: list[DiffusionGeneratorConfig] = []
     for _, _, cfg in load_benchmark(config).configs(scale, [seed]):
-        for i, spec in enumerate(cfg.grid.defenses):
-            if spec.name != "aegis":
-                continue
-            aegis = build_dataclass(AegisConfig, dict(spec.options), where=f"grid.defenses[{i}]")
+        for spec in (s for s in cfg.grid.defenses if s.name == "aegis"):
+            aegis = DEFENSES.make_config(spec.name, spec.options)
             d = aegis.diffusion
             if aegis.generator == "diffusion" and d.train_on == "public" and d not in found:
                 found.append(d)

@@ -521,10 +521,9 @@ def _trained(data: ImageDataset, config: DiffusionGeneratorConfig) -> tuple[Diff
     seed_gen = torch.Generator().manual_seed(config.seed ^ int.from_bytes(digest[:7]))
     name = stored_name(digest, config)
     public = config.train_on == "public"
-    if (
-        public and (name, config.sampling, config.device) in _PUBLIC
-    ):  # one public generator serves every client
-        return _PUBLIC[name, config.sampling, config.device], name
+    memo = (name, config.sampling, config.device)
+    if public and memo in _PUBLIC:  # one public generator serves every client
+        return _PUBLIC[memo], name
 
     def load(path: Path) -> DiffusionGenerator:
         made = DiffusionGenerator.load(path, sampling=config.sampling, device=config.device)
@@ -538,7 +537,7 @@ def _trained(data: ImageDataset, config: DiffusionGeneratorConfig) -> tuple[Diff
     path = Path(config.store) / name if config.store else None
     made = _kept(path, load, lambda: DiffusionGenerator.fit(source, config, generator=seed_gen), save)
     if public:
-        _PUBLIC[name, config.sampling, config.device] = made
+        _PUBLIC[memo] = made
     return made, name
 
 
