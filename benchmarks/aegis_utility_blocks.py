@@ -11,7 +11,9 @@ over the seeds:
 - the round-time ratio Aegis / none against the compute bound of each round, ``sum_i (n_i + M) / sum_i n_i``
   over the round's clients (each Aegis epoch adds one pass over the M cache images to the client's n real
   ones), as the median over the rounds from ``--from-round`` (earlier rounds carry most cache builds); issue
-  22's target: at most 1.1 x the bound.
+  22's target: at most 1.1 x the bound. Only a pair timed in one run is a measurement: for an Aegis arm
+  whose no-defense twin comes from another result file (another run, maybe another machine) the ratios are
+  left empty (``timed_together`` false), the medians of the seconds kept.
 
     python benchmarks/aegis_utility_blocks.py [--result results/aegis_generator_utility_paper.json ...]
         [--setting configs/base/paper000_setting.toml] [--cache 2048] [--from-round 5]
@@ -56,9 +58,16 @@ def sizes_of(setting: Path, seed: int) -> dict[int, int]:
 
 
 def analyse(
-    none: dict[str, Any], aegis: dict[str, Any], sizes: dict[int, int], cache: int, start: int
+    none: dict[str, Any],
+    aegis: dict[str, Any],
+    sizes: dict[int, int],
+    cache: int,
+    start: int,
+    *,
+    timed_together: bool = True,
 ) -> dict[str, Any]:
-    """The paired rows' accuracy gaps by block and round-time ratio against the compute bound."""
+    """The paired rows' accuracy gaps by block and round-time ratio against the compute bound (None for
+    rows not timed together: seconds from two runs are no ratio)."""
     if none["clients_by_round"] != aegis["clients_by_round"]:
         raise ValueError("the two rows did not train the same sampled clients: not a paired run")
     gap = [None if a is None or b is None else 100 * (a - b)
@@ -77,9 +86,12 @@ def analyse(
         "final_accuracy": {"none": none["final_accuracy"], "aegis": aegis["final_accuracy"]},
         "withheld": {"none": sum(none.get("withheld_by_round", [])),
                      "aegis": sum(aegis.get("withheld_by_round", []))},
-        "round_time_ratio_median": statistics.median(ratios),
+        "timed_together": timed_together,
+        "round_time_ratio_median": statistics.median(ratios) if timed_together else None,
         "compute_bound_median": statistics.median(bounds),
-        "ratio_over_bound_median": statistics.median(r / b for r, b in zip(ratios, bounds, strict=True)),
+        "ratio_over_bound_median": (
+            statistics.median(r / b for r, b in zip(ratios, bounds, strict=True)) if timed_together else None
+        ),
         "rounds_timed": len(ratios),
         "seconds_median": {"none": statistics.median(none["seconds_by_round"][start - 1 :]),
                            "aegis": statistics.median(aegis["seconds_by_round"][start - 1 :])},
@@ -93,16 +105,17 @@ def arm_of(row: dict[str, Any]) -> str:
 
 def merged_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows of several utility results of one scale (e.g. one per seed, or an Aegis arm run apart from
-    its no-defense twin), each (seed, cell, defense) from exactly one of them."""
+    its no-defense twin), each (seed, cell, defense) from exactly one of them; each row gains ``result``,
+    the index of its file."""
     if len({r["scale"] for r in results}) != 1:
         raise SystemExit(f"results of different scales: {sorted({r['scale'] for r in results})}")
     rows: list[dict[str, Any]] = []
     key = lambda r: (r["seed"], arm_of(r), r["defense"])  # noqa: E731
-    for result in results:
+    for index, result in enumerate(results):
         twice = {key(r) for r in result["rows"]} & {key(r) for r in rows}
         if twice:
             raise SystemExit(f"rows {sorted(twice, key=repr)} appear in more than one result file")
-        rows.extend(result["rows"])
+        rows.extend({**r, "result": index} for r in result["rows"])
     return rows
 
 
@@ -140,7 +153,9 @@ def main() -> None:
         for seed, (none, aegis) in seeds.items():
             if seed not in sizes:
                 sizes[seed] = sizes_of(args.setting, seed)
-            per_seed[str(seed)] = analyse(none, aegis, sizes[seed], args.cache, args.from_round)
+            together = none["result"] == aegis["result"]
+            per_seed[str(seed)] = analyse(none, aegis, sizes[seed], args.cache, args.from_round,
+                                          timed_together=together)  # fmt: skip
         mean_blocks = {k: mean_of([s["gap_points_by_block"][k] for s in per_seed.values()]) for k in keys}
         arms[cell] = {"seeds": per_seed, "mean_gap_points_by_block": mean_blocks}
     payload = {"source": [p.name for p in args.result], "source_git": [r["git"] for r in results],

@@ -117,7 +117,14 @@ def test_the_utility_blocks_are_paired_round_means_and_the_bound_counts_the_cach
         "round_time_ratio_median"
     ] == pytest.approx(5.0)
     assert out["ratio_over_bound_median"] == pytest.approx(5 / 3) and out["rounds_timed"] == 56
-    assert out["withheld"] == {"none": 0, "aegis": 1}
+    assert out["withheld"] == {"none": 0, "aegis": 1} and out["timed_together"] is True
+    apart = blocks.analyse(none, aegis, {0: 100, 1: 300}, cache=400, start=5, timed_together=False)
+    assert apart["round_time_ratio_median"] is None and apart["ratio_over_bound_median"] is None
+    assert (
+        apart["compute_bound_median"] == pytest.approx(3.0)
+        and apart["seconds_median"] == out["seconds_median"]
+    )
+    assert apart["gap_points_by_block"] == out["gap_points_by_block"]
     short = {k: v[:5] if isinstance(v, list) else v for k, v in aegis.items()}  # a 5-round run: no block
     short_none = {k: v[:5] if isinstance(v, list) else v for k, v in none.items()}
     assert blocks.analyse(short_none, short, {0: 100, 1: 300}, cache=400, start=2)["gap_points_by_block"] == {
@@ -136,7 +143,8 @@ def test_the_utility_blocks_merge_one_result_per_row_and_refuse_a_row_twice_or_m
     seed0 = {"scale": "paper", "rows": [{"seed": 0, "defense": "none"}, {"seed": 0, "defense": "aegis"}]}
     seed1 = {"scale": "paper", "rows": [{"seed": 1, "defense": "none"}, {"seed": 1, "defense": "aegis"}]}
     rows = blocks.merged_rows([seed0, seed1])
-    assert [(r["seed"], r["defense"]) for r in rows] == [(0, "none"), (0, "aegis"), (1, "none"), (1, "aegis")]
+    assert [(r["seed"], r["defense"], r["result"]) for r in rows] == [
+        (0, "none", 0), (0, "aegis", 0), (1, "none", 1), (1, "aegis", 1)]  # fmt: skip
     with pytest.raises(SystemExit, match=r"rows \[\(0, 'aegis', 'aegis'\), \(0, 'none', 'none'\)\]"):
         blocks.merged_rows([seed0, seed1, seed0])
     # an Aegis arm run apart (another cell) merges beside its seed's no-defense row
