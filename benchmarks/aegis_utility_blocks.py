@@ -58,18 +58,13 @@ def sizes_of(setting: Path, seed: int) -> dict[int, int]:
 
 
 def analyse(
-    none: dict[str, Any],
-    aegis: dict[str, Any],
-    sizes: dict[int, int],
-    cache: int,
-    start: int,
-    *,
-    timed_together: bool = True,
+    none: dict[str, Any], aegis: dict[str, Any], sizes: dict[int, int], cache: int, start: int
 ) -> dict[str, Any]:
     """The paired rows' accuracy gaps by block and round-time ratio against the compute bound (None for
-    rows not timed together: seconds from two runs are no ratio)."""
+    rows of two result files, ``result`` of :func:`merged_rows`: seconds from two runs are no ratio)."""
     if none["clients_by_round"] != aegis["clients_by_round"]:
         raise ValueError("the two rows did not train the same sampled clients: not a paired run")
+    timed_together = none.get("result") == aegis.get("result")
     gap = [None if a is None or b is None else 100 * (a - b)
            for a, b in zip(aegis["accuracy_by_round"], none["accuracy_by_round"], strict=True)]  # fmt: skip
     blocks = {f"{a}-{b}": block_mean(gap, a, b) for a, b in BLOCKS}
@@ -153,9 +148,7 @@ def main() -> None:
         for seed, (none, aegis) in seeds.items():
             if seed not in sizes:
                 sizes[seed] = sizes_of(args.setting, seed)
-            together = none["result"] == aegis["result"]
-            per_seed[str(seed)] = analyse(none, aegis, sizes[seed], args.cache, args.from_round,
-                                          timed_together=together)  # fmt: skip
+            per_seed[str(seed)] = analyse(none, aegis, sizes[seed], args.cache, args.from_round)
         mean_blocks = {k: mean_of([s["gap_points_by_block"][k] for s in per_seed.values()]) for k in keys}
         arms[cell] = {"seeds": per_seed, "mean_gap_points_by_block": mean_blocks}
     payload = {"source": [p.name for p in args.result], "source_git": [r["git"] for r in results],

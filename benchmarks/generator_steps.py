@@ -29,6 +29,7 @@ from typing import Any
 from gradleak.data import ImageDataset
 from gradleak.defenses.aegis_synthetic import AegisConfig, cache_from_data
 from gradleak.experiments.benchmark import load_benchmark
+from gradleak.experiments.config import ExperimentConfig
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, timed, write_result
 from gradleak.experiments.runner import build_simulation
 from gradleak.generators.quality import QualityConfig, Reference
@@ -93,7 +94,7 @@ def measure(config: AegisConfig, client: ImageDataset, ref: Reference, time_cach
     return row
 
 
-def aegis_columns(cfg: Any) -> list[AegisConfig]:
+def aegis_columns(cfg: ExperimentConfig) -> list[AegisConfig]:
     """The Aegis arms of an experiment config, built by the defense registry (each client builds its cache
     afresh: ``memo_size = 0``)."""
     return [

@@ -118,7 +118,10 @@ def test_the_utility_blocks_are_paired_round_means_and_the_bound_counts_the_cach
     ] == pytest.approx(5.0)
     assert out["ratio_over_bound_median"] == pytest.approx(5 / 3) and out["rounds_timed"] == 56
     assert out["withheld"] == {"none": 0, "aegis": 1} and out["timed_together"] is True
-    apart = blocks.analyse(none, aegis, {0: 100, 1: 300}, cache=400, start=5, timed_together=False)
+    # rows of two result files (merged_rows' "result"): no time ratio
+    apart = blocks.analyse(
+        {**none, "result": 0}, {**aegis, "result": 1}, {0: 100, 1: 300}, cache=400, start=5
+    )
     assert apart["round_time_ratio_median"] is None and apart["ratio_over_bound_median"] is None
     assert (
         apart["compute_bound_median"] == pytest.approx(3.0)
