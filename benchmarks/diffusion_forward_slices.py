@@ -25,11 +25,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from public_generators import public_arms
 
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
 from gradleak.generators.diffusion import fit_diffusion
 from gradleak.progress import bar
+from public_generators import public_arms
 
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
@@ -41,13 +41,14 @@ SCALES = {"smoke": (32, 1), "small": (1024, 3), "paper": (2048, 5)}
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser(__doc__.splitlines()[0], RESULTS_DIR)
-    parser.add_argument("--config", type=Path, required=True, help="a benchmark TOML with a public diffusion arm")
+    parser.add_argument("--config", type=Path, required=True, help="a benchmark with a public diffusion arm")
     args = parse_args(parser, argv)
     threads = configure_torch(args.threads)
     seed = args.seeds[0]
     config = public_arms(args.config, "small", seed)[0]  # its first public generator, as the runs train it
     if args.scale == "smoke":
-        config = dataclasses.replace(config, training=dataclasses.replace(config.training, steps=20), store=None)
+        short = dataclasses.replace(config.training, steps=20)
+        config = dataclasses.replace(config, training=short, store=None)
     made = fit_diffusion(config.public.load(), config)
     images, repeats = SCALES[args.scale]
     labels = torch.tensor(made.classes).repeat(images // len(made.classes) + 1)[:images]
@@ -65,17 +66,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress.update()
     base = statistics.median(seconds[whole])
     rows = [
-        {"forward_images": v, "seconds": seconds[v], "median_seconds": statistics.median(seconds[v]),
-         "ratio_to_one_forward": statistics.median(seconds[v]) / base,
-         "max_abs_diff": float((samples[v] - samples[whole]).abs().max())}  # fmt: skip
+        {
+            "forward_images": v,
+            "seconds": seconds[v],
+            "median_seconds": statistics.median(seconds[v]),
+            "ratio_to_one_forward": statistics.median(seconds[v]) / base,
+            "max_abs_diff": float((samples[v] - samples[whole]).abs().max()),
+        }  # fmt: skip
         for v in variants
     ]
     for r in rows:
         print(f"  {r['forward_images']:4d} images/forward: {r['median_seconds']:.2f} s "
-              f"({r['ratio_to_one_forward']:.2f} x one forward), max |diff| {r['max_abs_diff']:.2e}")  # fmt: skip
-    payload = {"config": str(args.config), "generator": made.info, "training": dataclasses.asdict(config.training),
-               "sampling": dataclasses.asdict(config.sampling), "images": images, "repeats": repeats,
-               "torch_threads": threads, "rows": rows}  # fmt: skip
+              f"({r['ratio_to_one_forward']:.2f} x one forward), "
+              f"max |diff| {r['max_abs_diff']:.2e}")  # fmt: skip
+    payload = {"config": str(args.config), "generator": made.info,
+               "training": dataclasses.asdict(config.training),
+               "sampling": dataclasses.asdict(config.sampling),
+               "images": images, "repeats": repeats, "torch_threads": threads, "rows": rows}  # fmt: skip
     path = write_result(NAME, args.scale, payload, seeds=[seed], out=args.out)
     print(f"wrote {path}")
     return 0

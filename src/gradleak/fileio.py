@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
@@ -31,3 +36,25 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def kept(
+    path: Path | None,
+    load: Callable[[Path], _T],
+    make: Callable[[], _T],
+    save: Callable[[_T, Path], object],
+) -> _T:
+    """``load(path)`` where that file exists and reads; else ``make()``, saved to ``path`` (when given). A
+    damaged or foreign file is logged and made again: it must not stop every later run."""
+    if path is not None and path.exists():
+        try:
+            found = load(path)
+        except Exception as exc:
+            log.warning("cannot reuse %s (%s); making it again", path, exc)
+        else:
+            log.info("reused %s", path)
+            return found
+    made = make()
+    if path is not None:
+        save(made, path)
+    return made

@@ -4,6 +4,7 @@ reloads bit-identically and is reused by content, Aegis builds its cache with it
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 from pathlib import Path
@@ -17,7 +18,7 @@ from gradleak.data.base import ImageDataset
 from gradleak.defenses.aegis_synthetic import clear_cache_memo
 from gradleak.fl.client import train_client
 from gradleak.generators import diffusion as diffusion_mod
-from gradleak.generators.base import PublicSplit
+from gradleak.generators.base import PublicSplit, fingerprint
 from gradleak.generators.diffusion import DiffusionGenerator, DiffusionGeneratorConfig, fit_diffusion
 from gradleak.generators.oracle import OracleGeneratorConfig
 from gradleak.models import build_model
@@ -98,6 +99,40 @@ def test_sampling_is_seeded_and_refuses_unknown_classes(trained: tuple) -> None:
     small = DiffusionGenerator.fit(two, tiny_config(steps=2), generator=torch.Generator())
     with pytest.raises(ValueError, match=r"not trained on classes \[2\]"):
         small.sample(torch.tensor([2]), generator=torch.Generator())
+
+
+def test_cpu_forward_slices_give_the_same_samples(trained: tuple) -> None:
+    _, gen = trained
+    sizes: list[int] = []
+    hook = gen.unet.register_forward_pre_hook(lambda _m, args: sizes.append(len(args[0])))
+    labels = torch.tensor([0, 1, 2, 0, 1, 2, 0])
+    try:
+        gen.cpu_forward_images = 1000
+        whole = gen.sample(labels, generator=torch.Generator().manual_seed(4))
+        assert set(sizes) == {14}  # guided: the labelled and the null half in one forward
+        sizes.clear()
+        gen.cpu_forward_images = 4
+        sliced = gen.sample(labels, generator=torch.Generator().manual_seed(4))
+        assert sizes[:4] == [4, 4, 4, 2] and max(sizes) == 4
+    finally:
+        hook.remove()
+        gen.cpu_forward_images = diffusion_mod.CPU_FORWARD_IMAGES
+    # GroupNorm normalises each image alone: only rounding may differ (measured: none)
+    torch.testing.assert_close(sliced, whole, atol=1e-5, rtol=0)
+
+
+def test_the_fingerprint_follows_the_weights_and_the_sampler(trained: tuple) -> None:
+    _, gen = trained
+    again = DiffusionGenerator(
+        copy.deepcopy(gen.unet), gen.config, gen.image_shape, gen.num_classes, gen.classes
+    )
+    assert again.fingerprint() == gen.fingerprint() and fingerprint(gen) == gen.fingerprint()
+    with torch.no_grad():
+        next(again.unet.parameters()).view(-1)[0] += 1e-3
+    assert again.fingerprint() != gen.fingerprint()
+    fewer = dataclasses.replace(gen.config, sampling=dataclasses.replace(gen.config.sampling, steps=4))
+    other = DiffusionGenerator(gen.unet, fewer, gen.image_shape, gen.num_classes, gen.classes)
+    assert other.fingerprint() != gen.fingerprint()
 
 
 def test_saved_generator_reloads_bit_identically(trained: tuple, tmp_path: Path) -> None:

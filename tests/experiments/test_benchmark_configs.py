@@ -227,6 +227,53 @@ def test_a_benchmark_on_a_shared_base_config_with_per_scale_cell_overrides(tmp_p
         load_benchmark(path)
 
 
+EXTENDS = """
+[benchmark]
+name = "sweep_other"
+extends = "sweep.toml"
+seeds = [1, 2]
+
+[benchmark.scales.smoke]
+overrides = ["audit.max_samples=6"]
+
+[data]
+num_clients = 30
+"""
+
+
+def test_a_benchmark_that_extends_another_takes_its_tables_but_not_its_name(tmp_path):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "shared.toml").write_text(SHARED)
+    (tmp_path / "sweep.toml").write_text(
+        USES_BASE.replace("stats =", 'previous = "sweep_{scale}.json"\nstats =')
+    )
+    path = tmp_path / "sweep_other.toml"
+    path.write_text(EXTENDS)
+    parent, bench = load_benchmark(tmp_path / "sweep.toml"), load_benchmark(path)
+    assert (bench.name, bench.previous, bench.seeds) == ("sweep_other", None, (1, 2))  # its own identity
+    assert bench.claim == parent.claim and bench.stats == parent.stats and bench.cells == parent.cells
+    smoke = {c.name: cfg for c, _, cfg in bench.configs("smoke")}
+    # the parent's base, its own tables, then this file's: the scale's overrides replaced, the cell's kept
+    assert all(c.data.dataset == "cifar10" and c.data.num_clients == 30 for c in smoke.values())
+    assert (smoke["short"].audit.max_samples, smoke["short"].audit.training.epochs) == (6, 2)
+    assert (smoke["long"].audit.max_samples, smoke["long"].audit.training.epochs) == (8, 5)
+    assert smoke["short"].experiment.name == "sweep_other.short"
+    # the parent's paper scale, untouched
+    paper = {c.name: cfg for c, _, cfg in bench.configs("paper")}
+    assert paper["short"].audit.training.epochs == 20 and paper["short"].data.num_clients == 30
+    # own cells replace the parent's axes (a file takes cells or axes, not both)
+    path.write_text(EXTENDS + '\n[[benchmark.cells]]\nname = "one"\noverrides = ["audit.max_samples=3"]\n')
+    assert [(c.name, s) for c, s, _ in load_benchmark(path).configs("smoke")] == [("one", 1), ("one", 2)]
+    (tmp_path / "sweep.toml").write_text(
+        USES_BASE.replace('name = "sweep"\n', 'name = "sweep"\nextends = "sweep_other.toml"\n', 1)
+    )
+    with pytest.raises(ConfigError, match="benchmark.extends loops"):
+        load_benchmark(path)
+    path.write_text(EXTENDS.replace('"sweep.toml"', "3"))
+    with pytest.raises(ConfigError, match="benchmark.extends must be a file name"):
+        load_benchmark(path)
+
+
 def test_a_row_is_compared_with_the_mean_of_every_committed_row_it_matches():
     """Matching committed rows (e.g. a former script's seeds) are averaged; attack options must agree on
     the keys both name, so two rows of one attack at two budgets meet their own committed rows."""

@@ -20,19 +20,24 @@ Candidates are drawn in rounds until ``M`` are accepted or ``max_candidates`` we
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from gradleak.data.base import ImageDataset
-from gradleak.generators.base import ConditionalGenerator
+from gradleak.generators.base import ConditionalGenerator, tensor_digest
 from gradleak.progress import bar
+from gradleak.update_io import read_tensors, write_tensors
 
 log = logging.getLogger(__name__)
+
+CACHE_FORMAT = "gradleak-aegis-cache/1"  # raise the version when a change to the build changes its caches
 
 
 class CacheError(RuntimeError):
@@ -83,6 +88,25 @@ class SyntheticCache:
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def save(self, path: Path, key: str) -> Path:
+        """Write images, labels and stats with ``key`` (what the cache was built from) and the content's
+        digest as metadata, atomically. The file holds a client's synthetic images: it stays where the
+        client is, like the cache itself."""
+        meta = {"format": CACHE_FORMAT, "key": key, "stats": json.dumps(self.stats),
+                "digest": tensor_digest(self.images, self.labels)}  # fmt: skip
+        return write_tensors(path, {"images": self.images, "labels": self.labels}, meta)
+
+    @classmethod
+    def load(cls, path: Path, key: str) -> SyntheticCache:
+        """A cache written by :meth:`save` for the same ``key`` whose content matches its digest;
+        ValueError for any other file."""
+        tensors, meta = read_tensors(path, f"Aegis cache {path}")
+        if meta.get("format") != CACHE_FORMAT or meta.get("key") != key:
+            raise ValueError(f"{path} is not the Aegis cache of {key!r}")
+        if tensor_digest(tensors["images"], tensors["labels"]) != meta.get("digest"):
+            raise ValueError(f"{path}: the images and labels do not match their digest")
+        return cls(tensors["images"], tensors["labels"], {**json.loads(meta["stats"]), "reloaded": 1.0})
 
 
 class _FrozenFeatures(nn.Module):

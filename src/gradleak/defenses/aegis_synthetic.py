@@ -59,15 +59,17 @@ import math
 import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from gradleak.data.base import ImageDataset
-from gradleak.defenses.aegis_cache import CacheConfig, SyntheticCache, build_cache
+from gradleak.defenses.aegis_cache import CACHE_FORMAT, CacheConfig, SyntheticCache, build_cache
 from gradleak.defenses.base import Defense
-from gradleak.generators.base import data_digest
+from gradleak.fileio import kept
+from gradleak.generators.base import data_digest, fingerprint
 from gradleak.generators.diffusion import DiffusionGeneratorConfig, clear_public_generators
 from gradleak.generators.gaussian import GaussianGeneratorConfig
 from gradleak.generators.oracle import OracleGeneratorConfig
@@ -96,7 +98,11 @@ class AegisConfig:
     ``public`` split); a plugin's generator with its default options. The nested ``cache`` table is the
     acceptance filter (:class:`~gradleak.defenses.aegis_cache.CacheConfig`: ``size`` M, ``budget`` H (None:
     calibrated), ``budget_quantile``, ``budget_scale``, ``match_k``, ``max_candidates_factor``);
-    ``cache_seed``; ``memo_size`` caches memoised. In TOML: ``cache = { size = 512 }``.
+    ``cache_seed``; ``memo_size`` caches memoised; ``store``: a folder where each built cache is kept
+    (safetensors named by its content: the client's data, these options and the generator's
+    :func:`~gradleak.generators.base.fingerprint`) and reloaded by a later run or process that builds the
+    same one; it holds the client's synthetic images, so in a deployment it is the client's own disk. In
+    TOML: ``cache = { size = 512 }``.
     """
 
     micro_batch: int = 256
@@ -110,6 +116,7 @@ class AegisConfig:
     oracle: OracleGeneratorConfig = field(default_factory=OracleGeneratorConfig)
     cache_seed: int = 0
     memo_size: int = 100
+    store: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("micro_batch", "real_batch_size"):
@@ -127,6 +134,8 @@ class AegisConfig:
         object.__setattr__(self, "generator", self.generator.lower())  # the registry's names are lower-case
         if self.generator == "oracle" and not self.oracle.public.named:
             raise ValueError("generator 'oracle' needs oracle = { public = { dataset = ..., split = ... } }")
+        if self.store is not None and (not isinstance(self.store, str) or not self.store):
+            raise ValueError(f"store must be a folder name or None, got {self.store!r}")
         for key in ("cache_seed", "memo_size"):
             v = getattr(self, key)
             if not isinstance(v, int) or v < 0:
@@ -180,7 +189,7 @@ _MEMO: OrderedDict[tuple[bytes, AegisConfig], SyntheticCache] = OrderedDict()
 
 
 def _memo_key(data: ImageDataset, config: AegisConfig) -> tuple[bytes, AegisConfig]:
-    # options that do not change the cache (step, weighting, memo size) are not part of the key
+    # options that do not change the cache (step, weighting, memo size, store) are not part of the key
     return data_digest(data), AegisConfig(
         cache=config.cache,
         generator=config.generator,
@@ -189,6 +198,7 @@ def _memo_key(data: ImageDataset, config: AegisConfig) -> tuple[bytes, AegisConf
         oracle=config.oracle,
         cache_seed=config.cache_seed,
         memo_size=0,
+        store=None,
     )
 
 
@@ -206,14 +216,29 @@ def cache_from_data(data: ImageDataset, config: AegisConfig) -> SyntheticCache:
     fit_seed = torch.Generator().manual_seed(seed >> 2)  # not the cache's draws: those stay as before
     source = GENERATORS.get(config.generator)(data, config.generator_options, generator=fit_seed)
     fit = time.perf_counter() - t0
-    cache = build_cache(source, data, config.cache, generator=torch.Generator().manual_seed(seed >> 1))
-    cache.stats["generator_fit_seconds"] = fit
-    info = getattr(source, "info", {})  # a trained generator's provenance (diffusion): into the cache's stats
-    cache.stats.update({f"generator_{k}": float(v) for k, v in info.items() if isinstance(v, int | float)})
-    log.info(
-        "aegis: built a cache of %d from %d client images in %.2fs (rejection rate %.1f%%)",
-        len(cache), len(data), fit + cache.stats["seconds"], 100 * cache.stats["rejection_rate"],
-    )  # fmt: skip
+
+    def build() -> SyntheticCache:
+        cache = build_cache(source, data, config.cache, generator=torch.Generator().manual_seed(seed >> 1))
+        cache.stats["generator_fit_seconds"] = fit
+        info = getattr(source, "info", {})  # a trained generator's provenance (diffusion): into the stats
+        cache.stats.update(
+            {f"generator_{k}": float(v) for k, v in info.items() if isinstance(v, int | float)}
+        )
+        log.info(
+            "aegis: built a cache of %d from %d client images in %.2fs (rejection rate %.1f%%)",
+            len(cache), len(data), fit + cache.stats["seconds"], 100 * cache.stats["rejection_rate"],
+        )  # fmt: skip
+        return cache
+
+    if config.store is None:
+        cache = build()
+    else:
+        name = repr((CACHE_FORMAT, key[0].hex(), key[1], fingerprint(source)))
+        path = (
+            Path(config.store)
+            / f"aegis-cache-{hashlib.blake2b(name.encode(), digest_size=10).hexdigest()}.safetensors"
+        )
+        cache = kept(path, lambda p: SyntheticCache.load(p, name), build, lambda c, p: c.save(p, name))
     if config.memo_size > 0:
         _MEMO[key] = cache
         while len(_MEMO) > config.memo_size:

@@ -15,6 +15,9 @@ A benchmark file is an experiment config (the base every cell shares) plus a ``[
                                                 # round by round: accuracy, wall time, sampled clients,
                                                 # clients that withheld their update: *_by_round)
     base = "paper001_victim.toml"               # a shared experiment config under this one
+    extends = "text_attacks.toml"               # another benchmark file under this one: its tables and
+                                                # [benchmark] keys but name and previous (cells or axes:
+                                                # replaced whole where this file has either)
 
     [[benchmark.cells]]                         # one experiment (or grid) per cell; or [[benchmark.axes.X]]
                                                 # tables whose product (names joined by "-") are the cells
@@ -179,26 +182,8 @@ def _product(parts: Sequence[Cell]) -> Cell:
 def load_benchmark(path: str | Path) -> Benchmark:
     """Parse and check a benchmark file (module docstring); its cells are validated by :meth:`configs`."""
     path = Path(path)
-    raw = read_toml(path, "benchmark file")
-    spec = raw.pop("benchmark", None)
-    if not isinstance(spec, Mapping):
-        raise ConfigError(f"{path}: a benchmark file needs a [benchmark] table")
-    known = {"name", "claim", "seeds", "paper", "previous", "aliases", "keys", "stats", "tail", "base",
-             "cells", "axes", "scales"}  # fmt: skip
-    unknown = sorted(set(spec) - known)
-    if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in [benchmark]; valid keys: {sorted(known)}")
-    if "cells" in spec and "axes" in spec:
-        raise ConfigError("[benchmark] takes cells or axes, not both")
-    if "base" in spec:  # a shared experiment config (several tables of one paper share its setting)
-        if not isinstance(spec["base"], str):
-            raise ConfigError(f"benchmark.base must be a file name, got {spec['base']!r}")
-        base = read_toml(path.parent / spec["base"], "benchmark.base")
-        if "benchmark" in base:
-            raise ConfigError(
-                f"benchmark.base {spec['base']!r} is a benchmark file; it must be an experiment config"
-            )
-        raw = _merged(base, raw)
+    raw = _resolved(path, ())
+    spec = raw.pop("benchmark")
     if "axes" in spec:
         axes = spec["axes"]
         if not isinstance(axes, Mapping) or not axes:
@@ -237,6 +222,47 @@ def load_benchmark(path: str | Path) -> Benchmark:
     return Benchmark(name, str(spec.get("claim", "")), raw, tuple(cells), scales or {"small": Scale()},
                      tuple(seeds), dict(spec.get("paper", {})), spec.get("previous"), dict(aliases),
                      dict(keys), stats, tail, path)  # fmt: skip
+
+
+KNOWN = ("name", "claim", "seeds", "paper", "previous", "aliases", "keys", "stats", "tail", "base", "extends",
+         "cells", "axes", "scales")  # fmt: skip
+OWN = ("name", "previous")  # a benchmark's identity: never taken from the benchmark it extends
+
+
+def _resolved(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    """A benchmark file's tables over what it builds on: its ``base`` experiment config, and over that the
+    benchmark file it ``extends`` (resolved the same way; its ``name`` and ``previous`` left out, its cells
+    or axes replaced by this file's own), merged table by table (arrays and values replaced whole)."""
+    if path.resolve() in seen:
+        raise ConfigError(f"benchmark.extends loops: {' -> '.join(str(p) for p in (*seen, path.resolve()))}")
+    raw = read_toml(path, "benchmark file")
+    spec = raw.get("benchmark")
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"{path}: a benchmark file needs a [benchmark] table")
+    unknown = sorted(set(spec) - set(KNOWN))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in [benchmark] of {path}; valid keys: {sorted(KNOWN)}")
+    if "cells" in spec and "axes" in spec:
+        raise ConfigError(f"[benchmark] of {path} takes cells or axes, not both")
+    spec = raw["benchmark"] = dict(spec)
+    under: dict[str, Any] = {}
+    if "base" in spec:  # a shared experiment config (several tables of one paper share its setting)
+        base = spec.pop("base")
+        if not isinstance(base, str):
+            raise ConfigError(f"benchmark.base must be a file name, got {base!r}")
+        under = read_toml(path.parent / base, "benchmark.base")
+        if "benchmark" in under:
+            raise ConfigError(f"benchmark.base {base!r} is a benchmark file; it must be an experiment config")
+    if "extends" in spec:  # another benchmark: its cells, scales, paper numbers and experiment under these
+        extends = spec.pop("extends")
+        if not isinstance(extends, str):
+            raise ConfigError(f"benchmark.extends must be a file name, got {extends!r}")
+        parent = _resolved(path.parent / extends, (*seen, path.resolve()))
+        inherited = {k: v for k, v in parent.pop("benchmark").items() if k not in OWN}
+        if "cells" in spec or "axes" in spec:
+            inherited = {k: v for k, v in inherited.items() if k not in ("cells", "axes")}
+        under = _merged(under, {**parent, "benchmark": inherited})
+    return _merged(under, raw)
 
 
 def _merged(base: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:

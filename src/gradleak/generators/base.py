@@ -30,6 +30,20 @@ class ConditionalGenerator(Protocol):
     def sample(self, labels: torch.Tensor, *, generator: torch.Generator) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class Fingerprinted(Protocol):
+    """A generator whose samples are not fixed by its training data and options alone (weights reloaded from
+    a store, possibly trained on another device; a shared pool's draws): ``fingerprint()`` names what it
+    samples from, so that a cache built from it is stored under a name no other generator shares."""
+
+    def fingerprint(self) -> str: ...
+
+
+def fingerprint(source: object) -> str:
+    """``source.fingerprint()`` where it has one (:class:`Fingerprinted`), else ``""``."""
+    return source.fingerprint() if isinstance(source, Fingerprinted) else ""
+
+
 class GeneratorFactory(Protocol):
     """A registered generator (:data:`gradleak.registry.GENERATORS`): fit on ``data`` (the client's own
     images, or a public split its config names) with its config; ``generator`` seeds any randomness."""
@@ -90,6 +104,14 @@ def data_digest(data: ImageDataset) -> bytes:
     h.update(data.images.detach().to(torch.float32).contiguous().numpy().tobytes())
     h.update(data.labels.detach().to(torch.int64).contiguous().numpy().tobytes())
     return h.digest()
+
+
+def tensor_digest(*tensors: torch.Tensor) -> str:
+    """A hex hash of the tensors' bytes, in order (stored beside them in a file, checked on load)."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def align_images(images: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:

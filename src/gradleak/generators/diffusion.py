@@ -36,12 +36,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 
 from gradleak.data.base import ImageDataset
+from gradleak.fileio import kept
 from gradleak.generators.base import PublicSplit, check_labels, data_digest
 from gradleak.generators.pool import PoolDraws, SamplePool
 from gradleak.progress import bar
@@ -49,7 +50,6 @@ from gradleak.registry import GENERATORS
 from gradleak.update_io import read_tensors, write_tensors
 
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 FORMAT = "gradleak-diffusion-generator/1"
 TRAIN_SOURCES = ("own", "public")
@@ -403,6 +403,17 @@ class DiffusionGenerator:
         return made
 
     @torch.no_grad()
+    def weights_digest(self) -> str:
+        """A hash of the UNet's weights (20 hex digits)."""
+        weights = hashlib.blake2b(digest_size=10)
+        for v in self.unet.state_dict().values():
+            weights.update(v.detach().cpu().contiguous().numpy().tobytes())
+        return weights.hexdigest()
+
+    def fingerprint(self) -> str:
+        """Its weights and sampling options (:class:`~gradleak.generators.base.Fingerprinted`)."""
+        return repr((self.weights_digest(), self.config.sampling, self.config.device))
+
     def sample(self, labels: torch.Tensor, *, generator: torch.Generator) -> torch.Tensor:
         """``labels (N,)`` -> images ``(N, C, H, W)`` in [0, 1]: the sampler's steps from N(0, I) noise
         drawn from ``generator``, with classifier-free guidance."""
@@ -551,7 +562,7 @@ def _trained(data: ImageDataset, config: DiffusionGeneratorConfig) -> tuple[Diff
         made.info["saved"] = str(path)
 
     path = Path(config.store) / name if config.store else None
-    made = _kept(path, load, lambda: DiffusionGenerator.fit(source, config, generator=seed_gen), save)
+    made = kept(path, load, lambda: DiffusionGenerator.fit(source, config, generator=seed_gen), save)
     if public:
         _PUBLIC[memo] = made
     return made, name
@@ -566,10 +577,7 @@ def _shared_pool(made: DiffusionGenerator, name: str, config: DiffusionGenerator
     drawn = repr((name, config.sampling, config.pool, config.seed))
     if drawn in _POOLS:
         return _POOLS[drawn]
-    weights = hashlib.blake2b(digest_size=10)
-    for v in made.unet.state_dict().values():
-        weights.update(v.detach().cpu().contiguous().numpy().tobytes())
-    key = repr((name, weights.hexdigest(), config.sampling, config.pool, config.seed))
+    key = repr((name, made.weights_digest(), config.sampling, config.pool, config.seed))
     file = f"diffusion-pool-{hashlib.blake2b(key.encode(), digest_size=10).hexdigest()}.safetensors"
     path = Path(config.store) / file if config.store else None
     labels = SamplePool.layout(made.classes, config.pool)
@@ -579,31 +587,9 @@ def _shared_pool(made: DiffusionGenerator, name: str, config: DiffusionGenerator
         return SamplePool.draw(made, made.classes, config.pool, generator=torch.Generator().manual_seed(seed),
                                chunk=config.sampling.batch_size)  # fmt: skip
 
-    pool = _kept(path, lambda p: SamplePool.load(p, key, labels), draw, lambda pool, p: pool.save(p, key))
+    pool = kept(path, lambda p: SamplePool.load(p, key, labels), draw, lambda pool, p: pool.save(p, key))
     _POOLS[drawn] = pool
     return pool
-
-
-def _kept(
-    path: Path | None,
-    load: Callable[[Path], _T],
-    make: Callable[[], _T],
-    save: Callable[[_T, Path], object],
-) -> _T:
-    """``load(path)`` where that file exists and reads; else ``make()``, saved to ``path`` (when given). A
-    damaged or foreign file is logged and made again: it must not stop every later run."""
-    if path is not None and path.exists():
-        try:
-            kept = load(path)
-        except Exception as exc:
-            log.warning("cannot reuse %s (%s); making it again", path, exc)
-        else:
-            log.info("reused %s", path)
-            return kept
-    made = make()
-    if path is not None:
-        save(made, path)
-    return made
 
 
 def clear_public_generators() -> None:

@@ -15,7 +15,6 @@ know the clients' draws. Build the pool where the clients are, never on the serv
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from gradleak.generators.base import ConditionalGenerator, check_labels
+from gradleak.generators.base import ConditionalGenerator, check_labels, tensor_digest
 from gradleak.progress import bar
 from gradleak.update_io import read_tensors, write_tensors
 
@@ -85,10 +84,7 @@ class SamplePool:
 
     def digest(self) -> str:
         """A hash of the images and labels (stored with them, checked on load)."""
-        h = hashlib.blake2b(digest_size=16)
-        h.update(self.images.contiguous().numpy().tobytes())
-        h.update(self.labels.contiguous().numpy().tobytes())
-        return h.hexdigest()
+        return tensor_digest(self.images, self.labels)
 
     def save(self, path: Path, key: str) -> Path:
         """Write images and labels, with ``key`` (what the pool was drawn from) and their digest as
@@ -127,6 +123,11 @@ class PoolDraws:
             of_c = torch.nonzero(pool.labels == c).flatten()
             self._order[int(c)] = of_c[torch.randperm(len(of_c), generator=generator)]
         self._used = dict.fromkeys(self._order, 0)
+
+    def fingerprint(self) -> str:
+        """The pool's digest (:class:`~gradleak.generators.base.Fingerprinted`); the order of this client's
+        draws comes from its seed."""
+        return f"pool:{self.pool.digest()}"
 
     def sample(self, labels: torch.Tensor, *, generator: torch.Generator) -> torch.Tensor:
         check_labels(labels, self.num_classes)

@@ -1,0 +1,80 @@
+"""Build and store the Aegis caches a benchmark's clients will ask for, client by client, ahead of its run.
+
+An Aegis arm with a cache ``store`` keeps each client's built cache there (named by content:
+:func:`gradleak.defenses.aegis_synthetic.cache_from_data`), and its run reloads it. A federation whose
+clients each sample their own cache from the public diffusion generator needs about 100 of them for the
+60-round protocol, about 2 minutes each on 2 cores: longer than one sitting. This script builds them for
+every client of every seed (or ``--clients``), skipping the ones already stored, so the work survives an
+interruption or a code change (the run's own checkpoints do not survive a change of code; the caches, keyed
+by content, do). Writes each client's build or reload time and rejection rate.
+
+    python benchmarks/aegis_client_caches.py --scale paper --seeds 0 1 --threads 2 \
+        --config benchmarks/configs/aegis_generator_utility_6000_draws.toml
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from gradleak.data import ImageDataset
+from gradleak.defenses.aegis_synthetic import AegisConfig, cache_from_data
+from gradleak.experiments.benchmark import load_benchmark
+from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, timed, write_result
+from gradleak.experiments.runner import build_simulation
+from gradleak.progress import bar
+from gradleak.registry import DEFENSES
+
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
+NAME = "aegis_client_caches"
+
+
+def stored_arms(config: Path, scale: str, seed: int) -> list[tuple[Any, list[AegisConfig]]]:
+    """Each cell's experiment config at ``scale`` and ``seed`` with its Aegis arms that have a cache store
+    (checked before any work); SystemExit where there are none."""
+    out = []
+    for _, _, cfg in load_benchmark(config).configs(scale, [seed]):
+        arms = [DEFENSES.make_config(s.name, {**s.options, "memo_size": 0}) for s in cfg.grid.defenses]
+        stored = [a for a in arms if isinstance(a, AegisConfig) and a.store is not None]
+        if stored:
+            out.append((cfg, stored))
+    if not out:
+        raise SystemExit(f"{config} has no Aegis arm with a cache store at scale {scale!r}")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser(__doc__.splitlines()[0], RESULTS_DIR)
+    parser.add_argument("--config", type=Path, required=True, help="the benchmark TOML")
+    parser.add_argument("--clients", type=int, nargs="+", default=None, help="client ids (default: all)")
+    args = parse_args(parser, argv)
+    threads = configure_torch(args.threads)
+    plan = [(s, cfg, arms) for s in args.seeds for cfg, arms in stored_arms(args.config, args.scale, s)]
+    rows: list[dict[str, Any]] = []
+    for seed, cfg, arms in plan:
+        sim = build_simulation(cfg)
+        ids = args.clients if args.clients is not None else list(range(len(sim.clients)))
+        if unknown := sorted(set(ids) - set(range(len(sim.clients)))):
+            raise SystemExit(f"no clients {unknown}: the federation has {len(sim.clients)}")
+        with bar(desc=f"caches of seed {seed}", total=len(ids) * len(arms), unit="client") as progress:
+            for cid in ids:
+                client = sim.clients[cid]
+                assert isinstance(client, ImageDataset)
+                for arm in arms:
+                    cache, wall, cpu = timed(lambda arm=arm, client=client: cache_from_data(client, arm))
+                    rows.append({"seed": seed, "client": cid, "images": len(client), "cache": len(cache),
+                                 "reloaded": bool(cache.stats.get("reloaded")), "seconds": wall,
+                                 "cpu_seconds": cpu, "stats": dict(cache.stats)})  # fmt: skip
+                    progress.update()
+    arms_of = {seed: [asdict(a) for a in arms] for seed, _, arms in plan}
+    payload = {"config": str(args.config), "arms": arms_of, "torch_threads": threads, "rows": rows}
+    path = write_result(NAME, args.scale, payload, seeds=args.seeds, out=args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
