@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,18 +60,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         ids = args.clients if args.clients is not None else list(range(len(sim.clients)))
         if unknown := sorted(set(ids) - set(range(len(sim.clients)))):
             raise SystemExit(f"no clients {unknown}: the federation has {len(sim.clients)}")
-        with bar(desc=f"caches of seed {seed}", total=len(ids) * len(arms), unit="client") as progress:
+        total = len(ids) * len(arms)
+        with bar(desc=f"caches of seed {seed}", total=total, unit="client", force=True) as progress:
             for cid in ids:
                 client = sim.clients[cid]
                 assert isinstance(client, ImageDataset)
                 for arm in arms:
-                    cache, wall, cpu = timed(lambda arm=arm, client=client: cache_from_data(client, arm))
+                    cache, wall, cpu = timed(partial(cache_from_data, client, arm))
                     rows.append({"seed": seed, "client": cid, "images": len(client), "cache": len(cache),
                                  "reloaded": bool(cache.stats.get("reloaded")), "seconds": wall,
                                  "cpu_seconds": cpu, "stats": dict(cache.stats)})  # fmt: skip
+                    how = "reloaded" if rows[-1]["reloaded"] else "built"
+                    progress.write(f"seed {seed} client {cid}: {how} in {wall:.0f} s ({cpu / 60:.1f} CPU-m)")
                     progress.update()
-    arms_of = {seed: [asdict(a) for a in arms] for seed, _, arms in plan}
-    payload = {"config": str(args.config), "arms": arms_of, "torch_threads": threads, "rows": rows}
+    distinct = dict.fromkeys(a for _, _, cell_arms in plan for a in cell_arms)
+    payload = {"config": str(args.config), "arms": [asdict(a) for a in distinct], "torch_threads": threads,
+               "rows": rows}  # fmt: skip
     path = write_result(NAME, args.scale, payload, seeds=args.seeds, out=args.out)
     print(f"wrote {path}")
     return 0
