@@ -64,7 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with bar(desc=f"caches of seed {seed}", total=total, unit="client", force=True) as progress:
             for cid in ids:
                 client = sim.clients[cid]
-                assert isinstance(client, ImageDataset)
+                if not isinstance(client, ImageDataset):
+                    raise SystemExit(
+                        f"client {cid} holds {type(client).__name__}, not images: Aegis needs images"
+                    )
                 for arm in arms:
                     cache, wall, cpu = timed(partial(cache_from_data, client, arm))
                     rows.append({"seed": seed, "client": cid, "images": len(client), "cache": len(cache),

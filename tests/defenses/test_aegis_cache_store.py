@@ -13,8 +13,9 @@ import torch
 from gradleak.data.base import ImageDataset
 from gradleak.defenses import aegis_synthetic
 from gradleak.defenses.aegis_cache import CacheConfig
-from gradleak.defenses.aegis_synthetic import AegisConfig, cache_from_data, clear_cache_memo
-from gradleak.generators.base import fingerprint
+from gradleak.defenses.aegis_synthetic import AegisConfig, _stored_key, cache_from_data, clear_cache_memo
+from gradleak.generators.base import PublicSplit, fingerprint
+from gradleak.generators.diffusion import DiffusionGeneratorConfig, DiffusionTrainingConfig
 from gradleak.update_io import read_tensors, write_tensors
 
 SHAPE = (1, 8, 8)
@@ -46,7 +47,7 @@ def test_a_stored_cache_is_reloaded_bit_identically_instead_of_built(
     clear_cache_memo()
     first = cache_from_data(client(0), config(tmp_path))
     assert len(stored(tmp_path)) == 1 and "reloaded" not in first.stats
-    assert not list(tmp_path.glob("*.tmp"))  # written to a temporary file, then renamed
+    assert [p.name for p in tmp_path.iterdir()] == [stored(tmp_path)[0].name]  # no temporary file left
     monkeypatch.setattr(aegis_synthetic, "build_cache", refuse_to_build)
     again = cache_from_data(client(0), config(tmp_path))
     assert torch.equal(again.images, first.images) and torch.equal(again.labels, first.labels)
@@ -83,6 +84,56 @@ def test_a_damaged_or_altered_stored_cache_is_built_again(tmp_path: Path) -> Non
     again = cache_from_data(client(0), config(tmp_path))
     assert torch.equal(again.images, first.images) and "reloaded" not in again.stats
     clear_cache_memo()
+
+
+class Marked:
+    """A stand-in generator with a settable fingerprint: seeded uniform images."""
+
+    image_shape = SHAPE
+    num_classes = 3
+    mark = "a"
+
+    def sample(self, labels: torch.Tensor, *, generator: torch.Generator) -> torch.Tensor:
+        return torch.rand((len(labels), *SHAPE), generator=generator)
+
+    def fingerprint(self) -> str:
+        return self.mark
+
+
+def test_the_generators_fingerprint_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clear_cache_memo()
+    monkeypatch.setattr(
+        aegis_synthetic.GENERATORS, "get", lambda name: lambda data, options, generator: Marked()
+    )
+    first = cache_from_data(client(0), config(tmp_path))
+    cache_from_data(client(0), config(tmp_path))
+    assert len(stored(tmp_path)) == 1  # the same fingerprint: reused
+    monkeypatch.setattr(Marked, "mark", "b")  # other weights behind the same options: a file of its own
+    other = cache_from_data(client(0), config(tmp_path))
+    assert len(stored(tmp_path)) == 2 and "reloaded" not in other.stats
+    assert torch.equal(other.images, first.images)  # the stand-in ignores its mark: same draws, new file
+    clear_cache_memo()
+
+
+def test_a_valid_cache_stored_under_another_key_is_built_again(tmp_path: Path) -> None:
+    clear_cache_memo()
+    first = cache_from_data(client(0), config(tmp_path))
+    (path,) = stored(tmp_path)
+    tensors, meta = read_tensors(path, "t")
+    write_tensors(path, tensors, {**meta, "key": meta["key"].replace("gaussian", "oracle")})
+    again = cache_from_data(client(0), config(tmp_path))
+    assert "reloaded" not in again.stats and torch.equal(again.images, first.images)
+    assert read_tensors(path, "t")[1]["key"] == meta["key"]  # and stored again under its own key
+    clear_cache_memo()
+
+
+def test_where_the_generator_is_stored_is_not_part_of_the_key() -> None:
+    def key(**diffusion: object) -> str:
+        options = DiffusionGeneratorConfig(train_on="public", public=PublicSplit("organamnist"), **diffusion)  # type: ignore[arg-type]
+        return _stored_key(b"data", AegisConfig(generator="diffusion", diffusion=options), object())
+
+    assert key(store="a") == key(store="b") == key()
+    assert key(store="a") != key(store="a", training=DiffusionTrainingConfig(steps=10))
 
 
 def test_the_store_option_is_checked_and_a_plain_generator_has_no_fingerprint() -> None:

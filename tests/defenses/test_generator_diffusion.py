@@ -114,6 +114,9 @@ def test_cpu_forward_slices_give_the_same_samples(trained: tuple) -> None:
         gen.cpu_forward_images = 4
         sliced = gen.sample(labels, generator=torch.Generator().manual_seed(4))
         assert sizes[:4] == [4, 4, 4, 2] and max(sizes) == 4
+        gen.cpu_forward_images = 0
+        with pytest.raises(ValueError, match="cpu_forward_images must be an int >= 1"):
+            gen.sample(labels, generator=torch.Generator())
     finally:
         hook.remove()
         gen.cpu_forward_images = diffusion_mod.CPU_FORWARD_IMAGES

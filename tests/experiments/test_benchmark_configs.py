@@ -264,6 +264,10 @@ def test_a_benchmark_that_extends_another_takes_its_tables_but_not_its_name(tmp_
     # own cells replace the parent's axes (a file takes cells or axes, not both)
     path.write_text(EXTENDS + '\n[[benchmark.cells]]\nname = "one"\noverrides = ["audit.max_samples=3"]\n')
     assert [(c.name, s) for c, s, _ in load_benchmark(path).configs("smoke")] == [("one", 1), ("one", 2)]
+    # ... and the parent's scales' choices of its own cells with them
+    (tmp_path / "sweep.toml").write_text(USES_BASE + '[benchmark.scales.small]\ncells = ["short"]\n')
+    assert [c.name for c, _, _ in load_benchmark(path).configs("small")] == ["one", "one"]
+    assert [c.name for c, _, _ in load_benchmark(tmp_path / "sweep.toml").configs("small")] == ["short"]
     (tmp_path / "sweep.toml").write_text(
         USES_BASE.replace('name = "sweep"\n', 'name = "sweep"\nextends = "sweep_other.toml"\n', 1)
     )

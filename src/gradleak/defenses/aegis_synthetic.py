@@ -53,6 +53,7 @@ update.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -69,7 +70,7 @@ from gradleak.data.base import ImageDataset
 from gradleak.defenses.aegis_cache import CACHE_FORMAT, CacheConfig, SyntheticCache, build_cache
 from gradleak.defenses.base import Defense
 from gradleak.fileio import kept
-from gradleak.generators.base import data_digest, fingerprint
+from gradleak.generators.base import ConditionalGenerator, data_digest, fingerprint
 from gradleak.generators.diffusion import DiffusionGeneratorConfig, clear_public_generators
 from gradleak.generators.gaussian import GaussianGeneratorConfig
 from gradleak.generators.oracle import OracleGeneratorConfig
@@ -216,34 +217,60 @@ def cache_from_data(data: ImageDataset, config: AegisConfig) -> SyntheticCache:
     fit_seed = torch.Generator().manual_seed(seed >> 2)  # not the cache's draws: those stay as before
     source = GENERATORS.get(config.generator)(data, config.generator_options, generator=fit_seed)
     fit = time.perf_counter() - t0
-
-    def build() -> SyntheticCache:
-        cache = build_cache(source, data, config.cache, generator=torch.Generator().manual_seed(seed >> 1))
-        cache.stats["generator_fit_seconds"] = fit
-        info = getattr(source, "info", {})  # a trained generator's provenance (diffusion): into the stats
-        cache.stats.update(
-            {f"generator_{k}": float(v) for k, v in info.items() if isinstance(v, int | float)}
-        )
-        log.info(
-            "aegis: built a cache of %d from %d client images in %.2fs (rejection rate %.1f%%)",
-            len(cache), len(data), fit + cache.stats["seconds"], 100 * cache.stats["rejection_rate"],
-        )  # fmt: skip
-        return cache
-
+    draws = torch.Generator().manual_seed(seed >> 1)
     if config.store is None:
-        cache = build()
+        cache = _build(source, data, config, draws, fit)
     else:
-        name = repr((CACHE_FORMAT, key[0].hex(), key[1], fingerprint(source)))
-        path = (
-            Path(config.store)
-            / f"aegis-cache-{hashlib.blake2b(name.encode(), digest_size=10).hexdigest()}.safetensors"
+        name = _stored_key(key[0], config, source)
+        file = f"aegis-cache-{hashlib.blake2b(name.encode(), digest_size=10).hexdigest()}.safetensors"
+        cache = kept(
+            Path(config.store) / file,
+            lambda p: SyntheticCache.load(p, name),
+            lambda: _build(source, data, config, draws, fit),
+            lambda c, p: c.save(p, name),
         )
-        cache = kept(path, lambda p: SyntheticCache.load(p, name), build, lambda c, p: c.save(p, name))
     if config.memo_size > 0:
         _MEMO[key] = cache
         while len(_MEMO) > config.memo_size:
             _MEMO.popitem(last=False)
     return cache
+
+
+def _build(
+    source: ConditionalGenerator, data: ImageDataset, config: AegisConfig, draws: torch.Generator, fit: float
+) -> SyntheticCache:
+    """:func:`~gradleak.defenses.aegis_cache.build_cache` from ``draws``, with the generator's fit time and
+    provenance in the stats."""
+    cache = build_cache(source, data, config.cache, generator=draws)
+    cache.stats["generator_fit_seconds"] = fit
+    info = getattr(source, "info", {})  # a trained generator's provenance (diffusion): into the stats
+    cache.stats.update({f"generator_{k}": float(v) for k, v in info.items() if isinstance(v, int | float)})
+    log.info(
+        "aegis: built a cache of %d from %d client images in %.2fs (rejection rate %.1f%%)",
+        len(cache), len(data), fit + cache.stats["seconds"], 100 * cache.stats["rejection_rate"],
+    )  # fmt: skip
+    return cache
+
+
+def _stored_key(digest: bytes, config: AegisConfig, source: ConditionalGenerator) -> str:
+    """What a stored cache is a function of: the build's format, the client's data, the options that shape
+    the cache (the generator, its options without where they are stored, ``cache``, ``cache_seed``) and the
+    generator's fingerprint. Options that do not shape it (the step's, the memo's, the stores') stay out,
+    so a moved store or another micro-batch finds the same file."""
+    options = config.generator_options
+    if dataclasses.is_dataclass(options) and "store" in {f.name for f in dataclasses.fields(options)}:
+        options = dataclasses.replace(options, store=None)  # type: ignore[type-var]
+    return repr(
+        (
+            CACHE_FORMAT,
+            digest.hex(),
+            config.generator,
+            options,
+            config.cache,
+            config.cache_seed,
+            fingerprint(source),
+        )
+    )
 
 
 def memoised_caches() -> list[SyntheticCache]:

@@ -231,8 +231,9 @@ OWN = ("name", "previous")  # a benchmark's identity: never taken from the bench
 
 def _resolved(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     """A benchmark file's tables over what it builds on: its ``base`` experiment config, and over that the
-    benchmark file it ``extends`` (resolved the same way; its ``name`` and ``previous`` left out, its cells
-    or axes replaced by this file's own), merged table by table (arrays and values replaced whole)."""
+    benchmark file it ``extends`` (resolved the same way; its ``name`` and ``previous`` left out; where this
+    file has cells or axes, the parent's cells, axes and its scales' choices of cells left out), merged table
+    by table (arrays and values replaced whole)."""
     if path.resolve() in seen:
         raise ConfigError(f"benchmark.extends loops: {' -> '.join(str(p) for p in (*seen, path.resolve()))}")
     raw = read_toml(path, "benchmark file")
@@ -259,8 +260,14 @@ def _resolved(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
             raise ConfigError(f"benchmark.extends must be a file name, got {extends!r}")
         parent = _resolved(path.parent / extends, (*seen, path.resolve()))
         inherited = {k: v for k, v in parent.pop("benchmark").items() if k not in OWN}
-        if "cells" in spec or "axes" in spec:
+        if "cells" in spec or "axes" in spec:  # other cells: the scales' choices of the parent's go too
             inherited = {k: v for k, v in inherited.items() if k not in ("cells", "axes")}
+            scales = inherited.get("scales")
+            if isinstance(scales, Mapping):
+                inherited["scales"] = {
+                    n: {k: v for k, v in sc.items() if k != "cells"} if isinstance(sc, Mapping) else sc
+                    for n, sc in scales.items()
+                }
         under = _merged(under, {**parent, "benchmark": inherited})
     return _merged(under, raw)
 

@@ -106,9 +106,10 @@ def data_digest(data: ImageDataset) -> bytes:
     return h.digest()
 
 
-def tensor_digest(*tensors: torch.Tensor) -> str:
-    """A hex hash of the tensors' bytes, in order (stored beside them in a file, checked on load)."""
-    h = hashlib.blake2b(digest_size=16)
+def tensor_digest(*tensors: torch.Tensor, digest_size: int = 16) -> str:
+    """A hex hash (blake2b of ``digest_size`` bytes) of the tensors' bytes, in order: a content key, or stored
+    beside them in a file and checked on load."""
+    h = hashlib.blake2b(digest_size=digest_size)
     for t in tensors:
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
