@@ -9,6 +9,7 @@ benchmark state: round rows and model state dicts) the same way.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -133,3 +134,34 @@ def load_tree(path: str | Path) -> dict[str, object]:
     if not isinstance(out, dict):
         raise InvalidUpdateError(f"{p}: the saved tree is not a mapping")
     return out
+
+
+def tensor_digest(*tensors: torch.Tensor, digest_size: int = 16) -> str:
+    """A hex hash (blake2b of ``digest_size`` bytes) of the tensors' bytes, in order: a content key, or stored
+    beside them in a file and checked on load."""
+    h = hashlib.blake2b(digest_size=digest_size)
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_keyed(
+    path: Path, tensors: Mapping[str, torch.Tensor], *, format: str, key: str, meta: Mapping[str, str]
+) -> Path:
+    """Write ``tensors`` (atomically) with ``meta``, the file's ``format``, the ``key`` of what they were
+    made from and their digest (in name order) as metadata: a stored artefact :func:`read_keyed` checks."""
+    digest = tensor_digest(*(tensors[k] for k in sorted(tensors)))
+    return write_tensors(path, tensors, {**meta, "format": format, "key": key, "digest": digest})
+
+
+def read_keyed(
+    path: Path, *, format: str, key: str, what: str
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of a file :func:`write_keyed` wrote in ``format`` for the same ``key``, whose
+    content matches its digest; ValueError naming ``what`` for any other file."""
+    tensors, meta = read_tensors(path, f"{what} {path}")
+    if meta.get("format") != format or meta.get("key") != key:
+        raise ValueError(f"{path} is not the {what} of {key!r}")
+    if tensor_digest(*(tensors[k] for k in sorted(tensors))) != meta.get("digest"):
+        raise ValueError(f"{path}: the {' and '.join(sorted(tensors))} do not match their digest")
+    return tensors, meta

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from gradleak.data.base import ImageDataset
-from gradleak.generators.base import ConditionalGenerator, tensor_digest
+from gradleak.generators.base import ConditionalGenerator
 from gradleak.progress import bar
-from gradleak.update_io import read_tensors, write_tensors
+from gradleak.update_io import read_keyed, write_keyed
 
 log = logging.getLogger(__name__)
 
@@ -93,19 +93,16 @@ class SyntheticCache:
         """Write images, labels and stats with ``key`` (what the cache was built from) and the content's
         digest as metadata, atomically. The file holds a client's synthetic images: it stays where the
         client is, like the cache itself."""
-        meta = {"format": CACHE_FORMAT, "key": key, "stats": json.dumps(self.stats),
-                "digest": tensor_digest(self.images, self.labels)}  # fmt: skip
-        return write_tensors(path, {"images": self.images, "labels": self.labels}, meta)
+        tensors = {"images": self.images, "labels": self.labels}
+        return write_keyed(
+            path, tensors, format=CACHE_FORMAT, key=key, meta={"stats": json.dumps(self.stats)}
+        )
 
     @classmethod
     def load(cls, path: Path, key: str) -> SyntheticCache:
         """A cache written by :meth:`save` for the same ``key`` whose content matches its digest;
         ValueError for any other file."""
-        tensors, meta = read_tensors(path, f"Aegis cache {path}")
-        if meta.get("format") != CACHE_FORMAT or meta.get("key") != key:
-            raise ValueError(f"{path} is not the Aegis cache of {key!r}")
-        if tensor_digest(tensors["images"], tensors["labels"]) != meta.get("digest"):
-            raise ValueError(f"{path}: the images and labels do not match their digest")
+        tensors, meta = read_keyed(path, format=CACHE_FORMAT, key=key, what="Aegis cache")
         return cls(tensors["images"], tensors["labels"], {**json.loads(meta["stats"]), "reloaded": 1.0})
 
 

@@ -106,15 +106,6 @@ def data_digest(data: ImageDataset) -> bytes:
     return h.digest()
 
 
-def tensor_digest(*tensors: torch.Tensor, digest_size: int = 16) -> str:
-    """A hex hash (blake2b of ``digest_size`` bytes) of the tensors' bytes, in order: a content key, or stored
-    beside them in a file and checked on load."""
-    h = hashlib.blake2b(digest_size=digest_size)
-    for t in tensors:
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 def align_images(images: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
     """Resize (bilinear, antialiased), convert channels (RGB mean -> grey, grey -> repeated RGB) and clamp
     to [0, 1] so that generated images match the task's ``(C, H, W)``."""

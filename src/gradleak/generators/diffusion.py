@@ -43,11 +43,11 @@ from torch import nn
 
 from gradleak.data.base import ImageDataset
 from gradleak.fileio import kept
-from gradleak.generators.base import PublicSplit, check_labels, data_digest, tensor_digest
+from gradleak.generators.base import PublicSplit, check_labels, data_digest
 from gradleak.generators.pool import PoolDraws, SamplePool
 from gradleak.progress import bar
 from gradleak.registry import GENERATORS
-from gradleak.update_io import read_tensors, write_tensors
+from gradleak.update_io import read_tensors, tensor_digest, write_tensors
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from gradleak.generators.base import ConditionalGenerator, check_labels, tensor_digest
+from gradleak.generators.base import ConditionalGenerator, check_labels
 from gradleak.progress import bar
-from gradleak.update_io import read_tensors, write_tensors
+from gradleak.update_io import read_keyed, tensor_digest, write_keyed
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class SamplePool:
         self.num_classes = num_classes
         self.image_shape: tuple[int, int, int] = (images.shape[1], images.shape[2], images.shape[3])
         self.info = dict(info)
+        self._digest: str | None = None
 
     @staticmethod
     def layout(classes: list[int], per_class: int) -> torch.Tensor:
@@ -83,26 +84,25 @@ class SamplePool:
         return cls(torch.cat(parts), labels, source.num_classes, {"pool_per_class": per_class})
 
     def digest(self) -> str:
-        """A hash of the images and labels (stored with them, checked on load)."""
-        return tensor_digest(self.images, self.labels)
+        """A hash of the images and labels (stored with them, checked on load), computed once: a pool is
+        not changed after construction."""
+        if self._digest is None:
+            self._digest = tensor_digest(self.images, self.labels)
+        return self._digest
 
     def save(self, path: Path, key: str) -> Path:
         """Write images and labels, with ``key`` (what the pool was drawn from) and their digest as
         metadata, atomically."""
-        meta = {"format": FORMAT, "key": key, "num_classes": str(self.num_classes),
-                "info": json.dumps(self.info), "digest": self.digest()}  # fmt: skip
-        return write_tensors(path, {"images": self.images, "labels": self.labels}, meta)
+        meta = {"num_classes": str(self.num_classes), "info": json.dumps(self.info)}
+        tensors = {"images": self.images, "labels": self.labels}
+        return write_keyed(path, tensors, format=FORMAT, key=key, meta=meta)
 
     @classmethod
     def load(cls, path: Path, key: str, labels: torch.Tensor | None = None) -> SamplePool:
         """A pool written by :meth:`save` for the same ``key`` whose content matches its digest (and, given,
         the expected ``labels``); ValueError for any other file."""
-        tensors, meta = read_tensors(path, f"sample pool {path}")
-        if meta.get("format") != FORMAT or meta.get("key") != key:
-            raise ValueError(f"{path} is not the sample pool of {key!r}")
+        tensors, meta = read_keyed(path, format=FORMAT, key=key, what="sample pool")
         pool = cls(tensors["images"], tensors["labels"], int(meta["num_classes"]), json.loads(meta["info"]))
-        if pool.digest() != meta.get("digest"):
-            raise ValueError(f"{path}: the images and labels do not match their digest")
         if labels is not None and not torch.equal(pool.labels, labels):
             raise ValueError(f"{path}: the pool's classes or per-class size are not the ones asked for")
         return pool
