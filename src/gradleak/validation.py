@@ -5,6 +5,12 @@ about to send (:func:`gradleak.fl.client.train_client`), the server screens what
 (:func:`gradleak.fl.server.screen`), and an :class:`~gradleak.types.Observation` checks what an attack reads
 (the Python API). An update loaded from a file (:mod:`gradleak.update_io`) passes the same check.
 
+Weights a party sends back whole (a Flower train reply: ``w_T``, BatchNorm buffers included) pass
+:func:`check_weights`, the one rule for every array of a reply: the names, shapes and dtypes of the model the
+server audits (whatever dtype a strategy turned the sent arrays into in between: Flower's FedAvg averages an
+int64 counter into float64), finite floating values, and integer buffers that hold whole numbers within
+what local training can have added to what was sent.
+
 The error names the update's source (a client id, a round, a file) and the offending tensor, so a rejected
 update can be traced and recorded.
 """
@@ -74,6 +80,79 @@ def check_tensors(
         if not bool(torch.isfinite(t).all()):
             count = int((~torch.isfinite(t)).sum())
             raise InvalidUpdateError(f"{source}: tensor {name!r} has {count} non-finite entries (NaN or Inf)")
+
+
+DEFAULT_MAX_LOCAL_STEPS = 10_000
+"""The most local steps a reply's integer buffers (BatchNorm's ``num_batches_tracked``) may add to what was
+sent, unless the operator states another bound."""
+
+
+def check_weights(
+    received: object,
+    model_state: Mapping[str, torch.Tensor],
+    sent: Mapping[str, torch.Tensor],
+    *,
+    max_steps: int = DEFAULT_MAX_LOCAL_STEPS,
+    source: str = "reply",
+) -> dict[str, torch.Tensor]:
+    """Raise :class:`InvalidUpdateError` unless ``received`` is a whole model state a client may send back.
+
+    ``model_state`` is the audited model's ``state_dict()`` (the reference for names, shapes and dtypes:
+    an honest client loads what it was sent into its own model, so its reply has the model's dtypes);
+    ``sent`` the arrays the server sent this client (same names; any dtype). Every array must be a tensor
+    of the model's name, shape and dtype; floating arrays finite; an integer array (BatchNorm's
+    ``num_batches_tracked``) within ``[floor(sent), ceil(sent) + max_steps]`` elementwise (a counter moves
+    by one per local step). Returns ``received`` as a plain dict.
+    """
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0:
+        raise ValueError(f"max_steps must be an int >= 0, got {max_steps!r}")
+    if set(sent) != set(model_state):
+        raise ValueError(
+            f"{source}: the arrays sent do not match the audited model's state: "
+            f"{sorted(set(sent) ^ set(model_state))[:5]}"
+        )  # the server's own configuration, not the client's fault
+    if not isinstance(received, Mapping):
+        raise InvalidUpdateError(
+            f"{source}: arrays must be a mapping name -> tensor, got {type(received).__name__}"
+        )
+    unknown = sorted(str(k) for k in set(received) - set(model_state))
+    if unknown:
+        raise InvalidUpdateError(f"{source}: carries arrays the model lacks: {unknown[:5]}")
+    missing = [n for n in model_state if n not in received]
+    if missing:
+        raise InvalidUpdateError(f"{source}: lacks arrays of the model: {missing[:5]}")
+    for name, ref in model_state.items():
+        t = received[name]
+        if not isinstance(t, torch.Tensor):
+            raise InvalidUpdateError(f"{source}: array {name!r} is a {type(t).__name__}, not a tensor")
+        if t.shape != ref.shape:
+            raise InvalidUpdateError(
+                f"{source}: array {name!r} has shape {tuple(t.shape)}, the model's is {tuple(ref.shape)}"
+            )
+        if t.dtype != ref.dtype:
+            raise InvalidUpdateError(
+                f"{source}: array {name!r} has dtype {t.dtype}, the model's is {ref.dtype}"
+            )
+    for name in model_state:
+        t = received[name]
+        if t.is_floating_point() or t.is_complex():
+            if not bool(torch.isfinite(t).all()):
+                count = int((~torch.isfinite(t)).sum())
+                raise InvalidUpdateError(
+                    f"{source}: array {name!r} has {count} non-finite entries (NaN or Inf)"
+                )
+        elif t.dtype != torch.bool and t.numel():
+            base = sent[name].detach().to(torch.float64)
+            low, high = torch.floor(base), torch.ceil(base) + max_steps
+            value = t.detach().to(torch.float64)
+            outside = ~((value >= low) & (value <= high))
+            if bool(outside.any()):
+                i = int(outside.reshape(-1).nonzero()[0])
+                raise InvalidUpdateError(
+                    f"{source}: integer array {name!r} holds {int(t.reshape(-1)[i])} where "
+                    f"{float(base.reshape(-1)[i]):g} was sent: outside [sent, sent + {max_steps} local steps]"
+                )
+    return dict(received)
 
 
 def check_update(

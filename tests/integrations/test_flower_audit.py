@@ -188,7 +188,7 @@ class Capture(FedAvg):
         return super().aggregate_train(server_round, self.got)
 
 
-def test_every_array_is_checked_and_bad_replies_are_dropped_by_reply_not_by_node(tmp_path):
+def test_every_array_is_checked_and_bad_replies_are_dropped_by_reply(tmp_path):
     torch.manual_seed(0)
     model = BNNet()
     inner = Capture(fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1)
@@ -216,14 +216,10 @@ def test_every_array_is_checked_and_bad_replies_are_dropped_by_reply_not_by_node
     def extra(s):
         s["backdoor"] = torch.zeros(2)
 
-    node11 = next(m for m in sent if m.metadata.dst_node_id == 11)
-    replies = [
-        reply(node11, nan_buffer),
-        reply(node11, step),
-        reply(node11, extra),
-    ]  # one node, three replies
+    to = {m.metadata.dst_node_id: m for m in sent}
+    replies = [reply(to[11], nan_buffer), reply(to[12], step), reply(to[13], extra)]
     strategy.aggregate_train(1, replies)
-    assert inner.got == [replies[1]]  # the valid reply of node 11 only
+    assert inner.got == [replies[1]]  # the valid reply only
     reasons = [r["error"] for r in strategy.records if r["kind"] == "rejected"]
     assert len(reasons) == 2 and "bn.running_var" in reasons[0] and "non-finite" in reasons[0]
     assert "backdoor" in reasons[1]

@@ -31,7 +31,6 @@ from gradleak.integrations.flower import LegacyAuditStrategy  # noqa: E402
 from gradleak.integrations.flower.apps import (  # noqa: E402
     SECAGG_STATE,
     check_secagg_range,
-    module_bytes,
     named_arrays,
 )
 from gradleak.integrations.flower.engine import (  # noqa: E402
@@ -41,6 +40,7 @@ from gradleak.integrations.flower.engine import (  # noqa: E402
     task_config,
 )
 from gradleak.models import build_model  # noqa: E402
+from gradleak.models.architecture import describe  # noqa: E402
 from gradleak.types import LocalTraining, Observation, Update  # noqa: E402
 from gradleak.validation import InvalidUpdateError  # noqa: E402
 from synthetic import synthetic_dataset  # noqa: E402
@@ -220,18 +220,19 @@ def test_a_secagg_node_withholds_an_update_outside_the_clipping_range(server_ide
     task = ClientTask(0, data[0], FEDSGD, seed=1)
     config = {
         **task_config(task),
-        "module": module_bytes(new_model()),
+        "spec": describe(new_model()),
         "weighted": False,
         "clipping-range": 1e-6,
     }
-    content = compat.fitins_to_recorddict(FitIns(Parameters([], "numpy.ndarray"), config), keep_input=True)
+    weights = ndarrays_to_parameters([t.numpy() for t in new_model().state_dict().values()])
+    content = compat.fitins_to_recorddict(FitIns(weights, config), keep_input=True)
     msg = Message(content, dst_node_id=1, message_type=MessageType.TRAIN)
     with pytest.raises(
         ValueError, match=r"client 0: an update entry reaches .* beyond SecAgg\+'s clipping_range 1e-06"
     ):
         secure_reply(msg, data, tuple)
     config["clipping-range"] = 8.0
-    content = compat.fitins_to_recorddict(FitIns(Parameters([], "numpy.ndarray"), config), keep_input=True)
+    content = compat.fitins_to_recorddict(FitIns(weights, config), keep_input=True)
     reply = secure_reply(Message(content, dst_node_id=1, message_type=MessageType.TRAIN), data, tuple)
     res = compat.recorddict_to_fitres(reply.content, keep_input=True)
     assert res.num_examples == 1 and res.metrics["samples"] == 3  # unweighted: every client weighs 1

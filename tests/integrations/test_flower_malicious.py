@@ -112,7 +112,7 @@ def local(k: int, model: torch.nn.Module):
 
 
 def test_the_planted_node_is_attacked_with_the_secrets_and_left_out_of_the_aggregate(tmp_path):
-    app = client_app(CLIENTS, build, TRAINING, seed=SEED)
+    app = client_app(CLIENTS, build, TRAINING, seed=SEED, accept_architecture=True)
     strategy, store, result = audit(tmp_path, dict.fromkeys(NODES, app))
     (run,) = store.runs()
     attacks = store.records(run.run_id, "attack")
@@ -147,6 +147,16 @@ def test_the_planted_node_is_attacked_with_the_secrets_and_left_out_of_the_aggre
     for n, t in expected.items():
         torch.testing.assert_close(got[n], t, atol=1e-6, rtol=0, msg=n)
     assert run.config["malicious"] == ["robbing_the_fed", {"num_bins": 32}]
+
+
+def test_a_client_app_refuses_the_servers_architecture_unless_it_opted_in(tmp_path):
+    app = client_app(CLIENTS, build, TRAINING, seed=SEED)  # accept_architecture defaults to False
+    strategy, store, result = audit(tmp_path, dict.fromkeys(NODES, app))
+    (run,) = store.runs()
+    errors = store.records(run.run_id, "client_error")
+    assert len(errors) == 1 and "ArchitectureRefused" in errors[0]["error"]
+    assert "accept_architecture=True" in errors[0]["error"]
+    assert [a["attack"] for a in store.records(run.run_id, "attack")] == ["ig", "ig"]
 
 
 def test_a_client_app_with_its_own_architecture_refuses_the_modified_model_and_the_audit_records_it(tmp_path):

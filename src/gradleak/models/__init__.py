@@ -9,6 +9,7 @@ from torch import nn
 
 from gradleak.models import cnn as _cnn  # noqa: F401  (registers the CNNs)
 from gradleak.models import text as _text  # noqa: F401  (registers the transformers)
+from gradleak.models.architecture import SPEC_ATTRIBUTE, RegisteredModel
 from gradleak.registry import MODELS
 
 
@@ -26,6 +27,10 @@ def build_model(
             model = factory(tuple(input_shape), num_classes, **options)
         except TypeError as exc:
             raise ValueError(f"bad options {sorted(options)} for model {name!r}: {exc}") from None
+    spec = RegisteredModel(
+        name, tuple(int(d) for d in input_shape), int(num_classes), int(seed), dict(options)
+    )
+    setattr(model, SPEC_ATTRIBUTE, spec)  # so that it can travel as a spec (gradleak.models.architecture)
     return model
 
 

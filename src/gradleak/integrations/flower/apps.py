@@ -16,16 +16,17 @@ the message's ``group_id``): it then replies with a ``FitRes`` of the weights in
 ``client_app(..., mods=[secaggplus_mod])`` beside a ServerApp running ``SecAggPlusWorkflow`` over
 :class:`~gradleak.integrations.flower.LegacyAuditStrategy`.
 
-A train message that carries a ``gradleak.architecture`` record (the server's own module, as the wrapper's
-malicious-server option sends: an architecture the server chose, e.g. an imprint layer in front) is
-trained on that module instead of ``build_model()``: the threat model in which the server ships the model.
-A ClientApp that builds its own architecture and loads weights strictly refuses such a message (its
-``load_state_dict`` raises), which the audit records as that node's error.
+A train message that carries a ``gradleak.architecture`` record (an architecture the server chose, as the
+wrapper's malicious-server option sends: an imprint block in front of the node's own model) is refused
+unless the ClientApp opted in (``accept_architecture=True``, for audits of the threat model in which the
+server ships the model); the audit records the refusal as that node's error. The architecture travels as a
+spec (JSON of a closed set of layer kinds, size-checked: :mod:`gradleak.models.architecture`), never as a
+pickle, and only ever wraps the node's own ``build_model()``.
 """
 
 from __future__ import annotations
 
-import io
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -40,25 +41,42 @@ from torch import nn
 
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import Defense, DefenseFailure
+from gradleak.defenses.in_loop import private_generator
+from gradleak.models.architecture import Limits, build
 from gradleak.types import LocalTraining
 
+log = logging.getLogger(__name__)
+CLIENT_LIMITS = Limits(allow_registered=False)  # a deployed node wraps a sent block around its own model
+
 PARTITION_ID = "partition-id"
-ARCHITECTURE = "gradleak.architecture"  # a ConfigRecord whose "module" is torch.save of the server's module
+ARCHITECTURE = "gradleak.architecture"  # a ConfigRecord whose "spec" is the server's architecture as JSON
 
 
 LEGACY_PARAMETERS = "fitins.parameters"  # the ArrayRecord of a legacy workflow's train message
 SECAGG_STATE = "secaggplus_state"  # secaggplus_mod's ConfigRecord in the node's context
 
 
+def masked_names(state: Mapping[str, torch.Tensor]) -> list[str]:
+    """The entries of a model's state a client sends under SecAgg+, in order: the floating ones. Integer
+    buffers (BatchNorm's ``num_batches_tracked``, a count of local steps) stay out of the masked vector:
+    SecAgg+ clips every entry to its ``clipping_range`` (8 by default), which a count passes within a few
+    steps; the server keeps the count it sent."""
+    return [n for n, t in state.items() if t.is_floating_point()]
+
+
 def named_arrays(
-    reference: Mapping[str, torch.Tensor], parameters: Parameters, source: str
+    reference: Mapping[str, torch.Tensor], parameters: Parameters, source: str, *, cast: bool = True
 ) -> dict[str, torch.Tensor]:
     """Legacy ``Parameters`` as the named tensors of ``reference`` (a ``state_dict``: the NumPyClient
     convention; or the model's parameters, as the engine's SecAgg+ clients send them): same order, the same
-    shapes (checked), cast to the reference's dtypes (SecAgg+ aggregates are float64)."""
+    shapes (checked); ``cast``: to the reference's dtypes (a SecAgg+ aggregate is float64; a client's own
+    arrays are checked for the model's dtypes instead, ``cast=False``)."""
     from gradleak.validation import InvalidUpdateError
 
-    arrays = parameters_to_ndarrays(parameters)
+    try:
+        arrays = parameters_to_ndarrays(parameters)
+    except Exception as exc:  # noqa: BLE001 - undecodable bytes are the sender's fault
+        raise InvalidUpdateError(f"{source}: arrays that do not decode: {type(exc).__name__}"[:300]) from None
     if len(arrays) != len(reference):
         raise InvalidUpdateError(
             f"{source}: {len(arrays)} arrays, but the model has {len(reference)} entries to fill"
@@ -69,7 +87,11 @@ def named_arrays(
             raise InvalidUpdateError(
                 f"{source}: array {name!r} has shape {tuple(array.shape)}, the model's {tuple(ref.shape)}"
             )
-        out[name] = torch.from_numpy(np.ascontiguousarray(array)).to(ref.dtype)
+        try:
+            t = torch.from_numpy(np.array(array, copy=True))
+        except TypeError as exc:  # a dtype torch has no tensor for (object, strings)
+            raise InvalidUpdateError(f"{source}: array {name!r}: {exc}"[:300]) from None
+        out[name] = t.to(ref.dtype) if cast else t
     return out
 
 
@@ -89,18 +111,29 @@ def check_secagg_range(arrays: Mapping[str, torch.Tensor], ctx: Context, source:
             )
 
 
-def module_bytes(model: nn.Module) -> bytes:
-    """The whole module (architecture and weights), for a simulation's server to send."""
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    return buffer.getvalue()
+class ArchitectureRefused(RuntimeError):
+    """The server sent an architecture of its own choosing to a ClientApp that did not opt in."""
 
 
-def module_from(blob: bytes) -> nn.Module:
-    """The module :func:`module_bytes` sent (unpickled: only for a server whose code you run yourself)."""
-    model = torch.load(io.BytesIO(blob), weights_only=False)
+def sent_model(
+    msg: Message, build_model: Callable[[], object], accept_architecture: bool, limits: Limits, k: int
+) -> nn.Module:
+    """The module this node trains: its own ``build_model()``, or, when the message carries a
+    ``gradleak.architecture`` spec and the ClientApp opted in, that spec built around its own model
+    (never unpickled: :mod:`gradleak.models.architecture`)."""
+    if ARCHITECTURE not in msg.content.config_records:
+        model = build_model()
+    elif not accept_architecture:
+        raise ArchitectureRefused(
+            f"partition {k}: the server sent an architecture of its own choosing (a "
+            f"{ARCHITECTURE!r} record); this ClientApp trains only its own model "
+            "(client_app(..., accept_architecture=True) opts in, for audits of a malicious server)"
+        )
+    else:
+        spec = msg.content.config_records[ARCHITECTURE].get("spec")
+        model = build(spec, own=build_model, limits=limits)  # type: ignore[arg-type]
     if not isinstance(model, nn.Module):
-        raise TypeError(f"the message's module is a {type(model).__name__}, not a torch module")
+        raise TypeError(f"build_model() returned a {type(model).__name__}, not a torch module")
     return model
 
 
@@ -110,8 +143,10 @@ def client_app(
     training: LocalTraining,
     *,
     defenses: Callable[[], Sequence[Defense]] = tuple,
-    seed: int = 0,
+    seed: int | None = None,
     mods: Sequence[Mod] = (),
+    accept_architecture: bool = False,
+    limits: Limits = CLIENT_LIMITS,
 ) -> ClientApp:
     """A ClientApp whose node ``partition-id = k`` trains ``clients[k]`` (see the module docstring).
 
@@ -120,7 +155,16 @@ def client_app(
     to the Ray actors: pass functions importable by name there (``functools.partial(
     gradleak.models.build_model, "aegis_cnn", shape, classes, seed=0)``), not a test's or notebook's own.
     ``mods``: Flower mods around it (e.g. ``[secaggplus_mod]``, ``[DefenseMod([...])]``).
+
+    ``seed=None`` (the default) draws the client's randomness (shuffling, the defenses' noise) from the
+    operating system: a server knows the round and the partition id, so noise it could regenerate it
+    could subtract. An int seed reproduces the in-process simulation's client (``derive_seed(seed, round
+    - 1, k)``), for experiments and tests only. ``accept_architecture``: train a model the server chose
+    (its imprint block around this node's own model, within ``limits``); by default such a message is
+    refused.
     """
+    if seed is not None:
+        log.warning("client_app(seed=%d): reproducible noise is predictable noise; experiments only", seed)
     data = list(clients)
     app = ClientApp(mods=list(mods))
 
@@ -130,11 +174,7 @@ def client_app(
         from gradleak.fl.simulation import derive_seed
 
         k = int(ctx.node_config[PARTITION_ID])
-        if ARCHITECTURE in msg.content.config_records:  # the server chose the architecture
-            model: object = module_from(msg.content.config_records[ARCHITECTURE]["module"])  # type: ignore[arg-type]
-        else:
-            model = build_model()
-        assert isinstance(model, torch.nn.Module)
+        model = sent_model(msg, build_model, accept_architecture, limits, k)
         legacy = LEGACY_PARAMETERS in msg.content.array_records
         if legacy:  # a legacy workflow's FitIns (e.g. SecAgg+)
             fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
@@ -144,7 +184,11 @@ def client_app(
             w0 = msg.content.array_records["arrays"].to_torch_state_dict()
             rnd = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
         model.load_state_dict(w0)
-        gen = torch.Generator().manual_seed(derive_seed(seed, rnd - 1, k))
+        gen = (
+            private_generator()
+            if seed is None
+            else torch.Generator().manual_seed(derive_seed(seed, rnd - 1, k))
+        )
         result = train_client(k, model, data[k], training, list(defenses()), gen)
         if result.update is None:
             raise DefenseFailure(f"partition {k}: {result.error}")
@@ -154,6 +198,8 @@ def client_app(
             weights[name] = w0[name] + sign * u
         n = result.update.num_samples
         if legacy:
+            if SECAGG_STATE in ctx.state.config_records:  # integer buffers stay out of the masked vector
+                weights = {n: weights[n] for n in masked_names(weights)}
             check_secagg_range(weights, ctx, f"partition {k}")
             arrays = ndarrays_to_parameters([t.detach().numpy() for t in weights.values()])
             fitres = FitRes(Status(Code.OK, ""), arrays, n, {PARTITION_ID: k})

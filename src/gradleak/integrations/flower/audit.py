@@ -14,10 +14,12 @@ The malicious-server option (``malicious=("robbing_the_fed", {...})``, ``public_
 round the wrapper lets the attack build its modified model from the round's weights and the server's
 public images, and sends it to the first ``malicious_nodes`` of the nodes the strategy sampled (each its
 own variant for a client-customising attack such as LOKI): the arrays of the modified model and, in a
-``gradleak.architecture`` record, the module itself (the threat model where the server ships the model).
-Their replies are attacked with that attack only, against the modified model and its secrets, and never
-reach the wrapped strategy's aggregate (they were trained from other weights). A ClientApp that builds
-its own architecture and loads weights strictly cannot run such a model: its error reply is recorded as
+``gradleak.architecture`` record, its architecture as a spec (the imprint block around the node's own
+model; JSON, never a pickle: :mod:`gradleak.models.architecture`), the threat model where the server
+ships the model. Their replies are attacked with that attack only, against the modified model and its
+secrets, and never reach the wrapped strategy's aggregate (they were trained from other weights). A
+ClientApp that did not opt in (``client_app(..., accept_architecture=True)``), or that builds its own
+architecture and loads weights strictly, refuses such a model: its error reply is recorded as
 ``client_error``, which is the audit's answer for that deployment.
 
 A real server has no ground truth: records carry the attack's statistics and the reconstruction's size.
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -42,13 +44,24 @@ from gradleak.attacks import create_attack
 from gradleak.data.base import ImageDataset
 from gradleak.experiments.store import ResultStore
 from gradleak.fl.simulation import derive_seed
-from gradleak.integrations.flower.apps import ARCHITECTURE, PARTITION_ID, module_bytes
-from gradleak.integrations.flower.auditing import AttackSpec, Auditing, attack_spec, weights_update
-from gradleak.integrations.flower.mods import NUM_EXAMPLES, reply_metric
+from gradleak.integrations.flower.apps import ARCHITECTURE, PARTITION_ID
+from gradleak.integrations.flower.auditing import AttackSpec, Auditing, attack_spec
+from gradleak.integrations.flower.replies import (
+    NUM_EXAMPLES,
+    CheckedReply,
+    ReplyPolicy,
+    check_reply,
+    common_metrics,
+    metric_values,
+    sample_count,
+    whole_number,
+)
+from gradleak.models.architecture import describe
 from gradleak.types import ClientCustomizingAttack, LocalTraining, ModelModifyingAttack, Update
 from gradleak.validation import InvalidUpdateError, reference_of
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class _Planted:
@@ -81,11 +94,12 @@ class AuditStrategy(Auditing, Strategy):
         malicious: AttackSpec | None = None,
         malicious_nodes: int | None = None,
         public_images: torch.Tensor | None = None,
+        policy: ReplyPolicy | None = None,
     ) -> None:
         Auditing.__init__(
             self, model=model, attacks=attacks, input_shape=input_shape, num_classes=num_classes, store=store,
             training=training, rounds=rounds, secure_aggregation=secure_aggregation, seed=seed, name=name,
-            truth=truth,
+            truth=truth, policy=policy,
         )  # fmt: skip
         self.strategy = strategy
         self.malicious = None if malicious is None else attack_spec(malicious)
@@ -110,16 +124,27 @@ class AuditStrategy(Auditing, Strategy):
         self.malicious_nodes, self.public_images = malicious_nodes, public_images
         self._planted: dict[int, _Planted] = {}
         self._broadcast: dict[int, dict[str, torch.Tensor]] = {}
+        self._asked: dict[int, set[int]] = {}  # the nodes each round's train messages went to
+        self._asked_eval: dict[int, set[int]] = {}
 
     # -- the wrapped strategy -------------------------------------------------------------------------
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        self._broadcast[server_round] = {k: v.clone() for k, v in arrays.to_torch_state_dict().items()}
+        sent = {k: v.clone() for k, v in arrays.to_torch_state_dict().items()}
+        expected = self.model.state_dict()
+        if set(sent) != set(expected) or any(sent[k].shape != v.shape for k, v in expected.items()):
+            raise ValueError(
+                f"AuditStrategy: round {server_round}'s arrays do not match the audited model's state_dict "
+                f"(names or shapes; e.g. {sorted(set(sent) ^ set(expected))[:5]}): pass model= the model "
+                "the strategy trains"
+            )
+        self._broadcast[server_round] = sent
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         if self.malicious is not None and self.audits(server_round):
             messages = self._plant(server_round, messages)
+        self._asked[server_round] = {int(m.metadata.dst_node_id) for m in messages}
         return messages
 
     def _plant(self, server_round: int, messages: list[Message]) -> list[Message]:
@@ -151,7 +176,7 @@ class AuditStrategy(Auditing, Strategy):
                 raise ValueError(f"the strategy's train message holds {len(keys)} ArrayRecords; expected one")
             content = RecordDict({k: r for k, r in msg.content.items() if k != keys[0]})
             content[keys[0]] = ArrayRecord(torch_state_dict=sent)
-            content[ARCHITECTURE] = ConfigRecord({"module": module_bytes(sent_model)})
+            content[ARCHITECTURE] = ConfigRecord({"spec": describe(sent_model, own=True)})
             meta = msg.metadata
             out.append(Message(content, dst_node_id=meta.dst_node_id, message_type=meta.message_type,
                                group_id=meta.group_id, ttl=meta.ttl))  # fmt: skip
@@ -163,53 +188,185 @@ class AuditStrategy(Auditing, Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Every reply is validated (a bad one is recorded and left out of the aggregate, in every round);
-        in audited rounds the valid ones are attacked; then the wrapped strategy aggregates them."""
+        """Every reply is checked (:mod:`~gradleak.integrations.flower.replies`: a bad one is recorded with
+        its node and reason and left out, in every round, never raised); in audited rounds the valid ones
+        are attacked; then the wrapped strategy aggregates exactly what was validated. If it still fails,
+        the failure is recorded and the round's model is left unchanged."""
         replies = list(replies)
         if server_round not in self._broadcast:
             raise RuntimeError(
                 f"AuditStrategy: no arrays were sent through configure_train for round {server_round}; "
                 "drive the wrapper itself (its start or configure_train), not the wrapped strategy"
             )
-        checked = self.updates(server_round, replies)
         self.begin()
-        errors = [r for r in replies if r.has_error()]  # a ClientApp that raised, a node that was lost
-        for j, reply in enumerate(errors):
-            node = int(reply.metadata.src_node_id)
-            failed = {"kind": "client_error", "round": server_round, "node_id": node,
-                      "code": int(reply.error.code), "error": str(reply.error.reason)}  # fmt: skip
-            self.commit(f"round/{server_round}/error/{j}", failed)
-        for j, (node, bad) in enumerate(checked):
-            if isinstance(bad, str):
-                log.warning("audit: rejected %s", bad)
-                rejected = {"kind": "rejected", "round": server_round, "node_id": node, "error": bad}
-                self.commit(f"round/{server_round}/reply/{j}/rejected", rejected)
+        checked = self.check_replies(server_round, replies, train=True)
         round_plant = self._planted.pop(server_round, None)
         planted = {} if round_plant is None else round_plant.sent
-        valid = [(j, n, u) for j, (n, u) in enumerate(checked) if isinstance(u, Update)]
+        valid = [(j, c.node, c.update) for j, c in checked]
         if self.audits(server_round):
             honest = [v for v in valid if v[1] not in planted]
             self.audit(server_round, honest, self.broadcast_model(server_round), self.attacks, {}, "")
             if round_plant is not None and self.malicious is not None:
                 model, secrets = round_plant.model, round_plant.secrets
                 self.audit(server_round, [v for v in valid if v[1] in planted], model, [self.malicious],
-                            secrets, "malicious/")  # fmt: skip
+                           secrets, "malicious/")  # fmt: skip
         self._broadcast.pop(server_round, None)
-        answered = [r for r in replies if not r.has_error()]
-        kept = [r for r in replies if r.has_error()] + [
-            answered[j]
-            for j, node, _ in valid
-            if node not in planted  # by reply, not node id
-        ]  # the planted nodes trained other weights: never in the aggregate
-        return self.strategy.aggregate_train(server_round, kept)
+        self._asked.pop(server_round, None)
+        # the planted nodes trained other weights: never in the aggregate
+        honest_checked = [(j, c) for j, c in checked if c.node not in planted]
+        forwarded = self.forward(server_round, replies, honest_checked, "train")
+        errors = [r for r in replies if r.has_error()]
+        fallback: tuple[ArrayRecord | None, MetricRecord | None] = (None, None)
+        return self.inner(
+            server_round,
+            "train",
+            lambda: self.strategy.aggregate_train(server_round, errors + forwarded),
+            fallback,
+        )
+
+    def check_replies(
+        self, server_round: int, replies: Sequence[Message], *, train: bool
+    ) -> list[tuple[int, CheckedReply]]:
+        """``(reply index, checked reply)`` of the valid replies; every other one is recorded: an error
+        reply (a ClientApp that raised, a node that was lost) as ``client_error``, an invalid one as
+        ``rejected`` with its node and reason."""
+        stage = "reply" if train else "evaluate"
+        asked = self._asked.get(server_round, set()) if train else self._asked_eval.get(server_round, set())
+        seen: set[int] = set()
+        out: list[tuple[int, CheckedReply]] = []
+        for j, reply in enumerate(replies):
+            node = int(reply.metadata.src_node_id)
+            if reply.has_error():
+                failed = {"kind": "client_error", "round": server_round, "node_id": node, "stage": stage,
+                          "code": int(reply.error.code), "error": str(reply.error.reason)[:2000]}  # fmt: skip
+                self.commit(f"round/{server_round}/{stage}/{j}/error", failed)
+                continue
+            source = f"node {node}, round {server_round}" + ("" if train else " (evaluate)")
+            try:
+                if node not in asked:
+                    raise InvalidUpdateError(f"{source}: this node was not sent a message this round")
+                if node in seen:
+                    raise InvalidUpdateError(f"{source}: a second reply from the same node")
+                seen.add(node)
+                checked = self.check_reply(server_round, node, reply, source, train)
+            except (InvalidUpdateError, ValueError, TypeError, KeyError, OverflowError) as exc:
+                reason = str(exc)[:2000]
+                log.warning("audit: rejected %s", reason)
+                rejected = {"kind": "rejected", "round": server_round, "node_id": node, "stage": stage,
+                            "error": reason}  # fmt: skip
+                self.commit(f"round/{server_round}/{stage}/{j}/rejected", rejected)
+                continue
+            out.append((j, checked))
+        return out
+
+    def check_reply(
+        self, server_round: int, node: int, reply: Message, source: str, train: bool
+    ) -> CheckedReply:
+        """One reply through :func:`~gradleak.integrations.flower.replies.check_reply`."""
+        content = reply.content
+        if len(content.metric_records) != 1:
+            raise InvalidUpdateError(
+                f"{source}: expected one MetricRecord, found {len(content.metric_records)}"
+            )
+        metrics = dict(next(iter(content.metric_records.values())))
+        weight_key = getattr(self.strategy, "weighted_by_key", NUM_EXAMPLES)
+        raw_n = metrics.get(weight_key)
+        meta = {
+            "client_id": node,
+            "round": server_round,
+            "partition_id": whole_number(metrics.get(PARTITION_ID)),
+        }
+        if not train:  # an evaluation reply carries metrics only
+            if len(content.array_records):
+                raise InvalidUpdateError(f"{source}: an evaluation reply carries arrays")
+            n = sample_count(raw_n, self.policy.max_examples, source)
+            kept, dropped = metric_values(metrics, self.policy.evaluate_metrics, source)
+            return CheckedReply(node, {}, Update({}, n, "delta", meta), n, kept, dropped)
+        if len(content.array_records) != 1:
+            raise InvalidUpdateError(
+                f"{source}: expected one ArrayRecord, found {len(content.array_records)}"
+            )
+        planted = self._planted.get(server_round)
+        if planted is not None and node in planted.sent:  # the malicious model's weights
+            sent, model = planted.sent[node], planted.model
+        else:
+            sent, model = self._broadcast[server_round], self.model
+        try:
+            arrays: object = next(iter(content.array_records.values())).to_torch_state_dict()
+        except Exception as exc:  # noqa: BLE001 - any undecodable array is the reply's fault
+            raise InvalidUpdateError(
+                f"{source}: arrays that do not decode: {type(exc).__name__}: {exc}"[:500]
+            ) from None
+        return check_reply(
+            node=node, arrays=arrays, num_examples=raw_n, metrics=metrics, sent=sent,
+            model_state=model.state_dict(), params=reference_of(model), policy=self.policy,
+            allowed=self.policy.train_metrics, metadata=meta, source=source,
+        )  # fmt: skip
+
+    def forward(
+        self,
+        server_round: int,
+        replies: Sequence[Message],
+        checked: Sequence[tuple[int, CheckedReply]],
+        stage: str,
+    ) -> list[Message]:
+        """The accepted replies rewritten to exactly what was validated (the arrays, the checked weight, the
+        allowed metrics every reply carries); what was dropped or clipped is recorded per node."""
+        weight_key = getattr(self.strategy, "weighted_by_key", NUM_EXAMPLES)
+        array_key = getattr(self.strategy, "arrayrecord_key", "arrays")
+        common, partial = common_metrics([c for _, c in checked])
+        out = []
+        for j, c in checked:
+            dropped = sorted(set(c.dropped) | set(partial.get(c.node, [])))
+            if dropped or c.clipped:
+                note = {"kind": "sanitised", "round": server_round, "node_id": c.node, "stage": stage,
+                        "dropped_metrics": dropped, "clipped": c.clipped, "norm": c.norm}  # fmt: skip
+                self.commit(f"round/{server_round}/{stage}/{j}/sanitised", note)
+            metrics = MetricRecord({weight_key: c.num_examples, **{k: c.metrics[k] for k in sorted(common)}})
+            content = RecordDict({"metrics": metrics})
+            if stage == "train":
+                content[array_key] = ArrayRecord(torch_state_dict=c.weights)
+            reply = replies[j]
+            reply.content = content
+            out.append(reply)
+        return out
+
+    def inner(self, server_round: int, stage: str, call: Callable[[], T], fallback: T) -> T:
+        """The wrapped strategy's aggregation; if it raises anyway, the failure is recorded and the round's
+        model (or metrics) left unchanged instead of the federation stopping."""
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - fail closed: the round is skipped, the federation goes on
+            log.error(
+                "audit: round %d: the wrapped strategy's %s aggregation failed: %s", server_round, stage, exc
+            )
+            failed = {"kind": "aggregate_error", "round": server_round, "stage": stage,
+                      "error": f"{type(exc).__name__}: {exc}"[:2000]}  # fmt: skip
+            self.commit(f"round/{server_round}/{stage}/aggregate_error", failed)
+            return fallback
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+        messages = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
+        self._asked_eval[server_round] = {int(m.metadata.dst_node_id) for m in messages}
+        return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        return self.strategy.aggregate_evaluate(server_round, replies)
+        """Evaluation replies pass the same checks of their weight and metrics (bad ones recorded and left
+        out); a failing aggregation is recorded, not raised."""
+        replies = list(replies)
+        self.begin()
+        checked = self.check_replies(server_round, replies, train=False)
+        self._asked_eval.pop(server_round, None)
+        forwarded = self.forward(server_round, replies, checked, "evaluate")
+        errors = [r for r in replies if r.has_error()]
+        return self.inner(
+            server_round,
+            "evaluate",
+            lambda: self.strategy.aggregate_evaluate(server_round, errors + forwarded),
+            None,
+        )
 
     def summary(self) -> None:
         self.strategy.summary()
@@ -230,34 +387,6 @@ class AuditStrategy(Auditing, Strategy):
         return {**Auditing.run_config(self), "strategy": type(self.strategy).__name__,
                 "malicious": None if self.malicious is None else [self.malicious[0], self.malicious[1]],
                 "malicious_nodes": self.malicious_nodes}  # fmt: skip
-
-    def updates(self, server_round: int, replies: Sequence[Message]) -> list[tuple[int, Update | str]]:
-        """``(node id, update or the reason it was rejected)`` per train reply without error. Every array
-        of a reply is checked against what was sent (names, shapes, dtypes, finite values: a NaN BatchNorm
-        buffer would be aggregated too); the update is the model's parameters' ``w_T - w_0``."""
-        planted = self._planted.get(server_round)
-        out: list[tuple[int, Update | str]] = []
-        for reply in replies:
-            if reply.has_error():
-                continue
-            node = int(reply.metadata.src_node_id)
-            source = f"node {node}, round {server_round}"
-            if planted is not None and node in planted.sent:  # the malicious model's weights, parameters
-                w0, params = planted.sent[node], reference_of(planted.model)
-            else:
-                w0, params = self._broadcast[server_round], reference_of(self.model)
-            try:
-                if len(reply.content.array_records) != 1:
-                    raise InvalidUpdateError(f"{source}: expected one ArrayRecord in the reply")
-                wt = next(iter(reply.content.array_records.values())).to_torch_state_dict()
-                meta = {"client_id": node, "round": server_round,
-                        "partition_id": reply_metric(reply, PARTITION_ID)}  # fmt: skip
-                update = weights_update(w0, wt, params, reply_metric(reply, NUM_EXAMPLES) or 1, meta, source)
-            except (InvalidUpdateError, ValueError, TypeError, KeyError) as exc:
-                out.append((node, str(exc)))
-                continue
-            out.append((node, update))
-        return out
 
     def broadcast_model(self, server_round: int) -> nn.Module:
         """The model at the weights the strategy sent in ``server_round``."""

@@ -11,6 +11,7 @@ each attacked update is one unit in the store (round, node id, the attack's stat
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime as dt
 import logging
 import uuid
@@ -27,8 +28,8 @@ from gradleak.experiments.setup import score_reconstruction
 from gradleak.experiments.store import ResultStore, RunRow
 from gradleak.fl.server import secure_sum
 from gradleak.fl.simulation import derive_seed
+from gradleak.integrations.flower.replies import ReplyPolicy
 from gradleak.types import LocalTraining, Observation, Update
-from gradleak.validation import InvalidUpdateError, check_tensors, check_update
 
 log = logging.getLogger(__name__)
 
@@ -38,29 +39,6 @@ AttackSpec = str | tuple[str, Mapping[str, Any]]
 def attack_spec(a: AttackSpec) -> tuple[str, dict[str, Any]]:
     """``"ig"`` or ``("ig", {options})`` as ``(name, options)``."""
     return (a, {}) if isinstance(a, str) else (a[0], dict(a[1]))
-
-
-def weights_update(
-    w0: Mapping[str, torch.Tensor],
-    wt: Mapping[str, torch.Tensor],
-    params: Mapping[str, torch.Tensor],
-    samples: int,
-    meta: dict[str, Any],
-    source: str,
-) -> Update:
-    """The update ``w_T - w_0`` of the model's parameters ``params`` a reply's weights ``wt`` stand for.
-    Every array is checked against what was sent (names, shapes, dtypes, finite values: a NaN BatchNorm
-    buffer would be aggregated too), then the update (:func:`gradleak.validation.check_update`)."""
-    floats = {k: v for k, v in w0.items() if v.is_floating_point()}
-    check_tensors({k: v for k, v in wt.items() if v.is_floating_point()}, floats, source=source)
-    if set(wt) != set(w0):
-        raise InvalidUpdateError(f"{source}: the reply's arrays differ from those sent")
-    missing = sorted(set(params) - set(w0))
-    if missing:
-        raise InvalidUpdateError(f"{source}: the sent arrays lack the model's parameters {missing[:5]}")
-    update = Update({n: wt[n] - w0[n] for n in params}, max(int(samples), 1), "delta", meta)
-    check_update(update, params, source=source)
-    return update
 
 
 class Auditing:
@@ -80,8 +58,10 @@ class Auditing:
         seed: int,
         name: str,
         truth: Callable[[int], ImageDataset | None] | None,
+        policy: ReplyPolicy | None = None,
     ) -> None:
         self.model = model
+        self.policy = policy or ReplyPolicy()
         self.attacks = [attack_spec(a) for a in attacks]
         for attack_name, options in self.attacks:  # unknown names and options fail now, not mid-run
             create_attack(attack_name, **options)
@@ -97,7 +77,8 @@ class Auditing:
     def run_config(self) -> dict[str, Any]:
         """What the store keeps as the audit run's configuration (wrappers add their own options)."""
         return {"engine": "flower", "attacks": [{"name": n, **o} for n, o in self.attacks],
-                "secure_aggregation": self.secure_aggregation, "seed": self.seed}  # fmt: skip
+                "secure_aggregation": self.secure_aggregation, "seed": self.seed,
+                "policy": dataclasses.asdict(self.policy)}  # fmt: skip
 
     def audits(self, server_round: int) -> bool:
         return self.rounds is None or server_round in self.rounds

@@ -9,12 +9,13 @@ with :func:`gradleak.fl.client.train_client` exactly as :class:`~gradleak.fl.sim
 does, with the same per-task seed, so the two engines give the same updates (float rounding apart: the Ray
 workers run torch with their own thread count) and the same attack results.
 
-The train message carries the server's model whole (``torch.save`` of the module: architecture and
-weights), the recipe, the seed and how many of the client's first samples to use (an audit's
-``max_samples``): a malicious server's modified model (an imprint layer in front, a customised copy per
-client) reaches the node as it does in-process. This is a simulation engine, where server and clients run
-gradleak's code; a deployment on real SuperNodes sends weights only (:func:`gradleak.integrations.flower.
-apps.client_app` with :class:`~gradleak.integrations.flower.AuditStrategy`). The reply carries the update
+The train message carries the server's model as a spec and its weights (:mod:`gradleak.models.architecture`:
+the registered model the experiment built, with any imprint block a malicious server put in front, as
+JSON of a closed set of layer kinds; never a pickle), the recipe, the seed and how many of the client's
+first samples to use (an audit's ``max_samples``): a malicious server's modified model (an imprint layer in
+front, a customised copy per client) reaches the node as it does in-process. A deployment on real
+SuperNodes sends weights only (:func:`gradleak.integrations.flower.apps.client_app` with
+:class:`~gradleak.integrations.flower.AuditStrategy`). The reply carries the update
 as it left the client's defenses (an ``ArrayRecord``), its kind and sample count, the client's error if a
 defense failed closed, and, for the simulation's scoring only, which of the client's samples it used.
 
@@ -36,6 +37,7 @@ node: the node seeds it with the task's seed, so a SecAgg+ run is reproducible.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -72,7 +74,8 @@ from gradleak.fl.client import ClientResult, reported_samples, train_client
 from gradleak.fl.engines import MODULUS_RANGE, FlowerEngineConfig, SecAggPlusConfig
 from gradleak.fl.server import update_kind
 from gradleak.fl.simulation import ClientTask, DefenseFactory, Engine, SecureRound
-from gradleak.integrations.flower.apps import LEGACY_PARAMETERS, module_bytes, module_from, named_arrays
+from gradleak.integrations.flower.apps import LEGACY_PARAMETERS, named_arrays
+from gradleak.models.architecture import build, describe
 from gradleak.tasks import Dataset, task_from_spec, task_spec
 from gradleak.types import LocalTraining, Update
 from gradleak.validation import reference_of
@@ -80,7 +83,34 @@ from gradleak.validation import reference_of
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-MODEL, TASK, RESULT, UPDATE = "model", "task", "result", "update"
+MODEL, WEIGHTS, TASK, RESULT, UPDATE = "model", "weights", "task", "result", "update"
+TEMPLATES = 4  # built models a node keeps per spec, so that a round does not rebuild (or reload) them
+_templates: dict[str, nn.Module] = {}
+
+
+def fresh_model(spec: object) -> nn.Module:
+    """A new module of the architecture a task message's spec names (built from the spec, never
+    unpickled; a node keeps the last few built, so that a round does not rebuild or reload them)."""
+    key = spec if isinstance(spec, str) else repr(spec)
+    template = _templates.get(key)
+    if template is None:
+        template = build(spec)
+        if len(_templates) >= TEMPLATES:
+            _templates.pop(next(iter(_templates)))
+        _templates[key] = template
+    return copy.deepcopy(template)
+
+
+def model_from(spec: object, weights: dict[str, torch.Tensor]) -> nn.Module:
+    """The module a task message's spec and weights stand for (the weights loaded strictly)."""
+    model = fresh_model(spec)
+    model.load_state_dict(weights, strict=True)
+    return model
+
+
+def state_arrays(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state as independent tensors (tied weights copied apart) for an ArrayRecord."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def samples_of(task: ClientTask) -> int:
@@ -103,8 +133,10 @@ def task_config(task: ClientTask) -> dict[str, Any]:
             "learning-task": json.dumps(task_spec(task.task))}  # fmt: skip
 
 
-def task_message(task: ClientTask, model: bytes, node_id: int) -> Message:
-    content = RecordDict({MODEL: ConfigRecord({"module": model}), TASK: ConfigRecord(task_config(task))})
+def task_message(task: ClientTask, spec: str, weights: ArrayRecord, node_id: int) -> Message:
+    content = RecordDict(
+        {MODEL: ConfigRecord({"spec": spec}), WEIGHTS: weights, TASK: ConfigRecord(task_config(task))}
+    )
     return Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN)
 
 
@@ -143,11 +175,10 @@ def result_of(reply: Message, task: ClientTask) -> ClientResult:
 
 
 def run_task(
-    data: Sequence[Dataset], config: Any, module: bytes, defenses: DefenseFactory
+    data: Sequence[Dataset], config: Any, model: nn.Module, defenses: DefenseFactory
 ) -> tuple[nn.Module, ClientResult]:
-    """Train the task a message's ``config`` (:func:`task_config`) names on the module it sent."""
+    """Train the task a message's ``config`` (:func:`task_config`) names on the model it sent."""
     cid = int(config["client-id"])
-    model = module_from(module)
     training = LocalTraining(**json.loads(str(config["training"])))
     learning = task_from_spec(json.loads(str(config["learning-task"])))
     n = int(config["samples"])
@@ -159,13 +190,22 @@ def run_task(
     return model, result
 
 
+def secure_model(spec: object, parameters: Parameters) -> nn.Module:
+    """A SecAgg+ task's model: its spec, with the weights in ``state_dict`` order in ``FitIns.parameters``."""
+    model = fresh_model(spec)
+    model.load_state_dict(
+        named_arrays(model.state_dict(), parameters, "the SecAgg+ task's model"), strict=True
+    )
+    return model
+
+
 def secure_reply(msg: Message, data: Sequence[Dataset], defenses: DefenseFactory) -> Message:
     """A SecAgg+ round's train message (legacy ``FitIns``, the task in its config): the update's tensors
     as ``FitRes`` parameters, in the model's parameter order, for ``secaggplus_mod`` to mask. A failed
     client raises (a dropout for the protocol), as does an update outside the clipping range."""
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     config = fitins.config
-    model, result = run_task(data, config, config["module"], defenses)  # type: ignore[arg-type]
+    model, result = run_task(data, config, secure_model(config["spec"], fitins.parameters), defenses)
     cid = result.client_id
     if result.update is None:
         raise RuntimeError(f"client {cid}: {result.error}")
@@ -215,8 +255,9 @@ def task_client_app(
         if LEGACY_PARAMETERS in msg.content.array_records:
             return secure_reply(msg, data, defenses)
         config = msg.content.config_records[TASK]
-        module = msg.content.config_records[MODEL]["module"]
-        _, result = run_task(data, config, module, defenses)  # type: ignore[arg-type]
+        spec = msg.content.config_records[MODEL]["spec"]
+        model = model_from(spec, msg.content.array_records[WEIGHTS].to_torch_state_dict())
+        _, result = run_task(data, config, model, defenses)
         return Message(result_content(result), reply_to=msg)
 
     return app
@@ -292,8 +333,8 @@ class GridEngine:
         self, global_model: nn.Module, tasks: Sequence[ClientTask], defenses: DefenseFactory
     ) -> list[ClientResult]:
         self.check(tasks, defenses)
-        blob = module_bytes(global_model)
-        messages = [task_message(t, blob, self.node_of[t.client_id]) for t in tasks]
+        spec, weights = describe(global_model), ArrayRecord(torch_state_dict=state_arrays(global_model))
+        messages = [task_message(t, spec, weights, self.node_of[t.client_id]) for t in tasks]
         replies = {
             int(r.metadata.src_node_id): r for r in self.grid.send_and_receive(messages, timeout=self.timeout)
         }
@@ -345,15 +386,16 @@ class SecureGridEngine(GridEngine):
         if len(models) != len(tasks):
             raise ValueError(f"{len(models)} models for {len(tasks)} tasks")
         self.secagg.check_round_size(len(tasks), "this round")
-        blobs: dict[int, bytes] = {}  # one serialisation per distinct model
+        sent: dict[int, tuple[str, Parameters]] = {}  # one serialisation per distinct model
         fitins: list[tuple[ClientProxy, FitIns]] = []
         for model, task in zip(models, tasks, strict=True):
-            blob = blobs.setdefault(id(model), module_bytes(model))
-            config = {**task_config(task), "module": blob, "weighted": weighted,
+            if id(model) not in sent:
+                arrays = [t.numpy() for t in state_arrays(model).values()]
+                sent[id(model)] = (describe(model), ndarrays_to_parameters(arrays))
+            spec, parameters = sent[id(model)]
+            config = {**task_config(task), "spec": spec, "weighted": weighted,
                       "clipping-range": self.secagg.clipping_range}  # fmt: skip
-            fitins.append(
-                (_Node(self.node_of[task.client_id]), FitIns(Parameters([], "numpy.ndarray"), config))
-            )
+            fitins.append((_Node(self.node_of[task.client_id]), FitIns(parameters, config)))
         strategy = _SecureTasks(fitins)
         self.rounds += 1
         current = ConfigRecord({WorkflowKey.CURRENT_ROUND: self.rounds})

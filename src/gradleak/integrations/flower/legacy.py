@@ -31,12 +31,15 @@ from typing import Any
 
 import torch
 from flwr.common import (
+    Code,
     EvaluateIns,
     EvaluateRes,
     FitIns,
     FitRes,
     Parameters,
     Scalar,
+    Status,
+    ndarrays_to_parameters,
 )
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
@@ -45,10 +48,18 @@ from torch import nn
 
 from gradleak.data.base import ImageDataset
 from gradleak.experiments.store import ResultStore
-from gradleak.integrations.flower.apps import PARTITION_ID, named_arrays
-from gradleak.integrations.flower.auditing import AttackSpec, Auditing, weights_update
-from gradleak.types import LocalTraining
-from gradleak.validation import InvalidUpdateError, reference_of
+from gradleak.integrations.flower.apps import PARTITION_ID, masked_names, named_arrays
+from gradleak.integrations.flower.auditing import AttackSpec, Auditing
+from gradleak.integrations.flower.replies import (
+    CheckedReply,
+    ReplyPolicy,
+    check_reply,
+    common_metrics,
+    sample_count,
+    whole_number,
+)
+from gradleak.types import LocalTraining, Update
+from gradleak.validation import InvalidUpdateError, check_update, check_weights, reference_of
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +67,7 @@ Failure = tuple[ClientProxy, FitRes] | BaseException
 
 
 def _partition(res: FitRes) -> int | None:
-    part = res.metrics.get(PARTITION_ID)
-    return int(part) if isinstance(part, int) else None
+    return whole_number(res.metrics.get(PARTITION_ID)) if isinstance(res.metrics, dict) else None
 
 
 class LegacyAuditStrategy(Auditing, Strategy):
@@ -77,10 +87,12 @@ class LegacyAuditStrategy(Auditing, Strategy):
         seed: int = 0,
         name: str = "flower",
         truth: Callable[[int], ImageDataset | None] | None = None,
+        policy: ReplyPolicy | None = None,
     ) -> None:
         Auditing.__init__(
             self, model=model, attacks=attacks, input_shape=input_shape, num_classes=num_classes, store=store,
             training=training, rounds=rounds, secure_aggregation=False, seed=seed, name=name, truth=truth,
+            policy=policy,
         )  # fmt: skip
         self.strategy = strategy
         self._broadcast: dict[int, dict[str, torch.Tensor]] = {}
@@ -148,24 +160,61 @@ class LegacyAuditStrategy(Auditing, Strategy):
         if secure:
             return self._aggregate_secure(server_round, results, failures, w0)
         kept, good = [], []
-        params = reference_of(self.model)
+        state, params = self.model.state_dict(), reference_of(self.model)
+        checked: list[tuple[ClientProxy, FitRes, CheckedReply]] = []
+        seen: set[int] = set()
         for j, (proxy, res) in enumerate(results):
             node = int(proxy.node_id)
-            meta = {"client_id": node, "round": server_round, "partition_id": _partition(res)}
             source = f"node {node}, round {server_round}"
             try:
-                wt = named_arrays(w0, res.parameters, source)
-                update = weights_update(w0, wt, params, res.num_examples, meta, source)
-            except (InvalidUpdateError, ValueError, TypeError) as exc:
+                if node in seen:
+                    raise InvalidUpdateError(f"{source}: a second reply from the same node")
+                seen.add(node)
+                metrics = dict(res.metrics) if isinstance(res.metrics, dict) else {}
+                meta = {"client_id": node, "round": server_round,
+                        "partition_id": whole_number(metrics.get(PARTITION_ID))}  # fmt: skip
+                wt = named_arrays(state, res.parameters, source, cast=False)
+                c = check_reply(
+                    node=node, arrays=wt, num_examples=res.num_examples, metrics=metrics, sent=w0,
+                    model_state=state, params=params, policy=self.policy, allowed=self.policy.train_metrics,
+                    metadata=meta, source=source,
+                )  # fmt: skip
+            except (InvalidUpdateError, ValueError, TypeError, KeyError, OverflowError) as exc:
                 log.warning("audit: rejected %s", exc)
-                rejected = {"kind": "rejected", "round": server_round, "node_id": node, "error": str(exc)}
+                rejected = {"kind": "rejected", "round": server_round, "node_id": node,
+                            "error": str(exc)[:2000]}  # fmt: skip
                 self.commit(f"round/{server_round}/reply/{j}/rejected", rejected)
                 continue
-            kept.append((proxy, res))
-            good.append((j, node, update))
+            checked.append((proxy, res, c))
+            good.append((j, node, c.update))
+        common, partial = common_metrics([c for _, _, c in checked])
+        for j, (proxy, _, c) in enumerate(checked):
+            dropped = sorted(set(c.dropped) | set(partial.get(c.node, [])))
+            if dropped or c.clipped:
+                note = {"kind": "sanitised", "round": server_round, "node_id": c.node, "stage": "train",
+                        "dropped_metrics": dropped, "clipped": c.clipped, "norm": c.norm}  # fmt: skip
+                self.commit(f"round/{server_round}/reply/{j}/sanitised", note)
+            arrays = ndarrays_to_parameters([c.weights[k].detach().numpy() for k in state])
+            scalars: dict[str, Scalar] = {
+                k: v for k in sorted(common) if isinstance(v := c.metrics[k], int | float)
+            }
+            kept.append((proxy, FitRes(Status(Code.OK, ""), arrays, c.num_examples, scalars)))
         if self.audits(server_round):
             self.audit(server_round, good, self.model_at(w0), self.attacks, {}, "")
-        return self.strategy.aggregate_fit(server_round, kept, failures)
+        return self.inner(server_round, lambda: self.strategy.aggregate_fit(server_round, kept, failures))
+
+    def inner(
+        self, server_round: int, call: Callable[[], tuple[Parameters | None, dict[str, Scalar]]]
+    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        """The wrapped strategy's aggregation; a failure is recorded and the model left unchanged."""
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - fail closed: the round is skipped, the federation goes on
+            log.error("audit: round %d: the wrapped strategy's aggregation failed: %s", server_round, exc)
+            failed = {"kind": "aggregate_error", "round": server_round, "stage": "train",
+                      "error": f"{type(exc).__name__}: {exc}"[:2000]}  # fmt: skip
+            self.commit(f"round/{server_round}/aggregate_error", failed)
+            return None, {}
 
     def _aggregate_secure(
         self,
@@ -176,15 +225,32 @@ class LegacyAuditStrategy(Auditing, Strategy):
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
         """The one unmasked aggregate: attacked once, scored (with ``truth``) against the union of the
         clients' data by the ``partition-id`` each FitRes still reports in the clear."""
-        count, samples = len(results), sum(int(r.num_examples) for _, r in results)
+        count = len(results)
         meta = {"round": server_round, "secure_aggregation": True}
         source = f"round {server_round}'s SecAgg+ aggregate of {count} clients"
+        state = self.model.state_dict()
+        counts: list[int] = []
+        for proxy, res in results:  # the weights are inside the masked sum: a bad claim cannot be removed
+            try:
+                counts.append(sample_count(res.num_examples, self.policy.max_examples, source))
+            except InvalidUpdateError as exc:
+                counts.append(1)
+                note = {"kind": "unverifiable", "round": server_round, "node_id": int(proxy.node_id),
+                        "error": f"{exc} (under SecAgg+ it is already inside the aggregate)"}  # fmt: skip
+                self.commit(f"round/{server_round}/reply/{len(counts) - 1}/unverifiable", note)
         try:
-            wt = named_arrays(w0, results[0][1].parameters, source)
-            update = weights_update(w0, wt, reference_of(self.model), samples, meta, source)
+            parameters = results[0][1].parameters
+            masked = masked_names(state)
+            names = masked if len(parameters.tensors) == len(masked) else list(state)
+            agg = named_arrays({n: state[n] for n in names}, parameters, source)  # float64 -> model dtypes
+            full = {n: agg[n] if n in agg else w0[n].clone() for n in state}  # integer buffers: as sent
+            check_weights(full, state, w0, max_steps=self.policy.max_local_steps, source=source)
+            params = reference_of(self.model)
+            update = Update({n: full[n] - w0[n] for n in params}, sum(counts), "delta", meta)
+            check_update(update, params, source=source)
         except (InvalidUpdateError, ValueError, TypeError) as exc:
             log.error("audit: %s; the round's model is left unchanged", exc)
-            rejected = {"kind": "rejected", "round": server_round, "node_id": None, "error": str(exc),
+            rejected = {"kind": "rejected", "round": server_round, "node_id": None, "error": str(exc)[:2000],
                         "num_clients": count}  # fmt: skip
             self.commit(f"round/{server_round}/sum/rejected", rejected)
             return None, {}
@@ -196,7 +262,10 @@ class LegacyAuditStrategy(Auditing, Strategy):
                 truth = ImageDataset.concat(known) if known and len(known) == count else None
             self.attack(server_round, "sum", None, update, count, self.model_at(w0), self.attacks, {},
                         aggregate="weighted mean", truth=truth)  # fmt: skip
-        return self.strategy.aggregate_fit(server_round, results, failures)
+        whole = ndarrays_to_parameters([full[n].detach().numpy() for n in state])
+        kept = [(proxy, FitRes(Status(Code.OK, ""), whole, n, {}))
+                for (proxy, _), n in zip(results, counts, strict=True)]  # fmt: skip
+        return self.inner(server_round, lambda: self.strategy.aggregate_fit(server_round, kept, failures))
 
     def configure_evaluate(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager

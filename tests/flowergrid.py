@@ -1,0 +1,60 @@
+"""Flower's Grid over ClientApps called in this process (no SuperLink, no Ray), for tests that drive a
+strategy through Flower's own round loop (imported as ``flowergrid``, a name no other test module has)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.serverapp import Grid
+
+ClientFn = Callable[[Message, Context], Message]
+
+
+class AppGrid(Grid):
+    """Each message goes to ``apps[node]`` with ``partition-id`` = the node's index in ``nodes``; a
+    raising ClientApp becomes an error reply, as Flower's runtime makes it."""
+
+    def __init__(self, apps: dict[int, ClientFn], nodes: tuple[int, ...] | None = None) -> None:
+        self.apps = apps
+        self.nodes = tuple(nodes or sorted(apps))
+        self.sent: list[Message] = []
+
+    @property
+    def run(self):  # type: ignore[override]
+        raise NotImplementedError
+
+    def set_run(self, run):  # noqa: D102
+        raise NotImplementedError
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return Message(
+            content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id, ttl=ttl
+        )
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+    def push_messages(self, messages):
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):
+        raise NotImplementedError
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for msg in messages:
+            self.sent.append(msg)
+            node = msg.metadata.dst_node_id
+            ctx = Context(
+                run_id=1,
+                node_id=node,
+                node_config={"partition-id": self.nodes.index(node)},
+                state=RecordDict(),
+                run_config={},
+            )
+            try:
+                replies.append(self.apps[node](msg, ctx))
+            except Exception as exc:  # what Flower's runtime does with a raising ClientApp
+                replies.append(Message(Error(code=1, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg))
+        return replies
