@@ -51,7 +51,7 @@ def test_a_plugin_given_by_flag_registers_a_dataset_and_model_that_gradleak_run_
 
 def test_the_config_names_its_plugins_relative_to_itself(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # not the config's folder
-    cfg = load_config(CONFIG, FAST)
+    cfg = load_config(CONFIG, FAST, trust_plugins=True)
     assert cfg.experiment.plugins == ["organ_kidney.py"] and cfg.data.dataset == "kidneys"
 
 
@@ -100,7 +100,7 @@ def test_the_config_reports_a_bad_plugin_entry(tmp_path):
     with pytest.raises(ConfigError, match="experiment.plugins must be a list of module names or paths"):
         load_config(CONFIG, ["experiment.plugins='organ_kidney.py'"])
     with pytest.raises(ConfigError, match=r"experiment.plugins: plugin file .*absent\.py does not exist"):
-        load_config(CONFIG, ["experiment.plugins=['absent.py']"])
+        load_config(CONFIG, ["experiment.plugins=['absent.py']"], trust_plugins=True)
 
 
 def test_installed_entry_points_are_loaded_when_a_registry_is_first_used(tmp_path, monkeypatch):

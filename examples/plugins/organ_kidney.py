@@ -5,8 +5,8 @@ hospital builds from its own archive; ``tiny_mlp``: a two-layer perceptron. Use 
 
     gradleak run --plugin examples/plugins/organ_kidney.py examples/plugins/kidney_audit.toml
 
-(the config also names it in ``experiment.plugins``, so ``gradleak run examples/plugins/kidney_audit.toml``
-works alone) and see its entries with ``gradleak list --plugin examples/plugins/organ_kidney.py``.
+(the config also names it in ``experiment.plugins``, so ``gradleak run --trust-config-plugins
+examples/plugins/kidney_audit.toml`` works alone) and see its entries with ``gradleak list --plugin examples/plugins/organ_kidney.py``.
 """
 
 from __future__ import annotations

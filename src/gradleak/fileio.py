@@ -16,14 +16,13 @@ _T = TypeVar("_T")
 def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
     """``write(tmp_path)`` to a unique temporary file beside ``path``, then rename it over ``path``:
     readers see the old file or the new one, never a half-written one; concurrent writers never share a
-    temporary name."""
+    temporary name. The file is its owner's alone (0600, as ``mkstemp`` makes it): gradleak's exports
+    hold clients' images, texts and updates (a reconstruction is the client's data); share one on purpose
+    with ``chmod``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + path.suffix, dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make exports readable by their owner only
     try:
         write(tmp)
         fd = os.open(tmp, os.O_RDONLY)

@@ -43,11 +43,18 @@ class PluginError(ValueError):
     """A plugin that cannot be found or raised while it was imported."""
 
 
-def load_plugin(spec: str, *, base: Path | None = None) -> ModuleType:
+def is_plugin_file(spec: str) -> bool:
+    """Whether a plugin spec names a file (code that travels with a config) rather than a module name."""
+    return spec.endswith(".py") or "/" in spec or "\\" in spec
+
+
+def load_plugin(spec: str, *, base: Path | None = None, search_cwd: bool = True) -> ModuleType:
     """Import plugin ``spec``: a ``.py`` file (relative to ``base``, default the working directory) or a
-    module name importable from the working directory or the environment. Loading one twice is a no-op."""
+    module name importable from the environment or, with ``search_cwd`` (a name the user typed on the
+    command line), from the working directory. Loading one twice is a no-op; ``sys.path`` is left as
+    it was (a working directory left at its front would shadow later imports: opacus, diffusers...)."""
     path = Path(spec)
-    is_file = spec.endswith(".py") or "/" in spec or "\\" in spec
+    is_file = is_plugin_file(spec)
     if is_file:
         path = path if path.is_absolute() else (base or Path.cwd()) / path
         key = str(path.resolve())
@@ -56,7 +63,7 @@ def load_plugin(spec: str, *, base: Path | None = None) -> ModuleType:
     if key in _loaded:
         return _loaded[key]
     try:
-        module = _import_file(path) if is_file else _import_name(spec)
+        module = _import_file(path) if is_file else _import_name(spec, search_cwd)
     except PluginError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever the plugin raised, named with the plugin
@@ -73,8 +80,10 @@ def loaded_sources() -> list[Path]:
     return sorted(Path(f).resolve() for f in files if f)
 
 
-def load_plugins(specs: Iterable[str], *, base: Path | None = None) -> list[ModuleType]:
-    return [load_plugin(s, base=base) for s in specs]
+def load_plugins(
+    specs: Iterable[str], *, base: Path | None = None, search_cwd: bool = True
+) -> list[ModuleType]:
+    return [load_plugin(s, base=base, search_cwd=search_cwd) for s in specs]
 
 
 def _import_file(path: Path) -> ModuleType:
@@ -94,20 +103,23 @@ def _import_file(path: Path) -> ModuleType:
     return module
 
 
-def _import_name(name: str) -> ModuleType:
+def _import_name(name: str, search_cwd: bool = True) -> ModuleType:
     cwd = str(Path.cwd())
-    added = cwd not in sys.path
-    if added:  # `gradleak run --plugin my_module` from the folder that holds my_module.py
+    saved = list(sys.path)
+    if search_cwd and cwd not in sys.path:  # `gradleak run --plugin my_module` beside my_module.py
         sys.path.insert(0, cwd)
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
         if exc.name is not None and name.startswith(exc.name):
+            where = f"{cwd} and the environment" if search_cwd else "the environment"
             raise PluginError(
-                f"plugin module {name!r} not found (looked in {cwd} and the environment); pass a file "
-                "path (--plugin path/to/plugin.py) or install the package that provides it"
+                f"plugin module {name!r} not found (looked in {where}); pass a file path (--plugin "
+                "path/to/plugin.py) or install the package that provides it"
             ) from None
         raise
+    finally:
+        sys.path[:] = saved
 
 
 def load_entry_points() -> list[str]:

@@ -128,13 +128,15 @@ PROBE = """<script>window.addEventListener('load', () => {
     shutil.which("chromium") is None, reason="Debian's chromium is not installed (make browser)"
 )
 def test_the_report_opens_in_a_real_browser_with_every_image_loaded_and_no_console_error(grid_out, tmp_path):
-    """Debian's chromium, headless: the page loads without console messages, its images decode (natural
-    width > 0: a test-only copy adds the probe script, the report has none), a screenshot is kept."""
+    """Debian's chromium, headless: the page loads without console messages, its images decode under the
+    report's Content-Security-Policy (natural width > 0: a test-only copy adds the probe script, and to
+    its policy only the right to run it; the report has none), a screenshot is kept."""
     report = grid_out / "grid" / "report.html"
     probed = tmp_path / "probed.html"
-    probed.write_text(
-        report.read_text(encoding="utf-8").replace("</body>", PROBE + "</body>"), encoding="utf-8"
-    )
+    page = report.read_text(encoding="utf-8")
+    assert page.count("default-src 'none'") == 1  # the policy the report ships
+    page = page.replace("default-src 'none';", "default-src 'none'; script-src 'unsafe-inline';")
+    probed.write_text(page.replace("</body>", PROBE + "</body>"), encoding="utf-8")
     flags = [
         "--headless=new",
         "--no-sandbox",

@@ -54,7 +54,8 @@ def model():
 
 def train_message(content: RecordDict) -> Message:
     metadata = Metadata(run_id=1, message_id="m", src_node_id=1, dst_node_id=5, reply_to_message_id="",
-                        group_id="1", created_at=time.time(), ttl=600.0, message_type=MessageType.TRAIN)  # fmt: skip
+                        group_id="1", created_at=time.time(), ttl=600.0,
+                        message_type=MessageType.TRAIN)  # fmt: skip
     return Message(content, metadata=metadata)
 
 
@@ -71,8 +72,8 @@ def test_a_pickled_module_from_the_server_never_runs_on_a_deployed_client(tmp_pa
         "config": ConfigRecord({"server-round": 1}),
         ARCHITECTURE: ConfigRecord({field: payload(marker)}),
     })  # fmt: skip
-    app = client_app([synthetic_dataset(n=4, shape=SHAPE, classes=CLASSES)], model, LocalTraining(batch_size=4),
-                     accept_architecture=accept)  # fmt: skip
+    data = [synthetic_dataset(n=4, shape=SHAPE, classes=CLASSES)]
+    app = client_app(data, model, LocalTraining(batch_size=4), accept_architecture=accept)
     with pytest.raises((ArchitectureRefused, ArchitectureError)) as err:
         app(train_message(content), context())
     assert not marker.exists()  # the old client_app created it while loading the record
@@ -114,18 +115,20 @@ def spec_of(node) -> str:
 BLOCK = {"feature_dim": 144, "num_bins": 8, "groups": 1, "front": {"kind": "flatten", "start": 1, "end": -1}}
 
 
+def imprint(**block) -> dict:
+    return {"kind": "imprint", "block": {**BLOCK, **block}, "body": {"kind": "own"}}
+
+
 @pytest.mark.parametrize(
     ("node", "reason"),
     [
-        ({"kind": "imprint", "block": {**BLOCK, "num_bins": 2**20}, "body": {"kind": "own"}}, "size limit"),
-        ({"kind": "imprint", "block": {**BLOCK, "front": {"kind": "linear", "in": 2**24, "out": 2**24,
-                                                          "bias": True}}, "body": {"kind": "own"}}, "size limit"),
-        ({"kind": "imprint", "block": {**BLOCK, "front": {"kind": "eval", "code": "1"}}, "body": {"kind": "own"}},
-         "unknown layer kind"),
+        (imprint(num_bins=2**20), "size limit"),
+        (imprint(front={"kind": "linear", "in": 2**24, "out": 2**24, "bias": True}), "size limit"),
+        (imprint(front={"kind": "eval", "code": "1"}), "unknown layer kind"),
         ({"kind": "module", "path": "os.system"}, "unknown spec node kind"),
         ({"kind": "registered", "name": "sme_cnn", "input_shape": [1, 12, 12], "num_classes": 3, "seed": 0,
           "options": {}}, "only its own model"),
-        ({"kind": "imprint", "block": {**BLOCK, "num_bins": -1}, "body": {"kind": "own"}}, "num_bins"),
+        (imprint(num_bins=-1), "num_bins"),
         ({"kind": "imprint", "block": BLOCK, "body": {"kind": "own", "extra": 1}}, "bad spec node"),
     ],
 )  # fmt: skip

@@ -32,6 +32,11 @@ def add_plugin_arg(p: argparse.ArgumentParser) -> None:
         help="import a module (name, or path to a .py file) that registers data sets, models, attacks or "
         "defenses before the config is read; repeatable",
     )  # fmt: skip
+    p.add_argument(
+        "--trust-config-plugins", action="store_true",
+        help="load the .py files the config's experiment.plugins names (code that comes with the config: "
+        "refused by default)",
+    )  # fmt: skip
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
@@ -133,7 +138,7 @@ def _pm(row: dict[str, Any], key: str) -> str:
 
 def handle(args: argparse.Namespace) -> int:
     load_plugins(args.plugin)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, trust_plugins=args.trust_config_plugins)
     if cfg.grid.defenses:
         execute_grid(cfg, args)
     else:

@@ -103,9 +103,12 @@ class DefenseFailure(RuntimeError):
 
 
 class Defense:
-    """Base class with no-op hooks; subclasses override what they need."""
+    """Base class with no-op hooks; subclasses override what they need. ``differential_privacy``: the
+    defense's noise is calibrated to a stated guarantee on the model's *parameters* (DP-SGD, update DP);
+    buffers such as BatchNorm's running statistics are outside it (:func:`statistics_note`)."""
 
     name: str = "defense"
+    differential_privacy: bool = False
 
     def setup(self, model: nn.Module, *, generator: torch.Generator) -> None:
         """Called once per local training run, before the first step. Subclasses may add a keyword-only
@@ -136,6 +139,32 @@ def accepts(defense: Defense, name: str) -> bool:
 def accepts_data(defense: Defense) -> bool:
     """Whether ``defense.setup`` takes the client's data: it declares ``data`` (or ``**kwargs``)."""
     return accepts(defense, "data")
+
+
+STATISTICS = ("send", "withhold")
+"""What a Flower reply does with a model's floating buffers (BatchNorm's running mean and variance):
+``send`` them as trained (the default: the global statistics follow the clients'), or ``withhold`` them
+(reply with the statistics the server sent; FedBN's choice, Li et al. 2021, where they stay local)."""
+
+
+def check_statistics(statistics: str) -> str:
+    if statistics not in STATISTICS:
+        raise ValueError(f"statistics must be one of {STATISTICS}, got {statistics!r}")
+    return statistics
+
+
+def statistics_note(defenses: Sequence[Defense], buffers: Sequence[str], statistics: str) -> str | None:
+    """The warning due when a differentially private defense protects the parameters while floating
+    buffers computed from the client's data (BatchNorm's running statistics) leave the client un-noised:
+    the stated epsilon does not cover them. None when nothing is uncovered."""
+    private = [d.name for d in defenses if d.differential_privacy]
+    if not private or not buffers or statistics != "send":
+        return None
+    return (
+        f"{', '.join(private)}: the stated epsilon covers the model's parameters only; the buffers "
+        f"{list(buffers)[:4]} (running statistics of this client's data) leave un-noised. Use GroupNorm "
+        "instead of BatchNorm, or statistics='withhold' (FedBN: the statistics stay on the client)"
+    )
 
 
 class DefenseChain:

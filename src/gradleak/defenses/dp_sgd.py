@@ -34,6 +34,7 @@ equal-length samples.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -93,6 +94,13 @@ class DPSGDConfig:
             raise ValueError(f"dp_sgd accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}")
         if self.sample_rate is not None and not 0 < self.sample_rate <= 1:
             raise ValueError(f"dp_sgd sample_rate must be in (0, 1], got {self.sample_rate}")
+        if self.secure_mode and importlib.util.find_spec("torchcsprng") is None:
+            raise ValueError(
+                "dp_sgd secure_mode=True needs torchcsprng (Opacus draws its floating-point-safe noise from "
+                "it), which is not installed and whose last release (2021) predates this torch; refused "
+                "rather than run as if secure. Without it the noise comes from a torch generator seeded "
+                "from the operating system (deployment) or from the experiment's seed (simulation)"
+            )
 
 
 @functools.lru_cache(maxsize=256)
@@ -175,6 +183,7 @@ class DPSGD(Defense):
     """Opacus DP-SGD in the client's loop: see the module docstring."""
 
     name = "dp_sgd"
+    differential_privacy = True
 
     def __init__(self, config: DPSGDConfig | None = None) -> None:
         self.config = config or DPSGDConfig()

@@ -27,6 +27,7 @@ through it.
 from __future__ import annotations
 
 import copy
+import logging
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -34,11 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure
+from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure, check_statistics, statistics_note
 from gradleak.defenses.presets import preset_of
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
 from gradleak.validation import InvalidUpdateError, check_update
+
+log = logging.getLogger(__name__)
 
 DefenseSpec = Defense | str | tuple[str, Mapping[str, Any]]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -84,6 +87,8 @@ class DefendedLoop:
         # w_0 for the FedAvg delta (FedSGD needs no copy of the weights)
         self.w0 = {n: p.detach().clone() for n, p in model.named_parameters()} if optimizer else None
         self.reference = {n: p.detach() for n, p in model.named_parameters()}  # names, shapes, dtypes
+        params = set(self.reference)
+        self.b0 = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in params}
         self._guard(lambda: self.chain.setup(model, generator=generator, data=data, train_data=train_data))  # type: ignore[arg-type]
         self.optimizer: torch.optim.Optimizer | None = None
         if optimizer is not None:
@@ -150,14 +155,24 @@ class DefendedLoop:
         meta = {"local_steps": self.steps, **dict(metadata or {})}
         return self._send(Update(delta, num_samples, kind="delta", metadata=meta))
 
-    def weights(self, num_samples: int) -> dict[str, torch.Tensor]:
+    def weights(self, num_samples: int, *, statistics: str = "send") -> dict[str, torch.Tensor]:
         """What a Flower ClientApp replies with: ``w_0 +`` the defended update (so ``on_update`` and the
-        validation run, as for :meth:`update`) for every parameter, and the model's buffers as trained."""
+        validation run, as for :meth:`update`) for every parameter, and the model's buffers as trained
+        (``statistics="send"``) or as they were when :func:`defend` was called (``"withhold"``, FedBN:
+        the running statistics of this client's data stay here). A differentially private defense's
+        epsilon covers the parameters only: with ``send`` and BatchNorm statistics, a warning says so."""
+        check_statistics(statistics)
         defended = self.update(num_samples)
         w0 = self.w0 or {}
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         for name, delta in defended.tensors.items():
             state[name] = w0[name] + delta
+        floating = [k for k, v in self.b0.items() if v.is_floating_point()]
+        note = statistics_note(self.chain.defenses, floating, statistics)
+        if note is not None:
+            log.warning("%s: %s", self.source, note)
+        if statistics == "withhold":
+            state.update({k: v.clone() for k, v in self.b0.items()})
         return state
 
     def gradient(self, num_samples: int, metadata: Mapping[str, object] | None = None) -> Update:

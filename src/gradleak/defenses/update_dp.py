@@ -80,6 +80,7 @@ class UpdateNoiseConfig:
 
 class UpdateNoise(Defense):
     name = "update_noise"
+    differential_privacy = True
 
     def __init__(self, config: UpdateNoiseConfig) -> None:
         self.config = config

@@ -32,10 +32,11 @@ from gradleak.fl.engines import FederationCheck
 from gradleak.fl.server import clients_per_round, update_kind
 from gradleak.fl.simulation import PICKS, FLConfig
 from gradleak.options import OptionError, check_value
-from gradleak.plugins import PluginError, load_plugins
+from gradleak.plugins import PluginError, is_plugin_file, load_plugins
 from gradleak.registry import ATTACKS, DATASETS, DEFENSES, ENGINES, MODELS, Registry
 from gradleak.text.models import TASKS as TEXT_TASKS
 from gradleak.types import AttackNeeds, LocalTraining
+from gradleak.validation import safe_name
 
 
 class ConfigError(ValueError):
@@ -62,16 +63,24 @@ class ComponentSpec:
 
 @dataclass(frozen=True)
 class ExperimentSection:
-    """``plugins``: modules (names, or ``.py`` paths relative to the config file) imported before the rest
-    of the config is read, so that it can name the data sets, models, attacks and defenses they register
-    (:mod:`gradleak.plugins`)."""
+    """``name``: the run's name, also its output folder's (letters, digits, ``.``, ``_``, ``-``; no path).
+    ``plugins``: modules (installed module names, or ``.py`` paths relative to the config file, which load
+    only when the caller trusts the config's code: ``gradleak run --trust-config-plugins``) imported before
+    the rest of the config is read, so that it can name the data sets, models, attacks and defenses they
+    register (:mod:`gradleak.plugins`). ``resource_limits``: refuse a run whose estimated cost does not fit
+    this machine (:mod:`gradleak.experiments.resources`); false runs it anyway."""
 
     name: str = "experiment"
     seed: int = 0
     data_root: str | None = None
     plugins: list[str] = field(default_factory=list)
+    resource_limits: bool = True
 
     def __post_init__(self) -> None:
+        try:
+            safe_name(self.name, "experiment.name")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if not isinstance(self.plugins, list) or not all(isinstance(p, str) and p for p in self.plugins):
             raise ConfigError(
                 f"experiment.plugins must be a list of module names or paths, got {self.plugins!r}"
@@ -94,8 +103,9 @@ class DataSection:
     def __post_init__(self) -> None:
         if not 0.0 < self.holdout < 1.0:
             raise ConfigError(f"data.holdout must be in (0, 1), got {self.holdout}")
-        if self.num_clients < 1:
-            raise ConfigError(f"data.num_clients must be >= 1, got {self.num_clients}")
+        n = self.num_clients
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"data.num_clients must be an int >= 1, got {self.num_clients!r}")
         for key in ("train_limit", "test_limit"):
             v = getattr(self, key)
             if v is not None and v < 1:
@@ -465,9 +475,15 @@ def read_toml(path: str | Path, what: str) -> dict[str, Any]:
 
 
 def load_config(
-    source: str | Path | Mapping[str, Any], overrides: list[str] | None = None
+    source: str | Path | Mapping[str, Any],
+    overrides: list[str] | None = None,
+    *,
+    trust_plugins: bool = False,
 ) -> ExperimentConfig:
-    """Parse a TOML file (or an already-loaded mapping), apply overrides, validate everything."""
+    """Parse a TOML file (or an already-loaded mapping), apply overrides, validate everything.
+
+    ``experiment.plugins`` that name a file (code that comes with the config) load only with
+    ``trust_plugins``; installed module names load always (installed code is already trusted)."""
     raw = _plain(dict(source)) if isinstance(source, Mapping) else read_toml(source, "config file")
     raw = apply_overrides(raw, overrides or [])
     plugins = (
@@ -475,8 +491,16 @@ def load_config(
     )
     if not isinstance(plugins, list) or not all(isinstance(p, str) and p for p in plugins):
         raise ConfigError(f"experiment.plugins must be a list of module names or paths, got {plugins!r}")
+    files = [p for p in plugins if is_plugin_file(p)]
+    if files and not trust_plugins:
+        raise ConfigError(
+            f"experiment.plugins names code files {files}: a config cannot run code unless you trust it "
+            "(gradleak run --trust-config-plugins, or load_config(..., trust_plugins=True)); or pass them "
+            "yourself with --plugin"
+        )
     try:  # before the rest is validated: the config may name what they register
-        load_plugins(plugins, base=None if isinstance(source, Mapping) else Path(source).parent)
+        base = None if isinstance(source, Mapping) else Path(source).parent
+        load_plugins(plugins, base=base, search_cwd=False)
     except PluginError as exc:
         raise ConfigError(f"experiment.plugins: {exc}") from None
     try:

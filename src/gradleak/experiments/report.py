@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import html
+import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from gradleak.experiments import columns
 from gradleak.experiments.config import ComponentSpec, cell_label, defenses_label
 from gradleak.experiments.store import ResultStore, RunRow
 from gradleak.registry import ATTACKS, DEFENSES
+from gradleak.validation import RUN_ID
 
 CSS = """
 body { font-family: sans-serif; max-width: 72rem; margin: 2rem auto; color: #111; line-height: 1.4; }
@@ -199,7 +201,8 @@ def _texts(rows: Sequence[dict[str, Any]]) -> list[str]:
         if rec is None:
             continue
         who = "secure-aggregation sum" if rec.get("aggregated") else f"client {rec.get('client_id')}"
-        out.append(f"<h3>{html.escape(row['defense'])}: {html.escape(row['attack'])} on {who}</h3>")
+        title = f"{row['defense']}: {row['attack']} on {who}"
+        out.append(f"<h3>{html.escape(title)}</h3>")
         out.append("<table class='texts'><tr><th>true sequence</th><th>its matched reconstruction</th></tr>")
         truth, matched = rec["true_texts"], rec.get("matched_texts") or []
         for k, t in enumerate(truth):
@@ -287,6 +290,27 @@ def _fl_seconds(store: ResultStore, run: RunRow) -> float:
     return float(summary.get("fl_seconds", 0.0))
 
 
+FIGURE_NAME = re.compile(r"reconstructions_\d{1,6}_\d{1,6}\.png")  # what the runner writes, nothing else
+CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; base-uri 'none'; form-action 'none'"
+"""The report's Content-Security-Policy: its inline style, inline SVG and data-URI images, and nothing
+that runs or loads (a field a store smuggled past the escaping still could not execute or call home)."""
+
+
+def figure_path(figures: Path, run_id: object, name: object) -> Path | None:
+    """The figure a record names, only inside its run's own folder under ``figures`` and only by the name
+    pattern the runner writes (a store is a file anyone may hand you: ``figure = "/etc/passwd"`` or
+    ``"../../x"``, or such a ``run_id``, embedded another file in the report)."""
+    if not isinstance(name, str) or not FIGURE_NAME.fullmatch(name):
+        return None
+    if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
+        return None
+    folder = (figures / run_id).resolve()
+    path = (folder / name).resolve()
+    if folder.parent != figures.resolve() or path.parent != folder or not path.is_file():
+        return None
+    return path
+
+
 def _figure(path: Path, caption: str) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
     return (f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
@@ -303,6 +327,7 @@ def render(store: ResultStore, run_ids: Sequence[str], figures: Path | None = No
     runs = [by_id[r] for r in run_ids]
     rows = verdict_rows(store, runs)
     out = ["<!doctype html><html lang='en'><head><meta charset='utf-8'>",
+           f'<meta http-equiv="Content-Security-Policy" content="{CSP}">',
            "<title>gradleak audit report</title>", f"<style>{CSS}</style></head><body>",
            "<h1>Gradient-leakage audit</h1>",
            f"<p>Generated {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC from {html.escape(str(store.path))}; "
@@ -339,9 +364,8 @@ def render(store: ResultStore, run_ids: Sequence[str], figures: Path | None = No
     shown = 0
     for row in rows:
         for r in row["records"]:
-            name = r.get("figure")
-            path = None if figures is None or not name else figures / row["run_id"] / name
-            if path is not None and path.is_file():
+            path = None if figures is None else figure_path(figures, row["run_id"], r.get("figure"))
+            if path is not None:
                 who = "secure-aggregation sum" if r.get("aggregated") else f"client {r.get('client_id')}"
                 out.append(_figure(path, f"{row['defense']}: {row['attack']} on {who}, originals above "
                                          "reconstructions, PSNR per image"))  # fmt: skip

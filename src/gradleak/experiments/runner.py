@@ -40,6 +40,7 @@ from gradleak.defenses.base import claims, composed_claims
 from gradleak.defenses.in_loop import build_defenses
 from gradleak.experiments.config import ConfigError, ExperimentConfig
 from gradleak.experiments.figures import save_reconstruction_grid
+from gradleak.experiments.resources import ResourceError, check_resources
 from gradleak.experiments.setup import build_setup, concat
 from gradleak.experiments.store import Checkpoint, ResultStore, RunRow, normalise
 from gradleak.fl import FederatedSimulation, derive_seed, server_view
@@ -383,6 +384,10 @@ class _Run:
         seed = cfg.experiment.seed
         self.setup = build_setup(cfg)  # data, model, task and scoring of the data set's modality
         self.train, self.test = self.setup.train, self.setup.test
+        try:  # before the partition and any round: a run that cannot fit here is refused now
+            check_resources(cfg, self.setup.model, len(self.train))
+        except ResourceError as exc:
+            raise ConfigError(str(exc)) from None
         public = self.setup.public
         self.public = public.images if public is not None and any_model_modifying(cfg) else None
         try:  # data-dependent feasibility (enough samples per class and client): known only with the data

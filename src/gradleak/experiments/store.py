@@ -244,6 +244,10 @@ class ResultStore:
     def _connect(self, create: bool = True) -> Iterator[sqlite3.Connection]:
         if create:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:  # a new store is its owner's alone: its records hold clients' texts and scores
+                os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            except FileExistsError:
+                pass
         elif not self.path.exists():
             raise StoreError(f"results store {self.path} does not exist")
         try:

@@ -70,6 +70,15 @@ def _partition(res: FitRes) -> int | None:
     return whole_number(res.metrics.get(PARTITION_ID)) if isinstance(res.metrics, dict) else None
 
 
+def legacy_parameters(weights: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> Parameters:
+    """Checked weights as legacy ``Parameters`` in ``state`` order, integer arrays as float64: Flower's
+    legacy FedAvg aggregates in place into the first reply's arrays, which truncates an int64 counter's
+    weighted share to 0 (BatchNorm's ``num_batches_tracked`` was reset every round); the next round's
+    arrays are cast back to the model's dtypes when they are checked."""
+    arrays = [weights[k].detach() for k in state]
+    return ndarrays_to_parameters([(t if t.is_floating_point() else t.double()).numpy() for t in arrays])
+
+
 class LegacyAuditStrategy(Auditing, Strategy):
     """Wrap a legacy Flower ``strategy``; audit what its ``aggregate_fit`` receives (module docstring)."""
 
@@ -194,7 +203,7 @@ class LegacyAuditStrategy(Auditing, Strategy):
                 note = {"kind": "sanitised", "round": server_round, "node_id": c.node, "stage": "train",
                         "dropped_metrics": dropped, "clipped": c.clipped, "norm": c.norm}  # fmt: skip
                 self.commit(f"round/{server_round}/reply/{j}/sanitised", note)
-            arrays = ndarrays_to_parameters([c.weights[k].detach().numpy() for k in state])
+            arrays = legacy_parameters(c.weights, state)
             scalars: dict[str, Scalar] = {
                 k: v for k in sorted(common) if isinstance(v := c.metrics[k], int | float)
             }
@@ -262,7 +271,7 @@ class LegacyAuditStrategy(Auditing, Strategy):
                 truth = ImageDataset.concat(known) if known and len(known) == count else None
             self.attack(server_round, "sum", None, update, count, self.model_at(w0), self.attacks, {},
                         aggregate="weighted mean", truth=truth)  # fmt: skip
-        whole = ndarrays_to_parameters([full[n].detach().numpy() for n in state])
+        whole = legacy_parameters(full, state)
         kept = [(proxy, FitRes(Status(Code.OK, ""), whole, n, {}))
                 for (proxy, _), n in zip(results, counts, strict=True)]  # fmt: skip
         return self.inner(server_round, lambda: self.strategy.aggregate_fit(server_round, kept, failures))

@@ -26,21 +26,23 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 from torch import nn
 
-from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure
+from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure, check_statistics, statistics_note
 from gradleak.defenses.in_loop import DefenseSpec, build_defenses, private_generator
 from gradleak.fl.simulation import derive_seed
+from gradleak.integrations.flower.replies import NUM_EXAMPLES, whole_number
 from gradleak.types import Update
 from gradleak.validation import InvalidUpdateError, check_update
 
 log = logging.getLogger(__name__)
 
-NUM_EXAMPLES = "num-examples"  # the MetricRecord key Flower's strategies weight by
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")  # BatchNorm statistics
 
 
 def reply_metric(reply: Message, key: str) -> int | None:
-    """An int metric of a ClientApp's reply (``num-examples``, ``partition-id``), from any MetricRecord."""
-    return next((int(m[key]) for m in reply.content.metric_records.values() if key in m), None)  # type: ignore[arg-type]
+    """A whole-number metric of a ClientApp's reply (``num-examples``, ``partition-id``), from any
+    MetricRecord; None when absent or not a whole number."""
+    value = next((m[key] for m in reply.content.metric_records.values() if key in m), None)
+    return whole_number(value)
 
 
 class UnsupportedModError(ValueError):
@@ -62,12 +64,19 @@ class DefenseMod:
     explicit ``seed`` makes it reproducible per node and round (``derive_seed(seed, node_id, round)``, the
     round from the message's ``group_id``) for experiments only: such noise can be subtracted.
     BatchNorm buffers (``running_mean``, ``running_var``, ``num_batches_tracked``) are statistics, not
-    weights: they are checked (finite, as sent) and passed through, not clipped or noised.
+    weights: they are checked (finite, as sent) and passed through as trained (``statistics="send"``), not
+    clipped or noised, so a differentially private defense's epsilon does not cover them (a warning says
+    so); ``statistics="withhold"`` replies with the statistics the server sent instead (FedBN: this
+    client's stay local). The reply's arrays keep the dtypes the ClientApp produced (its model's), whatever
+    dtype the server's strategy sent (Flower's FedAvg sends an averaged int64 counter back as float64).
     """
 
-    def __init__(self, defenses: Sequence[DefenseSpec], *, seed: int | None = None) -> None:
+    def __init__(
+        self, defenses: Sequence[DefenseSpec], *, seed: int | None = None, statistics: str = "send"
+    ) -> None:
         self.specs = list(defenses)
         self.seed = seed
+        self.statistics = check_statistics(statistics)
         if seed is not None:
             log.warning(
                 "DefenseMod(seed=%d): reproducible noise is predictable noise; experiments only", seed
@@ -115,20 +124,32 @@ class DefenseMod:
         ctx: Context,
         msg: Message,
     ) -> dict[str, torch.Tensor]:
-        floats = {n: t for n, t in w0.items() if t.is_floating_point() and not n.endswith(BUFFER_SUFFIXES)}
+        # the ClientApp's dtypes (its model's): the server's may differ (FedAvg's float64 counter)
+        floats = {
+            n: w0[n].to(t.dtype)
+            for n, t in wt.items()
+            if t.is_floating_point() and not n.endswith(BUFFER_SUFFIXES)
+        }
         buffers = {n: wt[n] for n in w0 if n not in floats}
         bad = [n for n, t in buffers.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
         if bad:
             raise InvalidUpdateError(f"node {ctx.node_id}: buffers {bad[:3]} hold non-finite values")
         source = f"node {ctx.node_id}, round {msg.metadata.group_id or '?'}"
-        delta = {n: wt[n].to(t.dtype) - t for n, t in floats.items()}
-        update = Update(delta, reply_metric(reply, NUM_EXAMPLES) or 1, "delta", {"node_id": ctx.node_id})
+        delta = {n: wt[n] - t for n, t in floats.items()}
+        samples = reply_metric(reply, NUM_EXAMPLES) or 1
+        update = Update(delta, samples, "delta", {"node_id": ctx.node_id})
         check_update(update, floats, source=source)  # what the ClientApp produced
         chain = DefenseChain(build_defenses(self.specs))  # fresh per message: no state across rounds
+        note = statistics_note(chain.defenses, [n for n, t in buffers.items() if t.is_floating_point()],
+                               self.statistics)  # fmt: skip
+        if note is not None:
+            log.warning("gradleak DefenseMod, node %s: %s", ctx.node_id, note)
         chain.setup(nn.Module(), generator=self._generator(ctx, msg))
         out = chain.on_update(update)
         check_update(out, floats, source=source)
-        return {name: (w0[name] + out.tensors[name]) if name in floats else wt[name] for name in w0}
+        withhold = self.statistics == "withhold"
+        kept = {n: w0[n].to(t.dtype) for n, t in buffers.items()} if withhold else buffers
+        return {name: (floats[name] + out.tensors[name]) if name in floats else kept[name] for name in w0}
 
     def _generator(self, ctx: Context, msg: Message) -> torch.Generator:
         if self.seed is None:
