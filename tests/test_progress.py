@@ -40,10 +40,13 @@ def test_an_attack_shows_its_bar_only_when_bars_are_on(capsys):
 
 
 def test_the_command_shows_bars_unless_quiet(tmp_path, capsys):
-    assert main(["run", str(CONFIG), *FAST, "--out", str(tmp_path / "a")]) == 0
+    assert main(["run", "--trust-config-plugins", str(CONFIG), *FAST, "--out", str(tmp_path / "a")]) == 0
     err = capsys.readouterr().err
     assert "FL rounds" in err and "IG" in err
-    assert main(["--quiet", "run", str(CONFIG), *FAST, "--out", str(tmp_path / "b")]) == 0
+    assert (
+        main(["--quiet", "run", "--trust-config-plugins", str(CONFIG), *FAST, "--out", str(tmp_path / "b")])
+        == 0
+    )
     err = capsys.readouterr().err
     assert "FL rounds" not in err and "IG" not in err
     assert not progress.enabled()  # the command does not leave the switch on

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from gradleak.types import Update
 
 
-SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=-]{0,199}")
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=-]{0,254}")
 """Names that become file and folder names (a run's name, its id): no separator, no leading dot, no
 ``..``; a name from a config or a store cannot point a write or a read outside its folder."""
 
@@ -38,8 +38,8 @@ def safe_name(value: object, what: str) -> str:
     """``value`` if it is a :data:`SAFE_NAME`; else a ValueError naming ``what`` and the rule."""
     if not isinstance(value, str) or not SAFE_NAME.fullmatch(value) or ".." in value:
         raise ValueError(
-            f"{what} must be 1-128 letters, digits, '.', '_' or '-' (starting with a letter or digit, no "
-            f"'..'), got {value!r}"[:300]
+            f"{what} must be 1-200 letters, digits, '.', '_', '=' or '-' (starting with a letter or digit, "
+            f"no '..'), got {value!r}"[:300]
         )
     return value
 

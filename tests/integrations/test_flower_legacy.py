@@ -16,7 +16,7 @@ flwr = pytest.importorskip("flwr")
 
 import flwr.compat.common.recorddict_compat as compat  # noqa: E402
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict  # noqa: E402
-from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters  # noqa: E402
+from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters  # noqa: E402
 from flwr.server.client_proxy import ClientProxy  # noqa: E402
 from flwr.server.strategy import FedAvg  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402

@@ -85,7 +85,8 @@ def one_round(strategy: AuditStrategy, hostile: RecordDict | None = None, count=
     """Round 1 with the honest nodes 11 and 12 (shift +0.01, 4 samples each) and node 13 sending
     ``hostile`` (or weights +100 claiming ``count`` samples, with ``extra`` metrics)."""
     w0 = new_model().state_dict()
-    sent = list(strategy.configure_train(1, ArrayRecord(torch_state_dict=w0), ConfigRecord(), AppGrid({}, NODES)))
+    grid = AppGrid({}, NODES)
+    sent = list(strategy.configure_train(1, ArrayRecord(torch_state_dict=w0), ConfigRecord(), grid))
     replies = []
     for msg in sent:
         node = msg.metadata.dst_node_id
@@ -177,7 +178,8 @@ def test_a_failing_wrapped_strategy_is_recorded_and_the_round_skipped(tmp_path):
 def test_replies_from_nodes_not_asked_or_twice_are_rejected(tmp_path):
     strategy, _ = wrapped(tmp_path)
     w0 = new_model().state_dict()
-    sent = list(strategy.configure_train(1, ArrayRecord(torch_state_dict=w0), ConfigRecord(), AppGrid({}, NODES)))
+    grid = AppGrid({}, NODES)
+    sent = list(strategy.configure_train(1, ArrayRecord(torch_state_dict=w0), ConfigRecord(), grid))
     replies = [Message(shifted(m, 0.01, {"num-examples": 4}), reply_to=m) for m in sent]
     replies.append(Message(shifted(sent[0], 50.0, {"num-examples": 4}), reply_to=sent[0]))
     stranger = Message(shifted(sent[1], 50.0, {"num-examples": 4}), reply_to=sent[1])

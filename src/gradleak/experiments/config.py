@@ -63,7 +63,8 @@ class ComponentSpec:
 
 @dataclass(frozen=True)
 class ExperimentSection:
-    """``name``: the run's name, also its output folder's (letters, digits, ``.``, ``_``, ``-``; no path).
+    """``name``: the run's name, also its output folder's (letters, digits, ``.``, ``_``, ``=``, ``-``; no
+    path).
     ``plugins``: modules (installed module names, or ``.py`` paths relative to the config file, which load
     only when the caller trusts the config's code: ``gradleak run --trust-config-plugins``) imported before
     the rest of the config is read, so that it can name the data sets, models, attacks and defenses they
