@@ -20,8 +20,8 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from gradleak.attacks import create_attack  # noqa: E402
+from gradleak.audit import audit_generators, score_reconstruction  # noqa: E402
 from gradleak.defenses.in_loop import defend  # noqa: E402
-from gradleak.experiments.setup import score_reconstruction  # noqa: E402
 from gradleak.experiments.store import ResultStore  # noqa: E402
 from gradleak.fl.simulation import derive_seed  # noqa: E402
 from gradleak.integrations.flower import AuditStrategy  # noqa: E402
@@ -133,10 +133,12 @@ def test_the_wrapper_records_what_the_in_process_attack_gives_on_the_same_update
     update = Update({n: wt[n] - w0[n] for n, _ in model.named_parameters()}, 4, "delta", {"client_id": 12})
     rec = create_attack(IG[0], **IG[1]).reconstruct(
         Observation(model, update, SHAPE, CLASSES),
-        generator=torch.Generator().manual_seed(derive_seed(0, 1, 12, 0)),
+        generator=audit_generators(
+            0, 0, next(r for r in records if (r["round"], r["node_id"]) == (1, 12))["audit_index"]
+        )[0],
     )
-    expected = score_reconstruction(rec, DATA[12])
     got = next(r for r in records if (r["round"], r["node_id"]) == (1, 12))
+    expected = score_reconstruction(rec, DATA[12])
     assert got["matching_loss"] == pytest.approx(rec.stats["matching_loss"], rel=1e-6)
     assert got["psnr"] == pytest.approx(expected["psnr"], rel=1e-5) and got["reconstructed"] == 4
     assert result.arrays is not None  # the wrapped strategy still aggregated

@@ -22,11 +22,11 @@ from flwr.server.strategy import FedAvg  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from gradleak.attacks import create_attack  # noqa: E402
+from gradleak.audit import audit_generators, score_reconstruction  # noqa: E402
 from gradleak.data.base import ImageDataset  # noqa: E402
-from gradleak.experiments.setup import score_reconstruction  # noqa: E402
 from gradleak.experiments.store import ResultStore  # noqa: E402
 from gradleak.fl.engines import SecAggPlusConfig  # noqa: E402
-from gradleak.fl.simulation import ClientTask, derive_seed  # noqa: E402
+from gradleak.fl.simulation import ClientTask  # noqa: E402
 from gradleak.integrations.flower import LegacyAuditStrategy  # noqa: E402
 from gradleak.integrations.flower.apps import (  # noqa: E402
     SECAGG_STATE,
@@ -120,9 +120,9 @@ def test_each_fitres_is_attacked_and_a_bad_one_is_rejected_and_not_aggregated(tm
     model = new_model().eval()
     wt = named_arrays(w0, ndarrays_to_parameters(weights(0.01)), "node 11")
     update = Update({n: wt[n] - w0[n] for n, _ in model.named_parameters()}, 4, "delta", {})
-    gen = torch.Generator().manual_seed(derive_seed(3, 1, 11, 0))
-    rec = create_attack(IG[0], **IG[1]).reconstruct(Observation(model, update, SHAPE, CLASSES), generator=gen)
     node11 = next(r for r in attacks if r["node_id"] == 11)
+    gen, _ = audit_generators(3, 0, node11["audit_index"])  # the audit's seed rule (gradleak.audit)
+    rec = create_attack(IG[0], **IG[1]).reconstruct(Observation(model, update, SHAPE, CLASSES), generator=gen)
     assert node11["matching_loss"] == pytest.approx(rec.stats["matching_loss"], rel=1e-6)
 
 
@@ -145,7 +145,7 @@ def test_a_secagg_aggregate_is_attacked_once_and_an_invalid_one_is_never_applied
     update = Update({n: agg[n] - w0[n] for n, _ in model.named_parameters()}, 9, "delta", {})
     obs = Observation(model, update, SHAPE, CLASSES, aggregated=True, num_clients=3)
     rec = create_attack(IG[0], **IG[1]).reconstruct(
-        obs, generator=torch.Generator().manual_seed(derive_seed(3, 1, 0, 0))
+        obs, generator=audit_generators(3, 0, record["audit_index"])[0]
     )
     assert record["matching_loss"] == pytest.approx(rec.stats["matching_loss"], rel=1e-6)
     union = ImageDataset.concat([data[0], data[1], data[2]])

@@ -23,7 +23,10 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from gradleak.attacks import create_attack  # noqa: E402
-from gradleak.experiments.setup import score_reconstruction  # noqa: E402
+from gradleak.audit import (
+    audit_generators,  # noqa: E402
+    score_reconstruction,  # noqa: E402
+)
 from gradleak.experiments.store import ResultStore  # noqa: E402
 from gradleak.fl import train_client  # noqa: E402
 from gradleak.fl.simulation import derive_seed  # noqa: E402
@@ -130,7 +133,7 @@ def test_the_planted_node_is_attacked_with_the_secrets_and_left_out_of_the_aggre
         derive_seed(SEED, 0xBAD, 1)))  # fmt: skip
     update = local(k, copy.deepcopy(broadcast)).update
     obs = Observation(broadcast.eval(), update, SHAPE, CLASSES, TRAINING, secrets=secrets)
-    gen = torch.Generator().manual_seed(derive_seed(SEED, 1, planted[0]["node_id"], 0))
+    gen, _ = audit_generators(SEED, 0, planted[0]["audit_index"])
     want = score_reconstruction(rtf.reconstruct(obs, generator=gen), CLIENTS[k])
     # the server sees (w0 + u) - w0: u up to float32 rounding, a fraction of a dB at RtF's 60+ dB
     assert planted[0]["psnr"] == pytest.approx(want["psnr"], abs=0.5)

@@ -34,6 +34,7 @@ from gradleak.fl.simulation import PICKS, FLConfig
 from gradleak.options import OptionError, check_value
 from gradleak.plugins import PluginError, is_plugin_file, load_plugins
 from gradleak.registry import ATTACKS, DATASETS, DEFENSES, ENGINES, MODELS, Registry
+from gradleak.spec import ComponentSpec
 from gradleak.text.models import TASKS as TEXT_TASKS
 from gradleak.types import AttackNeeds, LocalTraining
 from gradleak.validation import safe_name
@@ -49,16 +50,6 @@ def _known(registry: Registry[Any], name: str, key: str) -> None:
         registry.entry(name)
     except KeyError as exc:
         raise ConfigError(f"{key}: {exc}") from None
-
-
-@dataclass(frozen=True)
-class ComponentSpec:
-    """A registered component by name plus its options (validated against its config dataclass);
-    ``label``: the preset it was named by (:mod:`gradleak.defenses.presets`), its name in tables."""
-
-    name: str
-    options: Mapping[str, Any] = field(default_factory=dict)
-    label: str | None = None
 
 
 @dataclass(frozen=True)

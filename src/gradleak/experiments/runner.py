@@ -34,9 +34,10 @@ from tqdm.auto import tqdm
 
 import gradleak
 from gradleak.attacks import create_attack, model_modifying
+from gradleak.audit import attack_update, audit_generators
 from gradleak.data import partition
 from gradleak.data.base import ImageDataset
-from gradleak.defenses.base import claims, composed_claims
+from gradleak.defenses.base import composed_claims
 from gradleak.defenses.in_loop import build_defenses
 from gradleak.experiments.config import ConfigError, ExperimentConfig
 from gradleak.experiments.figures import save_reconstruction_grid
@@ -52,11 +53,9 @@ from gradleak.progress import enabled as bars_on
 from gradleak.registry import ENGINES
 from gradleak.tasks import Dataset
 from gradleak.types import (
-    AttackInputError,
     ClientCustomizingAttack,
     ModelModifyingAttack,
     Observation,
-    Reconstruction,
 )
 from gradleak.update_io import tensors_from_bytes, tensors_to_bytes
 
@@ -531,29 +530,18 @@ class _Run:
                 if unit in rec.done:
                     log.info("unit %s already stored: skipped", unit)
                     continue
-                gen = torch.Generator().manual_seed(derive_seed(seed, 0xA77C, k))
-                refused, started = None, time.perf_counter()
-                try:
-                    reconstruction = attack.reconstruct(obs, generator=gen)
-                except AttackInputError as exc:  # e.g. a defense left nothing the attack can read
-                    who = obs.update.metadata.get("client_id", "sum")
-                    log.info("%s refused the update of client %s: %s", spec.name, who, exc)
-                    refused, reconstruction = str(exc), Reconstruction(token_ids=[])
-                attack_seconds = time.perf_counter() - started
                 truth = _truth_for(obs, results)
-                scores = self.setup.score(reconstruction, truth)
-                floor_gen = torch.Generator().manual_seed(derive_seed(seed, 0xF1008, i, k))
-                scores.update(self.setup.floors(attack, obs, truth, scores, floor_gen))  # beside its floors
-                record = {"kind": "attack", "attack": spec.name, "cell": i, "options": dict(spec.options),
-                          "client_id": obs.update.metadata.get("client_id"), "aggregated": obs.aggregated,
-                          "num_clients": obs.num_clients, "batch_size": len(truth), "refused": refused,
-                          "attack_seconds": attack_seconds, **claims(obs.update.metadata),
-                          **(_views_claims(obs) if honest_views else {}),
-                          **reconstruction.stats, **scores}  # fmt: skip
-                if (folder is not None and reconstruction.images is not None and "matching" in scores
-                        and isinstance(truth, ImageDataset)):  # fmt: skip
+                gen, floor_gen = audit_generators(seed, i, k)
+                scorer = self.setup.scorer
+                outcome = attack_update(attack, spec, obs, generator=gen, truth=truth, scorer=scorer,
+                                        floor_generator=floor_gen)  # fmt: skip
+                record = {**outcome.record, "cell": i, "client_id": obs.update.metadata.get("client_id"),
+                          **(_views_claims(obs) if honest_views else {})}  # fmt: skip
+                reconstruction = outcome.reconstruction
+                if (folder is not None and reconstruction is not None and reconstruction.images is not None
+                        and "matching" in record and isinstance(truth, ImageDataset)):  # fmt: skip
                     orig, recon, title, caps = _figure(
-                        spec.name, obs, reconstruction.images, truth.images, scores
+                        spec.name, obs, reconstruction.images, truth.images, record
                     )
                     name = f"reconstructions_{i}_{k}.png"
                     save_reconstruction_grid(orig, recon, folder / name, title=title, captions=caps)

@@ -11,28 +11,25 @@ measures its no-information floor in the same run:
   of the recovered token set, for an attack that returns one); floor: the same attack on a norm-matched
   random update (paper 002's null, Sec. VI-C), and paper 002's validity gate.
 
-The runner (:mod:`gradleak.experiments.runner`) is the same for every modality.
+The scoring itself is :mod:`gradleak.audit.scoring`'s, shared with the Flower wrappers; the runner
+(:mod:`gradleak.experiments.runner`) is the same for every modality.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 from torch import nn
 
-from gradleak.attacks.text.baseline import is_valid, null_observation
+from gradleak.audit.scoring import ImageScorer, Scorer, TextScorer
 from gradleak.data import load_dataset, resolve_data_root
 from gradleak.data.base import ImageDataset
 from gradleak.experiments.config import ConfigError, ExperimentConfig
 from gradleak.fl import derive_seed
-from gradleak.metrics import score_images
-from gradleak.metrics.floors import beyond_floor, null_floors
 from gradleak.models import build_model
 from gradleak.registry import DATASETS, MODELS
 from gradleak.tasks import (
@@ -43,11 +40,8 @@ from gradleak.tasks import (
     Task,
 )
 from gradleak.text.data import TextDataset, TokenDataset
-from gradleak.text.metrics import decode, score_texts, score_token_set
-from gradleak.types import Attack, AttackInputError, Observation, Reconstruction
 
 log = logging.getLogger(__name__)
-SHOWN_TEXTS = 16  # reconstructed and true texts kept in a record (for the report)
 
 
 class Setup(Protocol):
@@ -65,19 +59,8 @@ class Setup(Protocol):
     @property
     def num_classes(self) -> int: ...
 
-    def score(self, rec: Reconstruction, truth: Any) -> dict[str, Any]: ...
-
-    def floors(
-        self, attack: Attack, obs: Observation, truth: Any, scores: dict[str, Any], generator: torch.Generator
-    ) -> dict[str, Any]: ...
-
-
-def label_accuracy(recovered: torch.Tensor | None, truth: torch.Tensor | None) -> float | None:
-    """Fraction of true labels recovered, as multisets (order-free); None when either is missing."""
-    if recovered is None or truth is None:
-        return None
-    hit = Counter(recovered.tolist()) & Counter(truth.tolist())
-    return sum(hit.values()) / max(1, len(truth))
+    @property
+    def scorer(self) -> Scorer: ...
 
 
 def load_split_data(cfg: ExperimentConfig) -> tuple[Any, Any]:
@@ -141,14 +124,6 @@ def check_public_images(
         raise ConfigError(f"audit.public_limit leaves {len(public)} public image(s); the attacks need >= 2")
 
 
-def score_reconstruction(rec: Reconstruction, truth: ImageDataset) -> dict[str, Any]:
-    """Label accuracy and (for images) every image score of ``rec`` against the true ``truth``."""
-    out: dict[str, Any] = {"label_accuracy": label_accuracy(rec.labels, truth.labels)}
-    if rec.images is not None:
-        out.update(score_images(rec.images, truth.images).to_dict())
-    return out
-
-
 @dataclass
 class _Built:
     """What every setup holds: the data, the global model and the task."""
@@ -173,19 +148,9 @@ class ImageSetup(_Built):
 
     public: ImageDataset | None
 
-    def score(self, rec: Reconstruction, truth: ImageDataset) -> dict[str, Any]:
-        return score_reconstruction(rec, truth)
-
-    def floors(
-        self, attack: Attack, obs: Observation, truth: ImageDataset, scores: dict[str, Any],
-        generator: torch.Generator,
-    ) -> dict[str, Any]:  # fmt: skip
-        """Random same-class and class-mean public images scored like a reconstruction, and the leakage
-        above the higher floor."""
-        if "psnr_mean" not in scores or self.public is None:
-            return {}
-        out = null_floors(truth, self.public, generator)
-        return {**out, **beyond_floor({**scores, **out})}
+    @property
+    def scorer(self) -> Scorer:
+        return ImageScorer(self.public)
 
 
 def image_setup(cfg: ExperimentConfig) -> ImageSetup:
@@ -199,8 +164,6 @@ def image_setup(cfg: ExperimentConfig) -> ImageSetup:
 
 # ------------------------------------------------------------------------------------------------- text
 
-TEXT_SCORES = ("rouge1", "rouge2", "rougeL", "meteor", "exact")
-
 
 @dataclass
 class TextSetup(_Built):
@@ -209,43 +172,9 @@ class TextSetup(_Built):
     tokenizer: Any
     public: ImageDataset | None = None
 
-    def score(self, rec: Reconstruction, truth: TokenDataset) -> dict[str, Any]:
-        """ROUGE/METEOR/exact of the matched sequences (an unordered token set: against the batch's
-        tokens), label accuracy, and the first reconstructed and true texts."""
-        refs = truth.batch().sequences()
-        found = rec.token_ids or []
-        hyps, true = decode(self.tokenizer, found), decode(self.tokenizer, refs)
-        if rec.ordered:
-            scores = score_texts(hyps, true)
-            matched = [""] * len(true)  # each true sequence's matched reconstruction
-            for i, j in scores.pairs:
-                matched[j] = hyps[i]
-        else:
-            scores = score_token_set([t for seq in found for t in seq], refs, self.tokenizer)
-            matched = []
-        return {**scores.as_dict(), "label_accuracy": label_accuracy(rec.labels, truth.labels),
-                "recovered_sequences": len(found), "texts": hyps[:SHOWN_TEXTS],
-                "true_texts": true[:SHOWN_TEXTS], "matched_texts": matched[:SHOWN_TEXTS]}  # fmt: skip
-
-    def floors(
-        self, attack: Attack, obs: Observation, truth: TokenDataset, scores: dict[str, Any],
-        generator: torch.Generator,
-    ) -> dict[str, Any]:  # fmt: skip
-        """The attack on a norm-matched random update in place of the client's (paper 002's null),
-        scored the same way: ``floor_null_<score>``, ``<score>_beyond_floor`` and the validity gate."""
-        null_gen = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
-        null = null_observation(obs, generator)
-        try:
-            rec = attack.reconstruct(null, generator=null_gen)
-        except AttackInputError:  # the attack finds nothing to read in noise: it recovers nothing
-            rec = Reconstruction(token_ids=[])
-        floor = self.score(rec, truth)
-        out: dict[str, Any] = {f"floor_null_{k}": floor[k] for k in TEXT_SCORES}
-        for k in TEXT_SCORES:
-            if isinstance(scores.get(k), int | float) and isinstance(floor[k], int | float):
-                out[f"{k}_beyond_floor"] = float(scores[k]) - float(floor[k])
-        out["valid"] = is_valid(float(scores.get("rouge1") or 0.0), float(floor["rouge1"]))
-        return out
+    @property
+    def scorer(self) -> Scorer:
+        return TextScorer(self.tokenizer)
 
 
 def text_setup(cfg: ExperimentConfig) -> TextSetup:

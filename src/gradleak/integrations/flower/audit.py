@@ -41,11 +41,12 @@ from flwr.serverapp.strategy import Result, Strategy
 from torch import nn
 
 from gradleak.attacks import create_attack
+from gradleak.audit import Scorer
 from gradleak.data.base import ImageDataset
 from gradleak.experiments.store import ResultStore
 from gradleak.fl.simulation import derive_seed
 from gradleak.integrations.flower.apps import ARCHITECTURE, PARTITION_ID
-from gradleak.integrations.flower.auditing import AttackSpec, Auditing, attack_spec
+from gradleak.integrations.flower.auditing import AttackSpec, Auditing
 from gradleak.integrations.flower.replies import (
     NUM_EXAMPLES,
     CheckedReply,
@@ -57,6 +58,7 @@ from gradleak.integrations.flower.replies import (
     whole_number,
 )
 from gradleak.models.architecture import describe
+from gradleak.spec import as_spec
 from gradleak.types import ClientCustomizingAttack, LocalTraining, ModelModifyingAttack, Update
 from gradleak.validation import InvalidUpdateError, reference_of
 
@@ -95,18 +97,22 @@ class AuditStrategy(Auditing, Strategy):
         malicious_nodes: int | None = None,
         public_images: torch.Tensor | None = None,
         policy: ReplyPolicy | None = None,
+        scorer: Scorer | None = None,
     ) -> None:
         Auditing.__init__(
             self, model=model, attacks=attacks, input_shape=input_shape, num_classes=num_classes, store=store,
             training=training, rounds=rounds, secure_aggregation=secure_aggregation, seed=seed, name=name,
-            truth=truth, policy=policy,
+            truth=truth, policy=policy, scorer=scorer,
         )  # fmt: skip
         self.strategy = strategy
-        self.malicious = None if malicious is None else attack_spec(malicious)
+        self.malicious = None if malicious is None else as_spec(malicious)
         if self.malicious is not None:
-            if not isinstance(create_attack(self.malicious[0], **self.malicious[1]), ModelModifyingAttack):
+            if not isinstance(
+                create_attack(self.malicious.name, **self.malicious.options), ModelModifyingAttack
+            ):
                 raise ValueError(
-                    f"malicious={self.malicious[0]!r} does not modify the model; pass it in attacks= instead"
+                    f"malicious={self.malicious.name!r} does not modify the model; pass it in attacks= "
+                    "instead"
                 )
             if (
                 public_images is None
@@ -114,8 +120,8 @@ class AuditStrategy(Auditing, Strategy):
                 or tuple(public_images.shape[1:]) != tuple(input_shape)
             ):
                 raise ValueError(
-                    f"malicious={self.malicious[0]!r} needs public_images: >= 2 server-side images of shape "
-                    f"{tuple(input_shape)} (never client data)"
+                    f"malicious={self.malicious.name!r} needs public_images: >= 2 server-side images of "
+                    f"shape {tuple(input_shape)} (never client data)"
                 )
         if malicious_nodes is not None and malicious_nodes < 1:
             raise ValueError(
@@ -150,7 +156,7 @@ class AuditStrategy(Auditing, Strategy):
     def _plant(self, server_round: int, messages: list[Message]) -> list[Message]:
         """Send the malicious attack's model to the first ``malicious_nodes`` sampled nodes."""
         assert self.malicious is not None
-        name, options = self.malicious
+        name, options = self.malicious.name, self.malicious.options
         attack = create_attack(name, **options)
         assert isinstance(attack, ModelModifyingAttack)  # checked in __init__
         gen = torch.Generator().manual_seed(derive_seed(self.seed, 0xBAD, server_round))
@@ -384,8 +390,9 @@ class AuditStrategy(Auditing, Strategy):
         return result
 
     def run_config(self) -> dict[str, Any]:
+        m = self.malicious
         return {**Auditing.run_config(self), "strategy": type(self.strategy).__name__,
-                "malicious": None if self.malicious is None else [self.malicious[0], self.malicious[1]],
+                "malicious": None if m is None else [m.name, dict(m.options)],
                 "malicious_nodes": self.malicious_nodes}  # fmt: skip
 
     def broadcast_model(self, server_round: int) -> nn.Module:

@@ -22,23 +22,18 @@ import torch
 from torch import nn
 
 from gradleak.attacks import create_attack
+from gradleak.audit import ImageScorer, Scorer, attack_update, audit_generators
 from gradleak.data.base import ImageDataset
 from gradleak.experiments.runner import environment
-from gradleak.experiments.setup import score_reconstruction
 from gradleak.experiments.store import ResultStore, RunRow
 from gradleak.fl.server import secure_sum
-from gradleak.fl.simulation import derive_seed
 from gradleak.integrations.flower.replies import ReplyPolicy
+from gradleak.spec import ComponentSpec, as_spec
 from gradleak.types import LocalTraining, Observation, Update
 
 log = logging.getLogger(__name__)
 
-AttackSpec = str | tuple[str, Mapping[str, Any]]
-
-
-def attack_spec(a: AttackSpec) -> tuple[str, dict[str, Any]]:
-    """``"ig"`` or ``("ig", {options})`` as ``(name, options)``."""
-    return (a, {}) if isinstance(a, str) else (a[0], dict(a[1]))
+AttackSpec = str | tuple[str, Mapping[str, Any]] | ComponentSpec
 
 
 class Auditing:
@@ -59,12 +54,15 @@ class Auditing:
         name: str,
         truth: Callable[[int], ImageDataset | None] | None,
         policy: ReplyPolicy | None = None,
+        scorer: Scorer | None = None,
     ) -> None:
         self.model = model
         self.policy = policy or ReplyPolicy()
-        self.attacks = [attack_spec(a) for a in attacks]
-        for attack_name, options in self.attacks:  # unknown names and options fail now, not mid-run
-            create_attack(attack_name, **options)
+        self.scorer: Scorer = scorer or ImageScorer()
+        self.attacks = [as_spec(a) for a in attacks]
+        self.attacked = 0  # the audit's attacked updates so far (the seed rule of gradleak.audit)
+        for spec in self.attacks:  # unknown names and options fail now, not mid-run
+            create_attack(spec.name, **spec.options)
         self.input_shape, self.num_classes = tuple(input_shape), num_classes
         self.store, self.training, self.seed, self.name, self.truth = store, training, seed, name, truth
         self.rounds = None if rounds is None else set(rounds)
@@ -76,7 +74,7 @@ class Auditing:
 
     def run_config(self) -> dict[str, Any]:
         """What the store keeps as the audit run's configuration (wrappers add their own options)."""
-        return {"engine": "flower", "attacks": [{"name": n, **o} for n, o in self.attacks],
+        return {"engine": "flower", "attacks": [{"name": s.name, **s.options} for s in self.attacks],
                 "secure_aggregation": self.secure_aggregation, "seed": self.seed,
                 "policy": dataclasses.asdict(self.policy)}  # fmt: skip
 
@@ -124,7 +122,7 @@ class Auditing:
         server_round: int,
         good: Sequence[tuple[int, int, Update]],
         w0: nn.Module,
-        attacks: Sequence[tuple[str, dict[str, Any]]],
+        attacks: Sequence[ComponentSpec],
         secrets: Mapping[str, object],
         prefix: str,
     ) -> None:
@@ -148,7 +146,7 @@ class Auditing:
         update: Update,
         count: int,
         w0: nn.Module,
-        attacks: Sequence[tuple[str, dict[str, Any]]],
+        attacks: Sequence[ComponentSpec],
         secrets: Mapping[str, object],
         *,
         malicious: bool = False,
@@ -157,35 +155,22 @@ class Auditing:
     ) -> None:
         """Run ``attacks`` on one observed update (``count`` clients' aggregate when ``count > 1`` or under
         secure aggregation: ``aggregate`` says which, "sum" or "weighted mean") and commit one record per
-        attack; a failing attack is recorded, not raised. ``truth`` scores it (else ``self.truth`` of the
+        attack through the one audit step (:func:`gradleak.audit.attack_update`: a failing attack is
+        recorded, not raised). ``truth`` scores it with the wrapper's scorer (else ``self.truth`` of the
         update's partition or node)."""
         aggregated = count > 1 or self.secure_aggregation
         obs = Observation(w0, update, self.input_shape, self.num_classes, self.training, secrets=secrets,
                           aggregated=aggregated, num_clients=count)  # fmt: skip
-        for i, (attack_name, options) in enumerate(attacks):
-            gen = torch.Generator().manual_seed(derive_seed(self.seed, server_round, node or 0, i))
-            unit = f"round/{server_round}/{where}/attack/{i}"
-            try:
-                rec = create_attack(attack_name, **options).reconstruct(obs, generator=gen)
-            except Exception as exc:  # one attack failing must not stop the federation
-                log.error("audit: %s on node %s, round %d failed: %s", attack_name, node, server_round, exc)
-                failed = {"kind": "attack_error", "attack": attack_name, "round": server_round,
-                          "node_id": node, "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
-                self.commit(unit, failed)
-                continue
-            record: dict[str, Any] = {
-                "kind": "attack", "attack": attack_name, "options": options, "round": server_round,
-                "node_id": node, "aggregated": aggregated, "aggregate": aggregate, "num_clients": count,
-                "malicious": malicious,
-                "num_samples": update.num_samples,
-                "reconstructed": 0 if rec.images is None else len(rec.images), **rec.stats,
-            }  # fmt: skip
-            part = update.metadata.get("partition_id")
-            key = part if isinstance(part, int) else node
-            data = truth
-            if data is None and self.truth is not None and key is not None:
-                data = self.truth(key)
-            record["partition_id"] = part
-            if data is not None:
-                record.update(score_reconstruction(rec, data))
-            self.commit(unit, record)
+        part = update.metadata.get("partition_id")
+        key = part if isinstance(part, int) else node
+        data = truth
+        if data is None and self.truth is not None and key is not None:
+            data = self.truth(key)
+        k, self.attacked = self.attacked, self.attacked + 1  # the audit's k-th attacked update
+        for i, spec in enumerate(attacks):
+            gen, floor_gen = audit_generators(self.seed, i, k)
+            outcome = attack_update(create_attack(spec.name, **spec.options), spec, obs, generator=gen,
+                                    truth=data, scorer=self.scorer, floor_generator=floor_gen)  # fmt: skip
+            record = {**outcome.record, "round": server_round, "node_id": node, "aggregate": aggregate,
+                      "malicious": malicious, "partition_id": part, "audit_index": k}  # fmt: skip
+            self.commit(f"round/{server_round}/{where}/attack/{i}", record)

@@ -46,6 +46,7 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 from torch import nn
 
+from gradleak.audit import Scorer
 from gradleak.data.base import ImageDataset
 from gradleak.experiments.store import ResultStore
 from gradleak.integrations.flower.apps import PARTITION_ID, masked_names, named_arrays
@@ -97,11 +98,12 @@ class LegacyAuditStrategy(Auditing, Strategy):
         name: str = "flower",
         truth: Callable[[int], ImageDataset | None] | None = None,
         policy: ReplyPolicy | None = None,
+        scorer: Scorer | None = None,
     ) -> None:
         Auditing.__init__(
             self, model=model, attacks=attacks, input_shape=input_shape, num_classes=num_classes, store=store,
             training=training, rounds=rounds, secure_aggregation=False, seed=seed, name=name, truth=truth,
-            policy=policy,
+            policy=policy, scorer=scorer,
         )  # fmt: skip
         self.strategy = strategy
         self._broadcast: dict[int, dict[str, torch.Tensor]] = {}
