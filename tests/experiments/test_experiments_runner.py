@@ -68,7 +68,7 @@ def test_failure_mid_run_keeps_finished_units_and_the_rerun_resumes(tmp_path, mo
     db = tmp_path / "r.sqlite"
     store = ResultStore(db)
     reference = run_experiment(demo_cfg(), store=store, out_dir=tmp_path / "ref")  # uninterrupted
-    import gradleak.experiments.setup as setup
+    import gradleak.audit.scoring as setup
 
     def broken(*args, **kwargs):
         raise RuntimeError("attack crashed")

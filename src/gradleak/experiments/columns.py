@@ -91,7 +91,14 @@ def withheld(records: Sequence[Mapping[str, object]], cell: int) -> int:
     return sum(1 for r in records if r.get("kind") == "client_error" and r.get("cell") == cell)
 
 
+def failed(records: Sequence[Mapping[str, object]], cell: int) -> int:
+    """Updates attack ``cell`` failed on (its ``attack_error`` records)."""
+    return sum(1 for r in records if r.get("kind") == "attack_error" and r.get("cell") == cell)
+
+
 def updates_label(row: Mapping[str, Any]) -> str:
-    """A row's ``updates`` cell: the attacked updates, and the audited clients that sent none."""
-    gone = row.get("withheld", 0)
-    return f"{row['updates']} ({gone} withheld)" if gone else str(row["updates"])
+    """A row's ``updates`` cell: the attacked updates, the audited clients that sent none, and the updates
+    the attack failed on."""
+    counts = ((row.get("withheld", 0), "withheld"), (row.get("failed", 0), "failed"))
+    notes = [f"{n} {what}" for n, what in counts if n]
+    return f"{row['updates']} ({', '.join(notes)})" if notes else str(row["updates"])

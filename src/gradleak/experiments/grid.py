@@ -71,7 +71,8 @@ class GridOutcome:
                 label = cell_label(spec) if names.count(spec.name) > 1 else spec.name
                 row: dict[str, Any] = {**common, "attack": spec.name, "attack_label": label,
                                        "updates": len(records),
-                                       "withheld": columns.withheld(cell.outcome.records, i)}  # fmt: skip
+                                       "withheld": columns.withheld(cell.outcome.records, i),
+                                       "failed": columns.failed(cell.outcome.records, i)}  # fmt: skip
                 rows.append({**row, **spread(records, PRIVACY)})
         return rows
 

@@ -278,6 +278,7 @@ def verdict_rows(store: ResultStore, runs: Sequence[RunRow]) -> list[dict[str, A
             rows.append({
                 "run_id": run.run_id, "defense": _defense_label(run.config), "attack": _attack_label(spec),
                 "updates": len(att), "withheld": columns.withheld(records, i),
+                "failed": columns.failed(records, i),
                 "records": att, "accuracy": summary.get("final_accuracy"),
                 "utility": {c.key: summary.get(c.key) for c in columns.UTILITY},
                 "cost": seconds / base if base else None,
