@@ -19,7 +19,7 @@ from gradleak.fileio import atomic_write
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("report", help="write the HTML audit report of runs in a results store")
     p.add_argument("store", help="the SQLite results store (e.g. gradleak-out/results.sqlite)")
-    p.add_argument("run_ids", nargs="*", help="run ids (default: the latest run)")
+    p.add_argument("run_ids", nargs="*", help="run ids, or 'latest' (the default)")
     p.add_argument("--figures", default=None, help="folder holding RUN_ID/ figure folders (OUT/NAME)")
     p.add_argument("--out", default="report.html", help="the HTML file to write")
     p.set_defaults(handler=handle)
@@ -35,12 +35,12 @@ def write_report(store: ResultStore, run_ids: list[str], path: Path, figures: Pa
 def handle(args: argparse.Namespace) -> int:
     path = Path(args.store)
     store = open_store(path)
-    ids = list(args.run_ids)
-    if not ids:
+    ids = list(args.run_ids) or ["latest"]
+    if "latest" in ids:
         runs = store.runs(include_unfinished=True)
         if not runs:
             raise ValueError(f"{path} holds no runs")
-        ids = [runs[-1].run_id]
+        ids = [runs[-1].run_id if i == "latest" else i for i in ids]
     out = write_report(store, ids, Path(args.out), None if args.figures is None else Path(args.figures))
     print(f"report: {out}")
     return 0

@@ -262,6 +262,57 @@ def setup_text(run: RunRow) -> list[str]:
     ]  # fmt: skip
 
 
+def is_flower(run: RunRow) -> bool:
+    """A run an audit wrapper on a Flower server wrote (``AuditStrategy``, ``LegacyAuditStrategy``)."""
+    return run.config.get("engine") == "flower"
+
+
+def flower_setup_text(run: RunRow) -> list[str]:
+    """A Flower audit's setup in plain words (its wrapper's configuration)."""
+    c, env = run.config, run.environment
+    api = "legacy API (SecAgg+ capable)" if c.get("api") == "legacy" else "message API"
+    seen = (
+        "only the secure aggregate" if c.get("secure_aggregation") is True else "each train reply it received"
+    )
+    attacks = ", ".join(str(a.get("name")) for a in c.get("attacks", [])) or "none"
+    lines = [
+        f"Threat model: a Flower server ({c.get('strategy', '?')}, {api}) that attacks {seen}; every "
+        "reply was checked first (rejected ones are in the run's records).",
+        f"Attacks: {attacks}. Seed {c.get('seed')}.",
+    ]
+    if c.get("malicious"):
+        nodes = c.get("malicious_nodes") or "every"
+        lines.append(
+            f"Malicious server: {c['malicious'][0]} sent to {nodes} sampled node(s) per audited round."
+        )
+    commit = env.get("git_commit", "unknown")[:12]
+    lines.append(
+        f"Code: gradleak {env.get('gradleak', '')} (commit {commit}), torch {env.get('torch', '?')}."
+    )
+    return lines
+
+
+def flower_rows(store: ResultStore, run: RunRow) -> list[dict[str, Any]]:
+    """One verdict row per attack of a Flower audit (the malicious attack's on the planted nodes apart)."""
+    records = store.records(run.run_id)
+    attacked = [r for r in records if r["kind"] == "attack"]
+    names = [(str(a["name"]), False) for a in run.config.get("attacks", [])]
+    if run.config.get("malicious"):
+        names.append((str(run.config["malicious"][0]), True))
+    rows = []
+    for name, malicious in names:
+        att = [r for r in attacked if r.get("attack") == name and bool(r.get("malicious")) == malicious]
+        failed = [r for r in records if r["kind"] == "attack_error" and r.get("attack") == name]
+        withheld = sum(1 for r in records if r["kind"] in ("rejected", "client_error"))
+        label = name + (" (malicious)" if malicious else "")
+        rows.append({
+            "run_id": run.run_id, "defense": "as deployed", "attack": label, "updates": len(att),
+            "withheld": withheld, "failed": len(failed), "records": att, "accuracy": None, "utility": {},
+            "cost": None,
+        })  # fmt: skip
+    return rows
+
+
 def verdict_rows(store: ResultStore, runs: Sequence[RunRow]) -> list[dict[str, Any]]:
     """One row per run (defense) and attack, from the stored records."""
     base = None
@@ -326,18 +377,26 @@ def render(store: ResultStore, run_ids: Sequence[str], figures: Path | None = No
     if missing:
         raise ValueError(f"no run {missing} in {store.path}; `gradleak results {store.path}` lists them")
     runs = [by_id[r] for r in run_ids]
-    rows = verdict_rows(store, runs)
+    flower = all(is_flower(r) for r in runs)
+    if not flower and any(is_flower(r) for r in runs):
+        raise ValueError("a report compares runs of one kind: Flower audits or gradleak runs, not both")
+    rows = [row for r in runs for row in flower_rows(store, r)] if flower else verdict_rows(store, runs)
     out = ["<!doctype html><html lang='en'><head><meta charset='utf-8'>",
            f'<meta http-equiv="Content-Security-Policy" content="{CSP}">',
            "<title>gradleak audit report</title>", f"<style>{CSS}</style></head><body>",
            "<h1>Gradient-leakage audit</h1>",
            f"<p>Generated {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC from {html.escape(str(store.path))}; "
            f"runs {', '.join(html.escape(r) for r in run_ids)}.</p>", "<h2>Setup</h2><ul>"]  # fmt: skip
-    out += [f"<li>{html.escape(line)}</li>" for line in setup_text(runs[0])]
-    out.append(
-        f"<li>Defenses compared: {', '.join(html.escape(_defense_label(r.config)) for r in runs)}.</li></ul>"
-    )
-    modality = columns.modality_of(runs[0].config["data"]["dataset"])
+    out += [
+        f"<li>{html.escape(line)}</li>" for line in (flower_setup_text if flower else setup_text)(runs[0])
+    ]
+    if flower:
+        out.append("</ul>")
+        modality = "text" if any("rouge1" in r for row in rows for r in row["records"]) else "image"
+    else:
+        labels = ", ".join(html.escape(_defense_label(r.config)) for r in runs)
+        out.append(f"<li>Defenses compared: {labels}.</li></ul>")
+        modality = columns.modality_of(runs[0].config["data"]["dataset"])
     shown_utility = [c for c in columns.UTILITY if any(row["utility"].get(c.key) is not None for row in rows)]
     out.append(
         "<h2>Verdict</h2><table id='verdict'><tr>"
@@ -358,7 +417,7 @@ def render(store: ResultStore, run_ids: Sequence[str], figures: Path | None = No
         for c, text in legend(modality, shown_utility)
     ]
     out.append("</ul>")
-    out += glossary(runs)
+    out += [] if flower else glossary(runs)
     out += tradeoff(rows, modality)
     out += _texts(rows) if modality == "text" else []
     out.append("<h2>Reconstructions</h2>")

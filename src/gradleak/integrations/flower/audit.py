@@ -98,11 +98,14 @@ class AuditStrategy(Auditing, Strategy):
         public_images: torch.Tensor | None = None,
         policy: ReplyPolicy | None = None,
         scorer: Scorer | None = None,
+        threads: int | None = 1,
+        partitions: Mapping[int, int] | None = None,
     ) -> None:
         Auditing.__init__(
             self, model=model, attacks=attacks, input_shape=input_shape, num_classes=num_classes, store=store,
             training=training, rounds=rounds, secure_aggregation=secure_aggregation, seed=seed, name=name,
             truth=truth, policy=policy, scorer=scorer,
+            threads=threads, partitions=partitions,
         )  # fmt: skip
         self.strategy = strategy
         self.malicious = None if malicious is None else as_spec(malicious)
@@ -380,7 +383,7 @@ class AuditStrategy(Auditing, Strategy):
     def start(self, grid: Grid, initial_arrays: ArrayRecord, *args: Any, **kwargs: Any) -> Result:
         """The wrapped strategy's rounds, as one audit run: completed when they are done, released (left
         unfinished, nothing lost) if they fail."""
-        self.run_id, self.records = None, []  # a second start is a new run
+        self.run_id, self.records, self.attacked = None, [], 0  # a second start is a new run
         try:
             result = Strategy.start(self, grid, initial_arrays, *args, **kwargs)
         except BaseException:

@@ -26,7 +26,7 @@ if it raises). The malicious-server option is :class:`~gradleak.integrations.flo
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -99,11 +99,14 @@ class LegacyAuditStrategy(Auditing, Strategy):
         truth: Callable[[int], ImageDataset | None] | None = None,
         policy: ReplyPolicy | None = None,
         scorer: Scorer | None = None,
+        threads: int | None = 1,
+        partitions: Mapping[int, int] | None = None,
     ) -> None:
         Auditing.__init__(
             self, model=model, attacks=attacks, input_shape=input_shape, num_classes=num_classes, store=store,
             training=training, rounds=rounds, secure_aggregation=False, seed=seed, name=name, truth=truth,
             policy=policy, scorer=scorer,
+            threads=threads, partitions=partitions,
         )  # fmt: skip
         self.strategy = strategy
         self._broadcast: dict[int, dict[str, torch.Tensor]] = {}
@@ -116,7 +119,7 @@ class LegacyAuditStrategy(Auditing, Strategy):
     def run(self, workflow: Callable[[Any, Any], None], grid: Any, context: Any) -> None:
         """``workflow(grid, context)`` (e.g. ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(...))``) as
         one audit run: completed when it returns, released (nothing lost) if it raises."""
-        self.run_id, self.records = None, []
+        self.run_id, self.records, self.attacked = None, [], 0
         try:
             workflow(grid, context)
         except BaseException:
@@ -268,7 +271,12 @@ class LegacyAuditStrategy(Auditing, Strategy):
         if self.audits(server_round):
             truth = None
             if self.truth is not None:
-                parts = [self.truth(p) for p in (_partition(r) for _, r in results) if p is not None]
+                keys = (
+                    [self.partitions.get(int(proxy.node_id)) for proxy, _ in results]
+                    if self.partitions is not None
+                    else [_partition(r) for _, r in results]
+                )
+                parts = [self.truth(p) for p in keys if p is not None]
                 known = [d for d in parts if d is not None]
                 truth = ImageDataset.concat(known) if known and len(known) == count else None
             self.attack(server_round, "sum", None, update, count, self.model_at(w0), self.attacks, {},

@@ -1,0 +1,126 @@
+"""What an operator sees of a Flower audit (issue 50): the store's counts are right (the rounds audited, the
+updates attacked, not every record), ``gradleak report`` and ``gradleak results`` take ``latest``, the
+audit bounds torch's threads for its own work and restores them, and ``partitions=`` keys the truth on the
+server's side (a client's reported ``partition-id`` cannot choose whose data scores its update)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+pytest.importorskip("flwr")
+
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict  # noqa: E402
+from flwr.serverapp.strategy import FedAvg  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+
+from flowergrid import AppGrid  # noqa: E402
+from gradleak.cli import main  # noqa: E402
+from gradleak.experiments.store import ResultStore  # noqa: E402
+from gradleak.integrations.flower import (
+    AuditStrategy,  # noqa: E402
+    auditing,  # noqa: E402
+)
+from gradleak.models import build_model  # noqa: E402
+from synthetic import synthetic_dataset  # noqa: E402
+
+SHAPE, CLASSES = (1, 12, 12), 3
+NODES = (21, 22)
+DATA = {
+    k: synthetic_dataset(n=2 + k, shape=SHAPE, classes=CLASSES, seed=k) for k in range(2)
+}  # 2 and 3 images
+
+
+def model():
+    return build_model("sme_cnn", SHAPE, CLASSES, seed=0)
+
+
+@pytest.fixture(autouse=True)
+def server_identity():
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    random.seed(0)
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def app(claim: int | None = None):
+    """One SGD step on the node's partition; it reports ``claim`` as its partition-id when given."""
+
+    def train(msg: Message, ctx) -> Message:
+        k = int(ctx.node_config["partition-id"])
+        net = model()
+        net.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        F.cross_entropy(net(DATA[k].images), DATA[k].labels).backward()
+        with torch.no_grad():
+            for p in net.parameters():
+                p -= 0.1 * p.grad
+        metrics = MetricRecord({"num-examples": len(DATA[k]), "partition-id": k if claim is None else claim})
+        content = RecordDict({"arrays": ArrayRecord(torch_state_dict=net.state_dict()), "metrics": metrics})
+        return Message(content, reply_to=msg)
+
+    return train
+
+
+def audit(tmp_path, rounds=2, **options):
+    store = ResultStore(tmp_path / "a.sqlite")
+    strategy = AuditStrategy(
+        FedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2), model=model(),
+        attacks=[("ig", {"max_iterations": 2})], input_shape=SHAPE, num_classes=CLASSES, store=store,
+        **options,
+    )  # fmt: skip
+    return strategy, store
+
+
+def test_the_store_counts_rounds_and_attacked_updates_and_latest_works(tmp_path, capsys):
+    strategy, store = audit(tmp_path)
+    grid = AppGrid(dict.fromkeys(NODES, app()), NODES)
+    strategy.start(grid, ArrayRecord(torch_state_dict=model().state_dict()), num_rounds=2)
+    (run,) = store.runs()
+    (summary,) = store.records(run.run_id, "summary")
+    assert summary["audited"] == 4 and summary["rounds"] == 2 and summary["attack_records"] == 4
+    assert main(["results", str(tmp_path / "a.sqlite")]) == 0
+    listing = capsys.readouterr().out
+    row = next(line for line in listing.splitlines() if run.run_id in line)
+    assert [c.strip() for c in row.strip("|").split("|")][4:6] == ["2", "4"]  # rounds, attack records
+    assert main(["results", str(tmp_path / "a.sqlite"), "latest"]) == 0
+    out = tmp_path / "r.html"
+    assert main(["report", str(tmp_path / "a.sqlite"), "latest", "--out", str(out)]) == 0
+    assert run.run_id in out.read_text(encoding="utf-8")
+
+
+def test_the_audit_bounds_torch_threads_for_its_own_work_and_restores_them(tmp_path, monkeypatch):
+    seen = []
+    real = auditing.attack_update
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(auditing, "attack_update", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        strategy, _ = audit(tmp_path, threads=1)
+        grid = AppGrid(dict.fromkeys(NODES, app()), NODES)
+        strategy.start(grid, ArrayRecord(torch_state_dict=model().state_dict()), num_rounds=1)
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_partitions_key_the_truth_on_the_servers_side(tmp_path):
+    # both nodes claim partition 0; the server's map says node 22 holds partition 1
+    strategy, store = audit(tmp_path, truth=DATA.get, partitions={21: 0, 22: 1})
+    grid = AppGrid(dict.fromkeys(NODES, app(claim=0)), NODES)
+    strategy.start(grid, ArrayRecord(torch_state_dict=model().state_dict()), num_rounds=1)
+    (run,) = store.runs()
+    records = {r["node_id"]: r for r in store.records(run.run_id, "attack")}
+    assert records[21]["partition_id"] == records[22]["partition_id"] == 0  # what each claimed
+    # scored against the map's data: partition 1's 3 images for node 22, not the 2 of the partition it claimed
+    assert records[22]["batch_size"] == 3 and records[21]["batch_size"] == 2 and "psnr" in records[22]
+    claimed_only, _ = audit(tmp_path / "b", truth=DATA.get)
+    assert claimed_only.partitions is None
