@@ -3,10 +3,13 @@ strategy through Flower's own round loop (imported as ``flowergrid``, a name no 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import random
+from collections.abc import Callable, Iterator
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
 
 ClientFn = Callable[[Message, Context], Message]
 
@@ -58,3 +61,18 @@ class AppGrid(Grid):
             except Exception as exc:  # what Flower's runtime does with a raising ClientApp
                 replies.append(Message(Error(code=1, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg))
         return replies
+
+
+@contextlib.contextmanager
+def server_identity(seed: int = 0) -> Iterator[None]:
+    """What Flower's ServerApp process sets before a strategy builds messages, with Python's global random
+    seeded (Flower's FedAvg samples nodes with it); both restored after."""
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    state = random.getstate()
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    random.seed(seed)
+    try:
+        yield
+    finally:
+        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+        random.setstate(state)

@@ -8,7 +8,6 @@ floor): the same attack statistics, scores and floors within 1e-5."""
 from __future__ import annotations
 
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -17,9 +16,9 @@ pytest.importorskip("flwr")
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from flowergrid import AppGrid  # noqa: E402
+from flowergrid import server_identity as flower_server_identity  # noqa: E402
 from gradleak.experiments import load_config, run_experiment  # noqa: E402
 from gradleak.experiments.runner import audited_updates  # noqa: E402
 from gradleak.experiments.setup import build_setup  # noqa: E402
@@ -42,11 +41,8 @@ TEXT = [
 
 @pytest.fixture(autouse=True)
 def server_identity():
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    random.seed(0)
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+    with flower_server_identity(0):
+        yield
 
 
 def through_the_wrapper(cfg, obs, truth, scorer) -> list[dict]:

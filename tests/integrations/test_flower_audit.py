@@ -6,7 +6,6 @@ secure aggregation only the sum is attacked."""
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
@@ -14,11 +13,11 @@ from torch.nn import functional as F
 
 flwr = pytest.importorskip("flwr")
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
-from flwr.serverapp import Grid  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
+from flowergrid import AppGrid  # noqa: E402
+from flowergrid import server_identity as flower_server_identity  # noqa: E402
 from gradleak.attacks import create_attack  # noqa: E402
 from gradleak.audit import audit_generators, score_reconstruction  # noqa: E402
 from gradleak.defenses.in_loop import defend  # noqa: E402
@@ -57,53 +56,22 @@ def client_train(node: int, arrays: ArrayRecord, server_round: int, poison: bool
     )
 
 
-class InProcessGrid(Grid):
-    """Flower's Grid interface over in-process ClientApp train functions (no SuperLink, no Ray)."""
+def InProcessGrid(poison: set[tuple[int, int]] = frozenset()) -> AppGrid:  # noqa: N802 - reads as a grid
+    """Flower's Grid over the in-process train functions of ``client_train`` (no SuperLink, no Ray)."""
 
-    def __init__(self, poison: set[tuple[int, int]] = frozenset()) -> None:
-        self.poison = poison
-        self.sent: list[Message] = []
-
-    @property
-    def run(self):  # type: ignore[override]
-        raise NotImplementedError
-
-    def set_run(self, run):  # noqa: D102
-        raise NotImplementedError
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+    def app(msg: Message, ctx) -> Message:
+        node, rnd = msg.metadata.dst_node_id, int(msg.content["config"]["server-round"])
         return Message(
-            content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id, ttl=ttl
+            client_train(node, msg.content["arrays"], rnd, poison=(rnd, node) in poison), reply_to=msg
         )
 
-    def get_node_ids(self):
-        return sorted(DATA)
-
-    def push_messages(self, messages):
-        raise NotImplementedError
-
-    def pull_messages(self, message_ids):
-        raise NotImplementedError
-
-    def send_and_receive(self, messages, *, timeout=None):
-        replies = []
-        for msg in messages:
-            self.sent.append(msg)
-            assert msg.metadata.message_type == MessageType.TRAIN
-            node, rnd = msg.metadata.dst_node_id, int(msg.content["config"]["server-round"])
-            content = client_train(node, msg.content["arrays"], rnd, poison=(rnd, node) in self.poison)
-            replies.append(Message(content, reply_to=msg))
-        return replies
+    return AppGrid(dict.fromkeys(DATA, app), tuple(sorted(DATA)))
 
 
 @pytest.fixture(autouse=True)
 def server_identity():
-    """What Flower's ServerApp process sets before a strategy builds messages."""
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    random.seed(0)  # FedAvg samples nodes with Python's global random
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+    with flower_server_identity(0):
+        yield
 
 
 def audited(tmp_path, **options):

@@ -5,8 +5,6 @@ server's side (a client's reported ``partition-id`` cannot choose whose data sco
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from torch.nn import functional as F
@@ -15,9 +13,9 @@ pytest.importorskip("flwr")
 
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from flowergrid import AppGrid  # noqa: E402
+from flowergrid import server_identity as flower_server_identity  # noqa: E402
 from gradleak.cli import main  # noqa: E402
 from gradleak.experiments.store import ResultStore  # noqa: E402
 from gradleak.integrations.flower import (
@@ -40,11 +38,8 @@ def model():
 
 @pytest.fixture(autouse=True)
 def server_identity():
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    random.seed(0)
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+    with flower_server_identity(0):
+        yield
 
 
 def app(claim: int | None = None):

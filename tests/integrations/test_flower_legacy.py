@@ -19,8 +19,8 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict  # 
 from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters  # noqa: E402
 from flwr.server.client_proxy import ClientProxy  # noqa: E402
 from flwr.server.strategy import FedAvg  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
+from flowergrid import server_identity as flower_server_identity  # noqa: E402
 from gradleak.attacks import create_attack  # noqa: E402
 from gradleak.audit import audit_generators, score_reconstruction  # noqa: E402
 from gradleak.data.base import ImageDataset  # noqa: E402
@@ -208,11 +208,8 @@ def test_the_engine_reports_a_halted_secagg_run_for_every_client():
 
 @pytest.fixture
 def server_identity():
-    """What Flower's ServerApp process sets before messages are built."""
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+    with flower_server_identity(0):
+        yield
 
 
 def test_a_secagg_node_withholds_an_update_outside_the_clipping_range(server_identity):

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import copy
 import functools
-import random
 
 import pytest
 import torch
 
 pytest.importorskip("flwr")
 
-from flwr.app import ArrayRecord, Context, Error, Message, RecordDict  # noqa: E402
+from flwr.app import ArrayRecord, Context, Message, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
-from flwr.serverapp import Grid  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
+from flowergrid import AppGrid  # noqa: E402
+from flowergrid import server_identity as flower_server_identity  # noqa: E402
 from gradleak.attacks import create_attack  # noqa: E402
 from gradleak.audit import (
     audit_generators,  # noqa: E402
@@ -45,55 +44,10 @@ PUBLIC = torch.rand((64, *SHAPE), generator=torch.Generator().manual_seed(9))
 build = functools.partial(build_model, "sme_cnn", SHAPE, CLASSES, seed=0)
 
 
-class AppGrid(Grid):
-    """Flower's Grid over ClientApps called in this process; an exception becomes an error reply."""
-
-    def __init__(self, apps: dict[int, ClientApp]) -> None:
-        self.apps = apps
-
-    @property
-    def run(self):  # type: ignore[override]
-        raise NotImplementedError
-
-    def set_run(self, run):  # noqa: D102
-        raise NotImplementedError
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
-        return Message(
-            content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id, ttl=ttl
-        )
-
-    def get_node_ids(self):
-        return list(NODES)
-
-    def push_messages(self, messages):
-        raise NotImplementedError
-
-    def pull_messages(self, message_ids):
-        raise NotImplementedError
-
-    def send_and_receive(self, messages, *, timeout=None):
-        replies = []
-        for msg in messages:
-            node = msg.metadata.dst_node_id
-            k = NODES.index(node)
-            ctx = Context(
-                run_id=1, node_id=node, node_config={"partition-id": k}, state=RecordDict(), run_config={}
-            )
-            try:
-                replies.append(self.apps[node](msg, ctx))
-            except Exception as exc:  # what Flower's runtime does with a raising ClientApp
-                replies.append(Message(Error(code=1, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg))
-        return replies
-
-
 @pytest.fixture(autouse=True)
 def server_identity():
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    random.seed(1)  # FedAvg samples with Python's global random
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+    with flower_server_identity(1):
+        yield
 
 
 def audit(tmp_path, apps):
@@ -104,7 +58,9 @@ def audit(tmp_path, apps):
         training=TRAINING, seed=SEED, truth=lambda k: CLIENTS[k], malicious=RTF, malicious_nodes=1,
         public_images=PUBLIC,
     )  # fmt: skip
-    result = strategy.start(AppGrid(apps), ArrayRecord(torch_state_dict=build().state_dict()), num_rounds=1)
+    result = strategy.start(
+        AppGrid(apps, NODES), ArrayRecord(torch_state_dict=build().state_dict()), num_rounds=1
+    )
     return strategy, store, result
 
 

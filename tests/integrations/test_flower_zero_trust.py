@@ -8,7 +8,6 @@ from round 2 on), through ``defend()`` and through ``DefenseMod``."""
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
@@ -22,9 +21,9 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters
 from flwr.server.client_proxy import ClientProxy  # noqa: E402
 from flwr.server.strategy import FedAvg as LegacyFedAvg  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from flowergrid import AppGrid  # noqa: E402
+from flowergrid import server_identity as flower_server_identity  # noqa: E402
 from gradleak.defenses.in_loop import defend  # noqa: E402
 from gradleak.experiments.store import ResultStore  # noqa: E402
 from gradleak.integrations.flower import AuditStrategy, DefenseMod, LegacyAuditStrategy  # noqa: E402
@@ -57,11 +56,8 @@ def new_model() -> torch.nn.Module:
 
 @pytest.fixture(autouse=True)
 def server_identity():
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    random.seed(0)  # FedAvg samples nodes with Python's global random
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+    with flower_server_identity(0):
+        yield
 
 
 def wrapped(tmp_path, **options) -> tuple[AuditStrategy, FedAvg]:
