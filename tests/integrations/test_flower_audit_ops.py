@@ -119,3 +119,26 @@ def test_partitions_key_the_truth_on_the_servers_side(tmp_path):
     assert records[22]["batch_size"] == 3 and records[21]["batch_size"] == 2 and "psnr" in records[22]
     claimed_only, _ = audit(tmp_path / "b", truth=DATA.get)
     assert claimed_only.partitions is None
+
+
+def test_auto_picks_the_attack_for_the_recipe_and_small_budgets_are_warned_in_the_report(tmp_path, caplog):
+    from gradleak.audit.choice import auto_attacks
+    from gradleak.types import LocalTraining
+
+    fedavg, fedsgd = LocalTraining("fedavg", batch_size=2), LocalTraining("fedsgd", batch_size=2)
+    assert [s.name for s in auto_attacks(model(), fedavg)[0]] == ["pisme"]
+    assert [s.name for s in auto_attacks(model(), fedsgd)[0]] == ["ig"]
+    assert [s.name for s in auto_attacks(model(), None)[0]] == ["ig"]
+    text = build_model("gpt2_tiny", (16,), 2, seed=0)
+    assert [s.name for s in auto_attacks(text, fedavg)[0]] == ["dager", "embedding_norm"]
+    strategy = AuditStrategy(FedAvg(), model=model(), attacks="auto", input_shape=SHAPE, num_classes=CLASSES,
+                             training=fedavg)  # fmt: skip
+    assert [s.name for s in strategy.attacks] == ["pisme"] and "FedAvg" in strategy.choice
+    with caplog.at_level("WARNING"):
+        strategy, store = audit(tmp_path)  # IG at 2 iterations: a thousandth of its default
+    assert "ig: max_iterations = 2 is below a quarter of its default 2000" in caplog.text
+    grid = AppGrid(dict.fromkeys(NODES, app()), NODES)
+    strategy.start(grid, ArrayRecord(torch_state_dict=model().state_dict()), num_rounds=1)
+    out = tmp_path / "r.html"
+    assert main(["report", str(tmp_path / "a.sqlite"), "--out", str(out)]) == 0
+    assert "Warning: ig: max_iterations = 2 is below a quarter" in out.read_text(encoding="utf-8")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gradleak.attacks import model_modifying
+from gradleak.audit.choice import budget_warnings
 from gradleak.experiments import columns
 from gradleak.experiments.config import ComponentSpec, cell_label, defenses_label
 from gradleak.experiments.store import ResultStore, RunRow
@@ -256,6 +257,8 @@ def setup_text(run: RunRow) -> list[str]:
         f"Audit: {audit['clients']} sampled client(s), {at['protocol']} on batches of {at['batch_size']}; "
         f"recipe {'known' if audit.get('training_public', True) else 'hidden'} to the attacker; labels "
         f"{'granted' if audit.get('grant_labels') else 'recovered by the attack'}.",
+        *(f"Warning: {w}" for w in budget_warnings([ComponentSpec(a["name"], a.get("options", {}))
+                                                      for a in audit["attacks"]])),
         f"Attacks: {', '.join(_attack_label(a) for a in audit['attacks'])}. Seed {c['experiment']['seed']}. "
         f"Code: gradleak {env.get('gradleak', '')} (commit {env.get('git_commit', 'unknown')[:12]}), torch "
         f"{env.get('torch', '?')}.",
@@ -278,7 +281,8 @@ def flower_setup_text(run: RunRow) -> list[str]:
     lines = [
         f"Threat model: a Flower server ({c.get('strategy', '?')}, {api}) that attacks {seen}; every "
         "reply was checked first (rejected ones are in the run's records).",
-        f"Attacks: {attacks}. Seed {c.get('seed')}.",
+        f"Attacks: {attacks} ({c.get('attack_choice', 'configured')}). Seed {c.get('seed')}.",
+        *(f"Warning: {w}" for w in c.get("warnings", [])),
     ]
     if c.get("malicious"):
         nodes = c.get("malicious_nodes") or "every"

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 import gradleak
 from gradleak.attacks import create_attack, model_modifying
 from gradleak.audit import attack_update, audit_generators
+from gradleak.audit.choice import budget_warnings
 from gradleak.data import partition
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import composed_claims
@@ -383,6 +384,8 @@ class _Run:
         seed = cfg.experiment.seed
         self.setup = build_setup(cfg)  # data, model, task and scoring of the data set's modality
         self.train, self.test = self.setup.train, self.setup.test
+        for warning in budget_warnings(cfg.audit.attacks):
+            log.warning("audit: %s", warning)
         try:  # before the partition and any round: a run that cannot fit here is refused now
             check_resources(cfg, self.setup.model, len(self.train))
         except ResourceError as exc:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -83,7 +83,7 @@ class AuditStrategy(Auditing, Strategy):
         strategy: Strategy,
         *,
         model: nn.Module,
-        attacks: Sequence[AttackSpec],
+        attacks: Sequence[AttackSpec] | Literal["auto"],
         input_shape: tuple[int, ...],
         num_classes: int,
         store: ResultStore | None = None,

@@ -17,13 +17,14 @@ import datetime as dt
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from gradleak.attacks import create_attack
 from gradleak.audit import ImageScorer, Scorer, attack_update, audit_generators
+from gradleak.audit.choice import auto_attacks, budget_warnings
 from gradleak.data.base import ImageDataset
 from gradleak.experiments.runner import environment
 from gradleak.experiments.store import ResultStore, RunRow
@@ -71,7 +72,7 @@ class Auditing:
         self,
         *,
         model: nn.Module,
-        attacks: Sequence[AttackSpec],
+        attacks: Sequence[AttackSpec] | Literal["auto"],
         input_shape: tuple[int, ...],
         num_classes: int,
         store: ResultStore | None,
@@ -94,7 +95,14 @@ class Auditing:
         self.model = model
         self.policy = policy or ReplyPolicy()
         self.scorer: Scorer = scorer or ImageScorer()
-        self.attacks = [as_spec(a) for a in attacks]
+        if attacks == "auto":  # the attack and budget that fit the stated recipe (gradleak.audit.choice)
+            self.attacks, self.choice = auto_attacks(model, training)
+            log.info("audit: attacks='auto' chose %s: %s", [s.name for s in self.attacks], self.choice)
+        else:
+            self.attacks, self.choice = [as_spec(a) for a in attacks], "configured"
+        self.warnings = budget_warnings(self.attacks)
+        for warning in self.warnings:
+            log.warning("audit: %s", warning)
         self.attacked = 0  # the audit's attacked updates so far (the seed rule of gradleak.audit)
         for spec in self.attacks:  # unknown names and options fail now, not mid-run
             create_attack(spec.name, **spec.options)
@@ -111,6 +119,7 @@ class Auditing:
         """What the store keeps as the audit run's configuration (wrappers add their own options)."""
         return {"engine": "flower", "attacks": [{"name": s.name, **s.options} for s in self.attacks],
                 "secure_aggregation": self.secure_aggregation, "seed": self.seed,
+                "attack_choice": self.choice, "warnings": list(self.warnings),
                 "policy": dataclasses.asdict(self.policy)}  # fmt: skip
 
     def audits(self, server_round: int) -> bool:

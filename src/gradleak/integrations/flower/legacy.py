@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from flwr.common import (
@@ -88,7 +88,7 @@ class LegacyAuditStrategy(Auditing, Strategy):
         strategy: Strategy,
         *,
         model: nn.Module,
-        attacks: Sequence[AttackSpec],
+        attacks: Sequence[AttackSpec] | Literal["auto"],
         input_shape: tuple[int, ...],
         num_classes: int,
         store: ResultStore | None = None,
