@@ -238,7 +238,7 @@ def test_a_text_grid_report_shows_rouge_beside_its_null_and_the_texts(tmp_path):
 
 
 def test_figures_show_the_best_median_and_worst_matches_not_the_first():
-    from gradleak.experiments.runner import representative
+    from gradleak.experiments.figures import representative
 
     psnr = [float(v) for v in (5, 40, 12, 33, 18, 27, 9, 50, 21, 15, 44, 30, 7, 25, 36, 11, 19, 48, 23, 14)]
     shown = representative(psnr, per_rank=4)

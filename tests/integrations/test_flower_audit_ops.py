@@ -142,3 +142,28 @@ def test_auto_picks_the_attack_for_the_recipe_and_small_budgets_are_warned_in_th
     out = tmp_path / "r.html"
     assert main(["report", str(tmp_path / "a.sqlite"), "--out", str(out)]) == 0
     assert "Warning: ig: max_iterations = 2 is below a quarter" in out.read_text(encoding="utf-8")
+
+
+def test_reconstructions_are_saved_for_the_operator_privately_and_embedded_in_the_report(tmp_path):
+    import stat
+
+    strategy, store = audit(tmp_path, figures=tmp_path / "figs", truth=DATA.get)
+    grid = AppGrid(dict.fromkeys(NODES, app()), NODES)
+    strategy.start(grid, ArrayRecord(torch_state_dict=model().state_dict()), num_rounds=1)
+    (run,) = store.runs()
+    records = store.records(run.run_id, "attack")
+    folder = tmp_path / "figs" / run.run_id
+    files = sorted(p.name for p in folder.iterdir())
+    assert (
+        files
+        == sorted(r["figure"] for r in records)
+        == ["reconstructions_0_0.png", "reconstructions_0_1.png"]
+    )
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE((folder / f).stat().st_mode) == 0o600 for f in files)
+    out = tmp_path / "r.html"
+    assert (
+        main(["report", str(tmp_path / "a.sqlite"), "--figures", str(tmp_path / "figs"), "--out", str(out)])
+        == 0
+    )
+    assert out.read_text(encoding="utf-8").count("data:image/png;base64") == 2

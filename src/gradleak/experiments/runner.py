@@ -41,7 +41,7 @@ from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import composed_claims
 from gradleak.defenses.in_loop import build_defenses
 from gradleak.experiments.config import ConfigError, ExperimentConfig
-from gradleak.experiments.figures import save_reconstruction_grid
+from gradleak.experiments.figures import matched_figure, save_reconstruction_grid
 from gradleak.experiments.resources import ResourceError, check_resources
 from gradleak.experiments.setup import build_setup, concat
 from gradleak.experiments.store import Checkpoint, ResultStore, RunRow, normalise
@@ -134,48 +134,6 @@ def _truth_for(obs: Observation, results: list[ClientResult]) -> Dataset:
         received = [r for r in results if r.update is not None and r.truth is not None]
         return next(r.truth for r in received if r.update.metadata.get("client_id") == cid)  # type: ignore
     return concat([r.truth for r in results if r.truth is not None])
-
-
-Figure = tuple[torch.Tensor, torch.Tensor, str, list[str]]  # originals, reconstructions, title, captions
-
-
-SHOWN_PER_RANK = 4  # images shown from the best, the middle and the worst of a figure's matches
-
-
-def representative(psnr: list[float], per_rank: int = SHOWN_PER_RANK) -> list[tuple[int, str]]:
-    """Positions into ``psnr`` (one per matched image) to show, best first, each with its rank: the
-    ``per_rank`` best, the ``per_rank`` around the median and the ``per_rank`` worst (all of them, sorted,
-    when there are at most ``3 * per_rank``): a figure shows the spread, not the first matches."""
-    order = sorted(range(len(psnr)), key=lambda k: -psnr[k])
-    n = len(order)
-    if n <= 3 * per_rank:
-        return [(k, "") for k in order]
-    mid = max(per_rank, min(n // 2 - per_rank // 2, n - 2 * per_rank))
-    ranks = [
-        ("best", order[:per_rank]),
-        ("median", order[mid : mid + per_rank]),
-        ("worst", order[-per_rank:]),
-    ]
-    return [(k, rank) for rank, ks in ranks for k in ks]
-
-
-def _figure(
-    name: str, obs: Observation, images: torch.Tensor, truth: torch.Tensor, scores: dict[str, Any]
-) -> Figure:
-    """Originals above their matched reconstructions, the best, median and worst matches by PSNR
-    (:func:`representative`), each captioned with its rank and PSNR (capped at 100 dB)."""
-    matched = [j for j, i in enumerate(scores["matching"]) if i >= 0]
-    psnr = [float(scores["psnr"][m]) for m in range(len(matched))]  # psnr[m] scores matched[m]
-    shown = representative(psnr)
-    rows = [matched[k] for k, _ in shown]
-    recon = images[[scores["matching"][j] for j in rows]]
-    caps = [f"{rank} {psnr[k]:.1f} dB".strip() for k, rank in shown]
-    who = f"the secure-aggregation sum of {obs.num_clients} clients" if obs.aggregated else (
-        f"client {obs.update.metadata.get('client_id')}")  # fmt: skip
-    unmatched = len(scores["matching"]) - len(matched)
-    title = (f"{name} on {who}: {len(shown)} of {len(matched)} matched images (best, median, worst by PSNR)"
-             + (f"; {unmatched} not reconstructed" if unmatched else ""))  # fmt: skip
-    return truth[rows], recon, title, caps
 
 
 def served_models(attack: ModelModifyingAttack, broadcast: nn.Module, count: int) -> list[nn.Module]:
@@ -543,7 +501,7 @@ class _Run:
                 reconstruction = outcome.reconstruction
                 if (folder is not None and reconstruction is not None and reconstruction.images is not None
                         and "matching" in record and isinstance(truth, ImageDataset)):  # fmt: skip
-                    orig, recon, title, caps = _figure(
+                    orig, recon, title, caps = matched_figure(
                         spec.name, obs, reconstruction.images, truth.images, record
                     )
                     name = f"reconstructions_{i}_{k}.png"

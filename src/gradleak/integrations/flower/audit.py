@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -100,12 +101,13 @@ class AuditStrategy(Auditing, Strategy):
         scorer: Scorer | None = None,
         threads: int | None = 1,
         partitions: Mapping[int, int] | None = None,
+        figures: str | Path | None = None,
     ) -> None:
         Auditing.__init__(
             self, model=model, attacks=attacks, input_shape=input_shape, num_classes=num_classes, store=store,
             training=training, rounds=rounds, secure_aggregation=secure_aggregation, seed=seed, name=name,
             truth=truth, policy=policy, scorer=scorer,
-            threads=threads, partitions=partitions,
+            threads=threads, partitions=partitions, figures=figures,
         )  # fmt: skip
         self.strategy = strategy
         self.malicious = None if malicious is None else as_spec(malicious)

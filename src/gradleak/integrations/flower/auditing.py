@@ -17,6 +17,7 @@ import datetime as dt
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -26,6 +27,7 @@ from gradleak.attacks import create_attack
 from gradleak.audit import ImageScorer, Scorer, attack_update, audit_generators
 from gradleak.audit.choice import auto_attacks, budget_warnings
 from gradleak.data.base import ImageDataset
+from gradleak.experiments.figures import matched_figure, save_reconstruction_grid
 from gradleak.experiments.runner import environment
 from gradleak.experiments.store import ResultStore, RunRow
 from gradleak.fl.server import secure_sum
@@ -86,10 +88,12 @@ class Auditing:
         scorer: Scorer | None = None,
         threads: int | None = 1,
         partitions: Mapping[int, int] | None = None,
+        figures: str | Path | None = None,
     ) -> None:
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a positive int or None (torch's default), got {threads!r}")
         self.threads = threads
+        self.figures = None if figures is None else Path(figures)
         self.partitions = None if partitions is None else {int(k): int(v) for k, v in partitions.items()}
         show_progress()
         self.model = model
@@ -187,6 +191,24 @@ class Auditing:
             self.attack(server_round, f"{prefix}reply/{j}", node, update, 1, w0, attacks, secrets,
                         malicious=bool(prefix))  # fmt: skip
 
+    def save_figure(
+        self, name: str, attack: str, who: str, obs: Observation, images: torch.Tensor, truth: object,
+        record: dict[str, Any],
+    ) -> None:  # fmt: skip
+        """The reconstructions for the operator, in ``figures/RUN_ID/`` (0700; the file 0600: they are the
+        clients' data): beside the matched originals where ``truth`` scores them, else alone."""
+        if self.figures is None or self.run_id is None:
+            return
+        folder = self.figures / self.run_id
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if isinstance(truth, ImageDataset) and "matching" in record:
+            orig, recon, title, caps = matched_figure(attack, obs, images, truth.images, record)
+            save_reconstruction_grid(orig, recon, folder / name, title=title, captions=caps)
+        else:
+            title = f"{attack} on {who}: what the server rebuilt (no ground truth to compare)"
+            save_reconstruction_grid(None, images, folder / name, title=title)
+        record["figure"] = name
+
     def attack(
         self,
         server_round: int,
@@ -228,6 +250,9 @@ class Auditing:
                 outcome = attack_update(attack, spec, obs, generator=gen, truth=data, scorer=self.scorer,
                                         floor_generator=floor_gen)  # fmt: skip
             r = outcome.record
+            images = None if outcome.reconstruction is None else outcome.reconstruction.images
+            if images is not None:
+                self.save_figure(f"reconstructions_{i}_{k}.png", spec.name, who, obs, images, data, r)
             status = "failed" if r["kind"] == "attack_error" else "done"
             seconds = float(r.get("attack_seconds", 0.0))
             progress_log.info("round %d, %s: %s %s in %.1f s", server_round, who, spec.name, status, seconds)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -101,12 +102,13 @@ class LegacyAuditStrategy(Auditing, Strategy):
         scorer: Scorer | None = None,
         threads: int | None = 1,
         partitions: Mapping[int, int] | None = None,
+        figures: str | Path | None = None,
     ) -> None:
         Auditing.__init__(
             self, model=model, attacks=attacks, input_shape=input_shape, num_classes=num_classes, store=store,
             training=training, rounds=rounds, secure_aggregation=False, seed=seed, name=name, truth=truth,
             policy=policy, scorer=scorer,
-            threads=threads, partitions=partitions,
+            threads=threads, partitions=partitions, figures=figures,
         )  # fmt: skip
         self.strategy = strategy
         self._broadcast: dict[int, dict[str, torch.Tensor]] = {}
