@@ -1,4 +1,4 @@
-"""The ``gradleak`` command: one module per subcommand (run, list, demo, results, report)."""
+"""The ``gradleak`` command: one module per subcommand (run, check, list, demo, results, report, bench)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from gradleak import progress
-from gradleak.cli import bench, demo, listing, report, results, run
+from gradleak.cli import bench, check, demo, listing, report, results, run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -16,7 +16,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (run, listing, demo, results, report, bench):
+    for module in (run, check, listing, demo, results, report, bench):
         module.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(

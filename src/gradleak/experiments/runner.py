@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 import gradleak
 from gradleak.attacks import create_attack, model_modifying
 from gradleak.audit import attack_update, audit_generators
-from gradleak.audit.choice import budget_warnings
+from gradleak.audit.preflight import Preflight, PreflightError, enforce, run_checks
 from gradleak.data import partition
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import composed_claims
@@ -48,6 +48,7 @@ from gradleak.experiments.store import Checkpoint, ResultStore, RunRow, normalis
 from gradleak.fl import FederatedSimulation, derive_seed, server_view
 from gradleak.fl.client import ClientResult
 from gradleak.fl.engines import EngineRunner
+from gradleak.fl.server import update_kind
 from gradleak.fl.simulation import Engine, RoundResult, secure_observation
 from gradleak.plugins import loaded_sources as plugin_sources
 from gradleak.progress import enabled as bars_on
@@ -307,6 +308,20 @@ def run_experiment(
     return RunOutcome(run_id, cfg, records, figures, folder, resumed)
 
 
+def preflight(cfg: ExperimentConfig, model: nn.Module, train: Dataset) -> list[str]:
+    """The pre-flight checks (:mod:`gradleak.audit.preflight`) of ``cfg``'s audit on its built model and
+    a sample of its training data: errors raise :class:`ConfigError`, warnings are logged and returned."""
+    if cfg.audit.clients == 0:
+        return []
+    a = cfg.audit
+    images = train.images[:256] if isinstance(train, ImageDataset) else None
+    context = Preflight(a.attacks, model, update_kind(a.training), a.training_public, images)
+    try:
+        return enforce(run_checks(context), "audit")
+    except PreflightError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def build_simulation(cfg: ExperimentConfig) -> FederatedSimulation:
     """``cfg``'s federation, built and checked as :func:`run_experiment` builds it (data, partition, the
     initial model, the defenses, the task), before any round: for measurements on the engine's clients
@@ -342,8 +357,7 @@ class _Run:
         seed = cfg.experiment.seed
         self.setup = build_setup(cfg)  # data, model, task and scoring of the data set's modality
         self.train, self.test = self.setup.train, self.setup.test
-        for warning in budget_warnings(cfg.audit.attacks):
-            log.warning("audit: %s", warning)
+        self.preflight = preflight(cfg, self.setup.model, self.train)  # errors raise here, before any work
         try:  # before the partition and any round: a run that cannot fit here is refused now
             check_resources(cfg, self.setup.model, len(self.train))
         except ResourceError as exc:

@@ -133,6 +133,8 @@ class AuditStrategy(Auditing, Strategy):
                 f"malicious_nodes must be >= 1 (None: every sampled node), got {malicious_nodes}"
             )
         self.malicious_nodes, self.public_images = malicious_nodes, public_images
+        planted = [] if self.malicious is None else [self.malicious]
+        self.check_before_round_1([*self.attacks, *planted], public_images)
         self._planted: dict[int, _Planted] = {}
         self._broadcast: dict[int, dict[str, torch.Tensor]] = {}
         self._asked: dict[int, set[int]] = {}  # the nodes each round's train messages went to

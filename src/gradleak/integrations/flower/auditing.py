@@ -25,7 +25,8 @@ from torch import nn
 
 from gradleak.attacks import create_attack
 from gradleak.audit import ImageScorer, Scorer, attack_update, audit_generators
-from gradleak.audit.choice import auto_attacks, budget_warnings
+from gradleak.audit.choice import auto_attacks
+from gradleak.audit.preflight import Preflight, enforce, run_checks
 from gradleak.data.base import ImageDataset
 from gradleak.experiments.figures import matched_figure, save_reconstruction_grid
 from gradleak.experiments.runner import environment
@@ -104,9 +105,7 @@ class Auditing:
             log.info("audit: attacks='auto' chose %s: %s", [s.name for s in self.attacks], self.choice)
         else:
             self.attacks, self.choice = [as_spec(a) for a in attacks], "configured"
-        self.warnings = budget_warnings(self.attacks)
-        for warning in self.warnings:
-            log.warning("audit: %s", warning)
+        self.warnings: list[str] = []  # the pre-flight checks' (check_before_round_1)
         self.attacked = 0  # the audit's attacked updates so far (the seed rule of gradleak.audit)
         for spec in self.attacks:  # unknown names and options fail now, not mid-run
             create_attack(spec.name, **spec.options)
@@ -118,6 +117,14 @@ class Auditing:
         self.run_id: str | None = None
         if store is not None:
             store.check()
+
+    def check_before_round_1(self, attacks: Sequence[ComponentSpec], images: torch.Tensor | None) -> None:
+        """The pre-flight checks (:mod:`gradleak.audit.preflight`) on what the wrapper knows now: its
+        attacks read deltas (a server forms ``w_T - w_0`` from any reply), the recipe if stated, sample
+        images where the operator gave some. An error raises before the federation starts."""
+        known = self.training is not None
+        context = Preflight(attacks, self.model, "delta", recipe_known=known, images=images)
+        self.warnings = enforce(run_checks(context), f"{type(self).__name__}")
 
     def run_config(self) -> dict[str, Any]:
         """What the store keeps as the audit run's configuration (wrappers add their own options)."""

@@ -110,6 +110,7 @@ class LegacyAuditStrategy(Auditing, Strategy):
             policy=policy, scorer=scorer,
             threads=threads, partitions=partitions, figures=figures,
         )  # fmt: skip
+        self.check_before_round_1(self.attacks, None)
         self.strategy = strategy
         self._broadcast: dict[int, dict[str, torch.Tensor]] = {}
 
