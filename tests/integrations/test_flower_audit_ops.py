@@ -141,7 +141,7 @@ def test_auto_picks_the_attack_for_the_recipe_and_small_budgets_are_warned_in_th
     strategy.start(grid, ArrayRecord(torch_state_dict=model().state_dict()), num_rounds=1)
     out = tmp_path / "r.html"
     assert main(["report", str(tmp_path / "a.sqlite"), "--out", str(out)]) == 0
-    assert "Warning: ig: max_iterations = 2 is below a quarter" in out.read_text(encoding="utf-8")
+    assert "Warning: [budget] ig: max_iterations = 2 is below a quarter" in out.read_text(encoding="utf-8")
 
 
 def test_reconstructions_are_saved_for_the_operator_privately_and_embedded_in_the_report(tmp_path):
