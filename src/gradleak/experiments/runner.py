@@ -20,7 +20,6 @@ import importlib.metadata
 import json
 import logging
 import platform
-import subprocess
 import time
 import uuid
 from collections.abc import Mapping
@@ -42,6 +41,7 @@ from gradleak.defenses.base import composed_claims
 from gradleak.defenses.in_loop import build_defenses
 from gradleak.experiments.config import ConfigError, ExperimentConfig
 from gradleak.experiments.figures import matched_figure, save_reconstruction_grid
+from gradleak.experiments.measurement import git_info
 from gradleak.experiments.resources import ResourceError, check_resources
 from gradleak.experiments.setup import build_setup, concat
 from gradleak.experiments.store import Checkpoint, ResultStore, RunRow, normalise
@@ -109,12 +109,7 @@ def code_digest() -> str:
 
 def environment() -> dict[str, Any]:
     """Where a run happened: git commit, the code's digest, machine, library versions."""
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
-        ).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = git_info()["commit"]  # the package's checkout, not the working directory's repository
     return {
         "gradleak": gradleak.__version__,
         "git_commit": commit or "unknown",

@@ -121,12 +121,14 @@ def apply_update(model: nn.Module, aggregate: Update, server_lr: float = 1.0) ->
 
 @torch.no_grad()
 def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 1024) -> float:
-    """Top-1 accuracy in [0, 1]."""
+    """Top-1 accuracy in [0, 1], in eval mode; the model's mode is restored after (it was forced to train
+    mode, which switched a caller's eval-mode model, e.g. an attack's, to batch statistics)."""
+    was_training = model.training
     model.eval()
     correct = 0
     for i in range(0, len(labels), batch_size):
         correct += int((model(images[i : i + batch_size]).argmax(1) == labels[i : i + batch_size]).sum())
-    model.train()
+    model.train(was_training)
     return correct / max(1, len(labels))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch.nn import functional as F
@@ -42,15 +42,6 @@ class Fingerprinted(Protocol):
 def fingerprint(source: object) -> str:
     """``source.fingerprint()`` where it has one (:class:`Fingerprinted`), else ``""``."""
     return source.fingerprint() if isinstance(source, Fingerprinted) else ""
-
-
-class GeneratorFactory(Protocol):
-    """A registered generator (:data:`gradleak.registry.GENERATORS`): fit on ``data`` (the client's own
-    images, or a public split its config names) with its config; ``generator`` seeds any randomness."""
-
-    def __call__(
-        self, data: ImageDataset, config: Any, *, generator: torch.Generator
-    ) -> ConditionalGenerator: ...
 
 
 @dataclass(frozen=True)

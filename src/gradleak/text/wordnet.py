@@ -88,11 +88,3 @@ def ensure_wordnet(target: Path | None = None, data_root: str | os.PathLike[str]
     if str(base) not in nltk.data.path:
         nltk.data.path.insert(0, str(base))
     return base
-
-
-def wordnet_available() -> bool:
-    try:
-        ensure_wordnet()
-    except (WordNetMissingError, OSError):
-        return False
-    return True

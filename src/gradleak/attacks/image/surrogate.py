@@ -234,13 +234,6 @@ class SurrogateState:
                 for t in self.nodes
             ]
 
-    def path_params(self) -> list[torch.Tensor]:
-        if self.s.path == "line":
-            return [self.alpha]
-        if self.s.path == "bezier_t":
-            return [*self.p1, self.t]
-        return list(self.p1)
-
     def points(self) -> list[list[torch.Tensor]]:
         """The weight states the surrogate gradient is read at (one, or the m quadrature nodes)."""
         pr = self.prob

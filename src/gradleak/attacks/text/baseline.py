@@ -9,12 +9,11 @@ input with the same scale but no data in it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from gradleak.types import Attack, Observation, Reconstruction, Update
+from gradleak.types import Observation, Update
 
 VALID_MIN_R1 = 0.10
 VALID_MARGIN = 0.05
@@ -47,24 +46,3 @@ def is_valid(r1: float, null_r1: float) -> bool:
 def is_blocked(defended_r1: float, null_r1: float) -> bool:
     """A valid probe is blocked when the defended R-1 is at most max(0.05, null + 0.05)."""
     return defended_r1 <= max(BROKEN_R1, null_r1 + VALID_MARGIN)
-
-
-@dataclass(frozen=True)
-class NullReport:
-    rouge1: float
-    null_rouge1: float
-    valid: bool
-
-
-def with_null_baseline(
-    attack: Attack,
-    obs: Observation,
-    score: Callable[[Reconstruction], float],
-    *,
-    generator: torch.Generator,
-) -> tuple[Reconstruction, Reconstruction, NullReport]:
-    """Run ``attack`` on ``obs`` and on its null observation; ``score`` maps a reconstruction to ROUGE-1."""
-    rec = attack.reconstruct(obs, generator=generator)
-    null_rec = attack.reconstruct(null_observation(obs, generator), generator=generator)
-    r1, n1 = score(rec), score(null_rec)
-    return rec, null_rec, NullReport(r1, n1, is_valid(r1, n1))
