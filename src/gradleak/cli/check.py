@@ -30,7 +30,14 @@ def handle(args: argparse.Namespace) -> int:
     load_plugins(args.plugin)
     cfg = load_config(args.config, args.overrides, trust_plugins=args.trust_config_plugins)
     sim = build_simulation(cfg)  # data, partition, model, defenses: refused here where a run would be
-    warnings = preflight(cfg, sim.model, type(sim.clients[0]).concat(list(sim.clients)))  # type: ignore[arg-type]
+    # a sample of the clients' data for the input-range check (preflight reads its first 256 samples)
+    sample, total = [], 0
+    for client in sim.clients:
+        sample.append(client)
+        total += len(client)
+        if total >= 256:
+            break
+    warnings = preflight(cfg, sim.model, type(sample[0]).concat(sample))  # type: ignore[arg-type]
     params = sum(p.numel() for p in sim.model.parameters())
     sizes = [len(c) for c in sim.clients]
     print(f"config {args.config}: ok")

@@ -352,7 +352,7 @@ class _Run:
         seed = cfg.experiment.seed
         self.setup = build_setup(cfg)  # data, model, task and scoring of the data set's modality
         self.train, self.test = self.setup.train, self.setup.test
-        self.preflight = preflight(cfg, self.setup.model, self.train)  # errors raise here, before any work
+        preflight(cfg, self.setup.model, self.train)  # the audit's pre-flight checks: errors raise here
         try:  # before the partition and any round: a run that cannot fit here is refused now
             check_resources(cfg, self.setup.model, len(self.train))
         except ResourceError as exc:

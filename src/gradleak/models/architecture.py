@@ -1,10 +1,10 @@
 """A model's architecture as data, so that no party ever unpickles another's module.
 
-A pickled ``nn.Module`` runs whatever code its sender chose when it is loaded (``torch.load(...,
-weights_only=False)``). What travels instead is a **spec** (plain JSON: which registered model with which
-options, or "the receiver's own model", plus the layers a malicious server may put in front of it) and
-the weights as arrays. The receiver builds the module from the spec out of a closed set of layer kinds,
-checked on the way (types, sizes, depth), and loads the weights strictly.
+A pickled ``nn.Module`` runs whatever code its sender chose when it is unpickled. What travels instead
+is a **spec** (plain JSON: which registered model with which options, or "the receiver's own model",
+plus the layers a malicious server may put in front of it) and the weights as arrays. The receiver builds
+the module from the spec out of a closed set of layer kinds, checked on the way (types, sizes, depth),
+and loads the weights strictly.
 
 Spec nodes (``{"format": FORMAT, "model": node}``):
 

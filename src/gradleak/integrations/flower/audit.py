@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -64,7 +64,6 @@ from gradleak.types import ClientCustomizingAttack, LocalTraining, ModelModifyin
 from gradleak.validation import InvalidUpdateError, reference_of
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class _Planted:
@@ -263,11 +262,9 @@ class AuditStrategy(Auditing, Strategy):
                 seen.add(node)
                 checked = self.check_reply(server_round, node, reply, source, train)
             except (InvalidUpdateError, ValueError, TypeError, KeyError, OverflowError) as exc:
-                reason = str(exc)[:2000]
-                log.warning("audit: rejected %s", reason)
-                rejected = {"kind": "rejected", "round": server_round, "node_id": node, "stage": stage,
-                            "error": reason}  # fmt: skip
-                self.commit(f"round/{server_round}/{stage}/{j}/rejected", rejected)
+                self.reject(
+                    f"round/{server_round}/{stage}/{j}/rejected", server_round, node, exc, stage=stage
+                )
                 continue
             out.append((j, checked))
         return out
@@ -330,11 +327,10 @@ class AuditStrategy(Auditing, Strategy):
         common, partial = common_metrics([c for _, c in checked])
         out = []
         for j, c in checked:
-            dropped = sorted(set(c.dropped) | set(partial.get(c.node, [])))
-            if dropped or c.clipped:
-                note = {"kind": "sanitised", "round": server_round, "node_id": c.node, "stage": stage,
-                        "dropped_metrics": dropped, "clipped": c.clipped, "norm": c.norm}  # fmt: skip
-                self.commit(f"round/{server_round}/{stage}/{j}/sanitised", note)
+            dropped = set(c.dropped) | set(partial.get(c.node, []))
+            self.note_sanitised(
+                f"round/{server_round}/{stage}/{j}/sanitised", server_round, stage, c, dropped
+            )
             metrics = MetricRecord({weight_key: c.num_examples, **{k: c.metrics[k] for k in sorted(common)}})
             content = RecordDict({"metrics": metrics})
             if stage == "train":
@@ -343,20 +339,6 @@ class AuditStrategy(Auditing, Strategy):
             reply.content = content
             out.append(reply)
         return out
-
-    def inner(self, server_round: int, stage: str, call: Callable[[], T], fallback: T) -> T:
-        """The wrapped strategy's aggregation; if it raises anyway, the failure is recorded and the round's
-        model (or metrics) left unchanged instead of the federation stopping."""
-        try:
-            return call()
-        except Exception as exc:  # noqa: BLE001 - fail closed: the round is skipped, the federation goes on
-            log.error(
-                "audit: round %d: the wrapped strategy's %s aggregation failed: %s", server_round, stage, exc
-            )
-            failed = {"kind": "aggregate_error", "round": server_round, "stage": stage,
-                      "error": f"{type(exc).__name__}: {exc}"[:2000]}  # fmt: skip
-            self.commit(f"round/{server_round}/{stage}/aggregate_error", failed)
-            return fallback
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

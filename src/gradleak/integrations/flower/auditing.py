@@ -18,7 +18,7 @@ import logging
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -32,11 +32,12 @@ from gradleak.experiments.figures import matched_figure, save_reconstruction_gri
 from gradleak.experiments.runner import environment
 from gradleak.experiments.store import ResultStore, RunRow
 from gradleak.fl.server import secure_sum
-from gradleak.integrations.flower.replies import ReplyPolicy
+from gradleak.integrations.flower.replies import CheckedReply, ReplyPolicy
 from gradleak.spec import ComponentSpec, as_spec
 from gradleak.types import LocalTraining, Observation, Update
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 progress_log = logging.getLogger("gradleak.audit.progress")  # one line per attacked update
 
 
@@ -125,6 +126,45 @@ class Auditing:
         known = self.training is not None
         context = Preflight(attacks, self.model, "delta", recipe_known=known, images=images)
         self.warnings = enforce(run_checks(context), f"{type(self).__name__}")
+
+    def reject(self, unit: str, server_round: int, node: int | None, exc: Exception, **extra: Any) -> None:
+        """Record a reply (or aggregate) that failed its checks: its node and the reason, never raised."""
+        reason = str(exc)[:2000]
+        log.warning("audit: rejected %s", reason)
+        self.commit(
+            unit, {"kind": "rejected", "round": server_round, "node_id": node, "error": reason, **extra}
+        )
+
+    def note_sanitised(
+        self, unit: str, server_round: int, stage: str, checked: CheckedReply, dropped: Iterable[str]
+    ) -> None:
+        """Record what was dropped (metric keys) or clipped of an accepted reply before it was forwarded."""
+        keys = sorted(dropped)
+        if keys or checked.clipped:
+            note = {"kind": "sanitised", "round": server_round, "node_id": checked.node, "stage": stage,
+                    "dropped_metrics": keys, "clipped": checked.clipped, "norm": checked.norm}  # fmt: skip
+            self.commit(unit, note)
+
+    def inner(self, server_round: int, stage: str, call: Callable[[], T], fallback: T) -> T:
+        """The wrapped strategy's aggregation; if it raises anyway, the failure is recorded and the round's
+        model (or metrics) left unchanged instead of the federation stopping."""
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - fail closed: the round is skipped, the federation goes on
+            log.error(
+                "audit: round %d: the wrapped strategy's %s aggregation failed: %s", server_round, stage, exc
+            )
+            failed = {"kind": "aggregate_error", "round": server_round, "stage": stage,
+                      "error": f"{type(exc).__name__}: {exc}"[:2000]}  # fmt: skip
+            self.commit(f"round/{server_round}/{stage}/aggregate_error", failed)
+            return fallback
+
+    def truth_key(self, node: int | None, reported: object) -> int | None:
+        """Whose data scores an update: the server's own ``partitions`` map when given (a client cannot
+        choose), else the partition id the reply reports, else the node id."""
+        if self.partitions is not None:
+            return None if node is None else self.partitions.get(node)
+        return reported if isinstance(reported, int) else node
 
     def run_config(self) -> dict[str, Any]:
         """What the store keeps as the audit run's configuration (wrappers add their own options)."""
@@ -240,10 +280,7 @@ class Auditing:
         obs = Observation(w0, update, self.input_shape, self.num_classes, self.training, secrets=secrets,
                           aggregated=aggregated, num_clients=count)  # fmt: skip
         part = update.metadata.get("partition_id")  # the client's own claim, recorded as such
-        if self.partitions is not None:  # the server's own map: a client cannot pick whose data scores it
-            key = None if node is None else self.partitions.get(node)
-        else:
-            key = part if isinstance(part, int) else node
+        key = self.truth_key(node, part)
         data = truth
         if data is None and self.truth is not None and key is not None:
             data = self.truth(key)

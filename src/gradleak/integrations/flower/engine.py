@@ -108,11 +108,6 @@ def model_from(spec: object, weights: dict[str, torch.Tensor]) -> nn.Module:
     return model
 
 
-def state_arrays(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state as independent tensors (tied weights copied apart) for an ArrayRecord."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def samples_of(task: ClientTask) -> int:
     """How many of the client's first samples the task trains on (-1: all), checked against its data."""
     if task.private is None:
@@ -333,7 +328,7 @@ class GridEngine:
         self, global_model: nn.Module, tasks: Sequence[ClientTask], defenses: DefenseFactory
     ) -> list[ClientResult]:
         self.check(tasks, defenses)
-        spec, weights = describe(global_model), ArrayRecord(torch_state_dict=state_arrays(global_model))
+        spec, weights = describe(global_model), ArrayRecord(torch_state_dict=global_model.state_dict())
         messages = [task_message(t, spec, weights, self.node_of[t.client_id]) for t in tasks]
         replies = {
             int(r.metadata.src_node_id): r for r in self.grid.send_and_receive(messages, timeout=self.timeout)
@@ -390,7 +385,7 @@ class SecureGridEngine(GridEngine):
         fitins: list[tuple[ClientProxy, FitIns]] = []
         for model, task in zip(models, tasks, strict=True):
             if id(model) not in sent:
-                arrays = [t.numpy() for t in state_arrays(model).values()]
+                arrays = [t.numpy() for t in model.state_dict().values()]
                 sent[id(model)] = (describe(model), ndarrays_to_parameters(arrays))
             spec, parameters = sent[id(model)]
             config = {**task_config(task), "spec": spec, "weighted": weighted,

@@ -197,20 +197,16 @@ class LegacyAuditStrategy(Auditing, Strategy):
                     metadata=meta, source=source,
                 )  # fmt: skip
             except (InvalidUpdateError, ValueError, TypeError, KeyError, OverflowError) as exc:
-                log.warning("audit: rejected %s", exc)
-                rejected = {"kind": "rejected", "round": server_round, "node_id": node,
-                            "error": str(exc)[:2000]}  # fmt: skip
-                self.commit(f"round/{server_round}/reply/{j}/rejected", rejected)
+                self.reject(f"round/{server_round}/reply/{j}/rejected", server_round, node, exc)
                 continue
             checked.append((proxy, res, c))
             good.append((j, node, c.update))
         common, partial = common_metrics([c for _, _, c in checked])
         for j, (proxy, _, c) in enumerate(checked):
-            dropped = sorted(set(c.dropped) | set(partial.get(c.node, [])))
-            if dropped or c.clipped:
-                note = {"kind": "sanitised", "round": server_round, "node_id": c.node, "stage": "train",
-                        "dropped_metrics": dropped, "clipped": c.clipped, "norm": c.norm}  # fmt: skip
-                self.commit(f"round/{server_round}/reply/{j}/sanitised", note)
+            dropped = set(c.dropped) | set(partial.get(c.node, []))
+            self.note_sanitised(
+                f"round/{server_round}/reply/{j}/sanitised", server_round, "train", c, dropped
+            )
             arrays = legacy_parameters(c.weights, state)
             scalars: dict[str, Scalar] = {
                 k: v for k in sorted(common) if isinstance(v := c.metrics[k], int | float)
@@ -218,20 +214,15 @@ class LegacyAuditStrategy(Auditing, Strategy):
             kept.append((proxy, FitRes(Status(Code.OK, ""), arrays, c.num_examples, scalars)))
         if self.audits(server_round):
             self.audit(server_round, good, self.model_at(w0), self.attacks, {}, "")
-        return self.inner(server_round, lambda: self.strategy.aggregate_fit(server_round, kept, failures))
+        return self.aggregate_inner(server_round, kept, failures)
 
-    def inner(
-        self, server_round: int, call: Callable[[], tuple[Parameters | None, dict[str, Scalar]]]
+    def aggregate_inner(
+        self, server_round: int, kept: list[tuple[ClientProxy, FitRes]], failures: list[Failure]
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
-        """The wrapped strategy's aggregation; a failure is recorded and the model left unchanged."""
-        try:
-            return call()
-        except Exception as exc:  # noqa: BLE001 - fail closed: the round is skipped, the federation goes on
-            log.error("audit: round %d: the wrapped strategy's aggregation failed: %s", server_round, exc)
-            failed = {"kind": "aggregate_error", "round": server_round, "stage": "train",
-                      "error": f"{type(exc).__name__}: {exc}"[:2000]}  # fmt: skip
-            self.commit(f"round/{server_round}/aggregate_error", failed)
-            return None, {}
+        """The wrapped strategy's ``aggregate_fit`` of what was checked; a failure leaves the model as is."""
+        no_change: tuple[Parameters | None, dict[str, Scalar]] = (None, {})
+        aggregate = lambda: self.strategy.aggregate_fit(server_round, kept, failures)  # noqa: E731
+        return self.inner(server_round, "train", aggregate, no_change)
 
     def _aggregate_secure(
         self,
@@ -265,20 +256,13 @@ class LegacyAuditStrategy(Auditing, Strategy):
             params = reference_of(self.model)
             update = Update({n: full[n] - w0[n] for n in params}, sum(counts), "delta", meta)
             check_update(update, params, source=source)
-        except (InvalidUpdateError, ValueError, TypeError) as exc:
-            log.error("audit: %s; the round's model is left unchanged", exc)
-            rejected = {"kind": "rejected", "round": server_round, "node_id": None, "error": str(exc)[:2000],
-                        "num_clients": count}  # fmt: skip
-            self.commit(f"round/{server_round}/sum/rejected", rejected)
+        except (InvalidUpdateError, ValueError, TypeError) as exc:  # the round's model is left unchanged
+            self.reject(f"round/{server_round}/sum/rejected", server_round, None, exc, num_clients=count)
             return None, {}
         if self.audits(server_round):
             truth = None
             if self.truth is not None:
-                keys = (
-                    [self.partitions.get(int(proxy.node_id)) for proxy, _ in results]
-                    if self.partitions is not None
-                    else [_partition(r) for _, r in results]
-                )
+                keys = [self.truth_key(int(proxy.node_id), _partition(r)) for proxy, r in results]
                 parts = [self.truth(p) for p in keys if p is not None]
                 known = [d for d in parts if d is not None]
                 truth = ImageDataset.concat(known) if known and len(known) == count else None
@@ -287,7 +271,7 @@ class LegacyAuditStrategy(Auditing, Strategy):
         whole = legacy_parameters(full, state)
         kept = [(proxy, FitRes(Status(Code.OK, ""), whole, n, {}))
                 for (proxy, _), n in zip(results, counts, strict=True)]  # fmt: skip
-        return self.inner(server_round, lambda: self.strategy.aggregate_fit(server_round, kept, failures))
+        return self.aggregate_inner(server_round, kept, failures)
 
     def configure_evaluate(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
