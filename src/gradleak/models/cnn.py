@@ -146,3 +146,28 @@ MODELS.register(
     modality="image",
 )
 MODELS.register("lenet", LeNet, summary="DLG's sigmoid LeNet", modality="image")
+
+
+class MLP(nn.Module):
+    """A fully connected classifier: flatten, ``hidden`` ReLU layers, the output layer. The first layer reads
+    the raw pixels, the setting of Boenisch et al.'s trap weights and of Robbing the Fed's imprint written
+    into a model's own first layer (:mod:`gradleak.attacks.linear.in_place`)."""
+
+    def __init__(
+        self, input_shape: tuple[int, int, int], num_classes: int, hidden: tuple[int, ...] = (256, 128)
+    ):
+        super().__init__()
+        widths = [int(torch.tensor(input_shape).prod()), *hidden]
+        layers: list[nn.Module] = [nn.Flatten()]
+        for a, b in zip(widths[:-1], widths[1:], strict=True):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        layers.append(nn.Linear(widths[-1], num_classes))
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+MODELS.register(
+    "mlp", MLP, summary="fully connected: flatten + ReLU layers (hidden=(256, 128))", modality="image"
+)

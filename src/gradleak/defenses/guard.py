@@ -1,0 +1,363 @@
+"""The client's guard: check the model a server sent before training on it.
+
+A malicious server leaks a client's data by sending it a model built to leak (Robbing the Fed, LOKI,
+Scale-MIA, trap weights, class fishing); the SEER paper (Garov et al., ICLR 2024) notes that the attacks
+of the literature are detectable by a client that looks. This module looks, in two steps:
+
+1. **architecture**: the received arrays carry exactly the names, shapes and dtypes of the client's own
+   model (an integer buffer may arrive as whole floating numbers: Flower's FedAvg averages
+   ``num_batches_tracked`` in float64), all finite. Every malicious model that inserts an imprint block
+   fails here.
+2. **weight signatures**, for malicious models that keep the client's architecture
+   (:mod:`gradleak.attacks.linear.in_place`), each a registered check over every ``nn.Linear`` layer:
+
+   - ``parallel``: at least ``parallel_rows`` rows (or columns of a layer fed by hidden units) with a near
+     parallel partner (|cos| >= ``parallel_cosine``): cumulative bins share one direction and the
+     back-connection one column (Robbing the Fed, LOKI);
+   - ``degenerate``: a zero or constant row (its spread below ``degenerate_ratio`` of its size): class
+     fishing zeroes the output rows and makes the target's constant;
+   - ``bias``: a bias that dwarfs what the layer computes on the client's own data (``|b_i|`` above
+     ``bias_ratio`` times the spread of ``w_i x`` over the probe, and above 1): closed LOKI slots, fished
+     classes;
+   - ``balance``: more than ``max_balanced_rows`` of a layer's rows with exactly half of their weights
+     negative: trap weights (Boenisch et al., EuroS&P 2023, Sec. IV) negate half of each row's entries
+     (random rows hit the exact half with probability about ``sqrt(2 / (pi D))``, 3 % at D = 784);
+   - ``drift``: a linear layer that moved by more than ``max_drift`` of its norm since the last model this
+     client accepted (or its own trusted start): a rewritten layer moves by about its whole size, a round of
+     FedAvg by a few percent. Activation sparsity, the trap's purpose, is no signature: honest trained
+     layers are as sparse on a client's data (measured, docs/security.md).
+
+``probe``: a batch of the client's own training inputs, which it is about to train on anyway; nothing of
+it leaves the client. The thresholds are set so that honest models across FedAvg training raise no alarm
+(measured by ``benchmarks/model_guard.py``: detection per attack and the false-alarm rate with its 95 %
+upper bound, docs/security.md).
+
+:func:`guard_model` (any PyTorch loop) raises :class:`MaliciousModelError` on a hit;
+:class:`gradleak.integrations.flower.mods.GuardMod` refuses the train message in a Flower ClientApp.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+class MaliciousModelError(ValueError):
+    """The server's model failed the guard; the message lists what was found."""
+
+
+@dataclass(frozen=True)
+class GuardFinding:
+    """One hit: which check, where (parameter or layer), and why."""
+
+    check: str
+    where: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.check} at {self.where}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class GuardVerdict:
+    """Everything the guard found; ``safe`` when nothing was."""
+
+    findings: tuple[GuardFinding, ...] = ()
+
+    @property
+    def safe(self) -> bool:
+        return not self.findings
+
+    def reason(self, limit: int = 3) -> str:
+        more = len(self.findings) - limit
+        return "; ".join(map(str, self.findings[:limit])) + (f" (and {more} more)" if more > 0 else "")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """The checks to run (registered names, :data:`GUARD_CHECKS`; the architecture check always runs first)
+    and their thresholds (module docstring). ``probe_size``: how many of the client's inputs the data
+    checks read."""
+
+    checks: tuple[str, ...] = ("parallel", "degenerate", "bias", "balance", "drift")
+    parallel_cosine: float = 0.99
+    parallel_rows: int = 3
+    degenerate_ratio: float = 1e-3
+    bias_ratio: float = 50.0
+    max_balanced_rows: float = 0.5
+    max_drift: float = 0.5
+    probe_size: int = 64
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "checks", tuple(self.checks))
+        unknown = [c for c in self.checks if c not in GUARD_CHECKS]
+        if unknown:
+            raise ValueError(f"unknown guard checks {unknown}; known: {sorted(GUARD_CHECKS)}")
+        for key in ("parallel_cosine", "degenerate_ratio", "max_balanced_rows"):
+            v = getattr(self, key)
+            if not (isinstance(v, int | float) and 0 < v <= 1):
+                raise ValueError(f"{key} must be in (0, 1], got {v!r}")
+        for key in ("bias_ratio", "max_drift"):
+            v = getattr(self, key)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{key} must be a positive finite number, got {v!r}")
+        for key in ("parallel_rows", "probe_size"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 2:
+                raise ValueError(f"{key} must be an int >= 2, got {v!r}")
+
+
+@dataclass
+class Inspection:
+    """What the checks read: the received model (loaded into a copy of the client's own), its linear layers
+    in order, and what each computes on the probe (``w x`` without bias, (N, out))."""
+
+    model: nn.Module
+    linears: list[tuple[str, nn.Linear]]
+    probe: torch.Tensor
+    products: dict[str, torch.Tensor] = field(default_factory=dict)
+    previous: Mapping[str, torch.Tensor] | None = None
+
+
+MIN_ROWS = 16
+"""Layers with fewer rows or inputs are too small for the row statistics (``balance``)."""
+
+
+GuardCheck = Callable[[Inspection, GuardConfig], list[GuardFinding]]
+GUARD_CHECKS: dict[str, GuardCheck] = {}
+
+
+def register_guard_check(name: str) -> Callable[[GuardCheck], GuardCheck]:
+    """Add a weight check under ``name`` (a plugin's too); a name registered twice is an error."""
+
+    def add(check: GuardCheck) -> GuardCheck:
+        if name in GUARD_CHECKS:
+            raise ValueError(f"guard check {name!r} is already registered")
+        GUARD_CHECKS[name] = check
+        return check
+
+    return add
+
+
+def architecture_findings(
+    received: Mapping[str, object], expected: Mapping[str, torch.Tensor]
+) -> list[GuardFinding]:
+    """The received arrays against the client's own state: names, shapes, dtypes, finite values."""
+    out = []
+    extra = sorted(str(n) for n in set(received) - set(expected))
+    missing = [n for n in expected if n not in received]
+    if extra:
+        out.append(GuardFinding("architecture", extra[0], f"arrays the client's model lacks: {extra[:5]}"))
+    if missing:
+        out.append(
+            GuardFinding("architecture", missing[0], f"arrays of the client's model missing: {missing[:5]}")
+        )
+    for name, ref in expected.items():
+        t = received.get(name)
+        if t is None or name in extra:
+            continue
+        if not isinstance(t, torch.Tensor):
+            out.append(GuardFinding("architecture", name, f"a {type(t).__name__}, not a tensor"))
+        elif t.shape != ref.shape:
+            out.append(
+                GuardFinding("architecture", name, f"shape {tuple(t.shape)}, expected {tuple(ref.shape)}")
+            )
+        elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            out.append(GuardFinding("architecture", name, "non-finite values"))
+        elif t.dtype != ref.dtype and not (
+            not ref.is_floating_point() and t.is_floating_point() and bool((t == t.round()).all())
+        ):
+            out.append(GuardFinding("architecture", name, f"dtype {t.dtype}, expected {ref.dtype}"))
+    return out
+
+
+class ModelGuard:
+    """Checks the models a server sends to a client whose own model is ``own`` (its architecture; copied,
+    never trained here). The guard remembers the last model it accepted, for the ``drift`` check;
+    ``trusted_start=True`` makes ``own``'s weights the first reference (a checkpoint or seeded initial model
+    the client verified), else the first model is checked without drift."""
+
+    def __init__(
+        self, own: nn.Module, config: GuardConfig | None = None, *, trusted_start: bool = False
+    ) -> None:
+        self.config = config or GuardConfig()
+        self._own = copy.deepcopy(own).cpu().eval()
+        self._expected = {n: t.detach().clone() for n, t in self._own.state_dict().items()}
+        self.accepted: dict[str, torch.Tensor] | None = dict(self._expected) if trusted_start else None
+
+    def inspect(
+        self, received: Mapping[str, object], probe: torch.Tensor, *, remember: bool = True
+    ) -> GuardVerdict:
+        """The verdict on ``received`` (a state dict) given the client's own inputs ``probe``; a safe model
+        becomes the drift reference when ``remember``."""
+        found = architecture_findings(received, self._expected)
+        if found:
+            return GuardVerdict(tuple(found))
+        model = copy.deepcopy(self._own)
+        state = {
+            n: t.detach().cpu().to(self._expected[n].dtype)
+            for n, t in received.items()
+            if isinstance(t, torch.Tensor)  # every one is: checked above
+        }
+        model.load_state_dict(state)
+        inspection = Inspection(
+            model,
+            [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)],
+            probe[: self.config.probe_size].detach().cpu(),
+            previous=self.accepted,
+        )
+        inspection.products = linear_products(inspection)
+        for name in self.config.checks:
+            found += GUARD_CHECKS[name](inspection, self.config)
+        if not found and remember:
+            self.accepted = state
+        return GuardVerdict(tuple(found))
+
+
+@torch.no_grad()
+def linear_products(inspection: Inspection) -> dict[str, torch.Tensor]:
+    """``w x`` (no bias) of every linear layer on the probe, from one forward pass."""
+    out: dict[str, torch.Tensor] = {}
+    hooks = [
+        layer.register_forward_hook(
+            lambda m, args, _o, name=name: out.__setitem__(
+                name, nn.functional.linear(args[0], m.weight).flatten(0, -2)
+            )
+        )
+        for name, layer in inspection.linears
+    ]
+    try:
+        inspection.model(inspection.probe)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def guard_model(
+    model: nn.Module, probe: torch.Tensor, *, own: nn.Module | None = None, config: GuardConfig | None = None
+) -> GuardVerdict:
+    """Check ``model`` (the one the server sent, loaded) before training; raise :class:`MaliciousModelError`
+    with the reasons on a hit. ``own``: the client's own architecture (default: ``model``'s, i.e. only the
+    weight checks, for a loop that built the model itself and loaded the server's weights)."""
+    verdict = ModelGuard(own if own is not None else model, config).inspect(model.state_dict(), probe)
+    if not verdict.safe:
+        raise MaliciousModelError(f"the server's model looks malicious: {verdict.reason()}")
+    return verdict
+
+
+def near_parallel(matrix: torch.Tensor, cosine: float, chunk: int = 1024) -> int:
+    """How many non-zero rows of ``matrix`` have another row with |cos| >= ``cosine``."""
+    m = matrix.detach().to(torch.float64)
+    norms = m.norm(dim=1)
+    m = m[norms > 1e-12 * float(norms.max().clamp_min(1e-300))]
+    if len(m) < 2:
+        return 0
+    m = m / m.norm(dim=1, keepdim=True)
+    count = 0
+    for start in range(0, len(m), chunk):
+        c = (m[start : start + chunk] @ m.T).abs()
+        c[torch.arange(len(c)), torch.arange(start, start + len(c))] = 0
+        count += int((c.max(dim=1).values >= cosine).sum())
+    return count
+
+
+@register_guard_check("parallel")
+def _parallel(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
+    out = []
+    for i, (name, layer) in enumerate(inspection.linears):
+        w = layer.weight
+        views = [("rows", w)] + ([("columns", w.T)] if i > 0 else [])  # first-layer columns: constant pixels
+        for what, matrix in views:
+            n = near_parallel(matrix, config.parallel_cosine)
+            if n >= config.parallel_rows:
+                out.append(GuardFinding("parallel", name, (
+                    f"{n} {what} have a near-parallel partner (|cos| >= {config.parallel_cosine}): "
+                    "cumulative bins (Robbing the Fed, LOKI)"
+                )))  # fmt: skip
+    return out
+
+
+@register_guard_check("degenerate")
+def _degenerate(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
+    out = []
+    for name, layer in inspection.linears:
+        w = layer.weight.detach().to(torch.float64)
+        size = w.pow(2).mean(dim=1).sqrt()
+        flat = w.std(dim=1) <= config.degenerate_ratio * size.clamp_min(1e-300)
+        bad = int((flat | (size == 0)).sum())
+        if bad:
+            out.append(GuardFinding("degenerate", name, f"{bad} zero or constant rows (class fishing)"))
+    return out
+
+
+@register_guard_check("bias")
+def _bias(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
+    out = []
+    for name, layer in inspection.linears:
+        if layer.bias is None or name not in inspection.products:
+            continue
+        spread = inspection.products[name].to(torch.float64).std(dim=0)
+        b = layer.bias.detach().to(torch.float64).abs()
+        bad = int(((b > config.bias_ratio * spread) & (b > 1.0)).sum())
+        if bad:
+            out.append(GuardFinding("bias", name, (
+                f"{bad} biases exceed {config.bias_ratio:g}x the spread of what the layer computes on the "
+                "client's data (closed LOKI slots, fished classes)"
+            )))  # fmt: skip
+    return out
+
+
+@register_guard_check("balance")
+def _balance(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
+    out = []
+    for name, layer in inspection.linears:
+        rows, cols = layer.weight.shape
+        if rows < MIN_ROWS or cols < MIN_ROWS:
+            continue
+        negative = (layer.weight.detach() < 0).sum(dim=1)
+        balanced = float(((negative == cols // 2) | (negative == (cols + 1) // 2)).float().mean())
+        if balanced > config.max_balanced_rows:
+            out.append(GuardFinding("balance", name, (
+                f"{balanced:.0%} of the rows have exactly half negative weights (random rows: about "
+                f"{math.sqrt(2 / (math.pi * cols)):.0%}): trap weights"
+            )))  # fmt: skip
+    return out
+
+
+@register_guard_check("drift")
+def _drift(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
+    if inspection.previous is None:
+        return []
+    out = []
+    for name, layer in inspection.linears:
+        before = inspection.previous[f"{name}.weight"].to(torch.float64)
+        change = float(
+            (layer.weight.detach().to(torch.float64) - before).norm() / before.norm().clamp_min(1e-300)
+        )
+        if change > config.max_drift:
+            out.append(GuardFinding("drift", name, (
+                f"the weights moved by {change:.2f} of their size since the last model this client accepted "
+                f"(bound {config.max_drift:g}): rewritten, not trained"
+            )))  # fmt: skip
+    return out
+
+
+__all__ = [
+    "GUARD_CHECKS",
+    "GuardConfig",
+    "GuardFinding",
+    "GuardVerdict",
+    "MaliciousModelError",
+    "ModelGuard",
+    "guard_model",
+    "register_guard_check",
+]
