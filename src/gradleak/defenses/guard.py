@@ -128,7 +128,8 @@ class Inspection:
 
 
 MIN_ROWS = 16
-"""Layers with fewer rows or inputs are too small for the row statistics (``balance``)."""
+"""Vectors of fewer entries are too short for the row statistics: random ones are often near parallel
+(``parallel``), and a row of few weights hits the exact half by chance (``balance``)."""
 
 
 GuardCheck = Callable[[Inspection, GuardConfig], list[GuardFinding]]
@@ -254,20 +255,44 @@ def guard_model(
     return verdict
 
 
-def near_parallel(matrix: torch.Tensor, cosine: float, chunk: int = 1024) -> int:
-    """How many non-zero rows of ``matrix`` have another row with |cos| >= ``cosine``."""
+def near_parallel(
+    matrix: torch.Tensor, cosine: float, chunk: int = 1024, sketch: int = 256, candidates: int = 16
+) -> int:
+    """How many non-zero rows of ``matrix`` have another row with |cos| >= ``cosine``.
+
+    Rows longer than ``sketch`` are first compared through a fixed random projection to ``sketch``
+    dimensions (parallel rows stay exactly parallel under any linear map; a pair at cosine 0.99 projects to
+    about 0.99 +- 0.01); each row's ``candidates`` closest rows there, when the closest is above 0.8, are
+    measured exactly. No row is counted without an exact partner.
+    """
     m = matrix.detach().to(torch.float64)
     norms = m.norm(dim=1)
     m = m[norms > 1e-12 * float(norms.max().clamp_min(1e-300))]
     if len(m) < 2:
         return 0
     m = m / m.norm(dim=1, keepdim=True)
-    count = 0
+    short = m
+    if m.shape[1] > sketch:
+        projection = torch.randn(
+            m.shape[1], sketch, generator=torch.Generator().manual_seed(0), dtype=m.dtype
+        )
+        short = (m @ projection).to(torch.float32)
+        short = short / short.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    if short is m:  # short rows: the exact cosines directly
+        found = torch.zeros(len(m), dtype=torch.bool)
+        for start in range(0, len(m), chunk):
+            c = (m[start : start + chunk] @ m.T).abs()
+            c[torch.arange(len(c)), torch.arange(start, start + len(c))] = 0
+            found[start : start + len(c)] = c.max(dim=1).values >= cosine
+        return int(found.sum())
+    found = torch.zeros(len(m), dtype=torch.bool)
     for start in range(0, len(m), chunk):
-        c = (m[start : start + chunk] @ m.T).abs()
+        c = (short[start : start + chunk] @ short.T).abs()
         c[torch.arange(len(c)), torch.arange(start, start + len(c))] = 0
-        count += int((c.max(dim=1).values >= cosine).sum())
-    return count
+        best, partners = c.topk(min(candidates, len(m) - 1), dim=1)  # the closest in the sketch
+        for i in torch.nonzero(best[:, 0] >= 0.8).reshape(-1).tolist():
+            found[start + i] = bool(((m[partners[i]] @ m[start + i]).abs() >= cosine).any())
+    return int(found.sum())
 
 
 @register_guard_check("parallel")
@@ -277,6 +302,8 @@ def _parallel(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]
         w = layer.weight
         views = [("rows", w)] + ([("columns", w.T)] if i > 0 else [])  # first-layer columns: constant pixels
         for what, matrix in views:
+            if matrix.shape[1] < MIN_ROWS:  # in a few dimensions random vectors are often near parallel
+                continue
             n = near_parallel(matrix, config.parallel_cosine)
             if n >= config.parallel_rows:
                 out.append(GuardFinding("parallel", name, (

@@ -8,7 +8,8 @@ honest model is a false alarm. At the checkpoints (the initial model, mid-traini
 server instead turns the current global model into each attack of :mod:`gradleak.attacks.linear.in_place`
 (LOKI customised per client) and each client's guard inspects its copy without remembering it: a refusal
 is a detection. The attacks are also run (FedSGD on a batch of client 0's data) where they recover
-images (the first linear layer reads the pixels), so that the malicious models counted are shown to leak;
+images (the first linear layer reads the pixels), at the first checkpoint, so that the malicious models
+counted are shown to leak;
 class fishing fishes a class client 0 holds (the server's best case).
 
 Rates come with exact (Clopper-Pearson) 95 % bounds: the false-alarm rate's upper bound, the detection
@@ -214,8 +215,11 @@ def run_trial(
         state = {n: t.detach().clone() for n, t in sim.model.state_dict().items()}
         if previous is not None:
             result.max_drift = max(result.max_drift, drift(previous, state, linears))
-        if r in checkpoints:
-            strike(sim.model, clients, public, guards, probes, attacks, result, derive_seed(s.seed, r, 0xA7))
+        if r in checkpoints:  # the attacks' leakage is measured at the first checkpoint (IG is the cost)
+            seed = derive_seed(s.seed, r, 0xA7)
+            strike(
+                sim.model, clients, public, guards, probes, attacks, result, seed, leak=r == checkpoints[0]
+            )
         verdicts = [g.inspect(state, p) for g, p in zip(guards, probes, strict=True)]
         record_honest(result, verdicts)
         previous = state
@@ -247,6 +251,8 @@ def strike(
     attacks: Mapping[str, tuple[str, Mapping[str, Any]]],
     result: TrialResult,
     seed: int,
+    *,
+    leak: bool = True,
 ) -> None:
     """Every attack turns the current global model malicious; every client's guard inspects its copy."""
     for label, (name, options) in attacks.items():
@@ -268,7 +274,7 @@ def strike(
             row["checked"] += 1
             row["refused"] += int(not verdict.safe)
             row["checks"].update({f.check for f in verdict.findings})
-            if j == 0:
+            if j == 0 and leak:
                 batch = clients[0].subset(list(range(min(result.setting.batch, len(clients[0].images)))))
                 share = recovered_share(name, attack, sent, secrets, batch, clients[0].num_classes, generator)
                 if share is not None:

@@ -375,16 +375,21 @@ class TrapWeights:
         gw, gb = gw.detach().to(torch.float64), gb.detach().to(torch.float64)
         mass = gb.abs()
         live = torch.nonzero(mass > cfg.rel_tol * float(mass.max().clamp_min(1e-300))).reshape(-1)
-        live = live[torch.argsort(mass[live], descending=True)]
+        x = gw[live] / gb[live, None]
+        unit = x / x.norm(dim=1, keepdim=True).clamp_min(1e-300)
+        close = (unit @ unit.T) >= cfg.duplicate_cosine
+        # a row fired by one sample alone gives that sample exactly, and so does every other such row: a
+        # vector several rows agree on is a sample; a mixture of several is rarely repeated
+        agree = (unit @ unit.T >= 1 - 1e-6).sum(dim=1)
+        order = sorted(range(len(live)), key=lambda i: (-int(agree[i]), -float(mass[live[i]])))
         limit = cfg.max_images or max(1, obs.update.num_samples)
-        kept: list[torch.Tensor] = []
-        for i in live.tolist():  # the largest masses first; a row too close to a kept one is the same sample
-            x = gw[i] / gb[i]
-            if all(float(nn.functional.cosine_similarity(x, y, dim=0)) < cfg.duplicate_cosine for y in kept):
-                kept.append(x)
+        kept: list[int] = []
+        for i in order:  # a row too close to a kept one is the same sample
+            if not any(bool(close[i, j]) for j in kept):
+                kept.append(i)
             if len(kept) == limit:
                 break
-        features = torch.stack(kept) if kept else torch.empty(0, gw.shape[1], dtype=torch.float64)
+        features = x[kept] if kept else torch.empty(0, gw.shape[1], dtype=torch.float64)
         return bins_reconstruction(features, obs, start, rows_fired=len(live), recovered=len(kept))
 
 

@@ -41,6 +41,7 @@ from torch import nn
 
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import Defense, DefenseFailure
+from gradleak.defenses.guard import GuardConfig, MaliciousModelError, ModelGuard
 from gradleak.defenses.in_loop import private_generator
 from gradleak.models.architecture import Limits, build
 from gradleak.types import LocalTraining
@@ -147,6 +148,7 @@ def client_app(
     mods: Sequence[Mod] = (),
     accept_architecture: bool = False,
     limits: Limits = CLIENT_LIMITS,
+    guard: GuardConfig | None = None,
 ) -> ClientApp:
     """A ClientApp whose node ``partition-id = k`` trains ``clients[k]`` (see the module docstring).
 
@@ -161,12 +163,15 @@ def client_app(
     could subtract. An int seed reproduces the in-process simulation's client (``derive_seed(seed, round
     - 1, k)``), for experiments and tests only. ``accept_architecture``: train a model the server chose
     (its imprint block around this node's own model, within ``limits``); by default such a message is
-    refused.
+    refused. ``guard``: run the client's guard (:mod:`gradleak.defenses.guard`) on every model before
+    training, on the node's own data; a hit raises :class:`~gradleak.defenses.guard.MaliciousModelError`
+    (Flower replies with an error) and nothing is trained.
     """
     if seed is not None:
         log.warning("client_app(seed=%d): reproducible noise is predictable noise; experiments only", seed)
     data = list(clients)
     app = ClientApp(mods=list(mods))
+    guards: dict[int, ModelGuard] = {}
 
     @app.train()
     def train(msg: Message, ctx: Context) -> Message:
@@ -183,6 +188,14 @@ def client_app(
         else:
             w0 = msg.content.array_records["arrays"].to_torch_state_dict()
             rnd = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
+        if guard is not None:
+            if k not in guards:
+                guards[k] = ModelGuard(build_model(), guard)  # type: ignore[arg-type]
+            verdict = guards[k].inspect(w0, data[k].images[: guard.probe_size])
+            if not verdict.safe:
+                raise MaliciousModelError(
+                    f"partition {k}: the server's model looks malicious: {verdict.reason()}"
+                )
         model.load_state_dict(w0)
         gen = (
             private_generator()

@@ -1,4 +1,7 @@
-"""gradleak defenses as Flower client mods: ``ClientApp(mods=[DefenseMod(["pruning"])])``.
+"""gradleak defenses as Flower client mods: ``ClientApp(mods=[GuardMod(...), DefenseMod(["pruning"])])``.
+
+:class:`GuardMod` checks the model of every train message before the ClientApp sees it (the client's guard,
+:mod:`gradleak.defenses.guard`) and refuses to train on a malicious one.
 
 A mod sees only messages: the model the server sent (``w_0``, the train message's one ``ArrayRecord``) and
 the model the ClientApp replies with (``w_T``). So a mod can run exactly the defenses that act on the
@@ -18,7 +21,7 @@ wrap in list order, so the first one handles the reply last).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from flwr.app import ArrayRecord, Context, Error, Message, MessageType
@@ -27,6 +30,7 @@ from flwr.common.constant import ErrorCode
 from torch import nn
 
 from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure, check_statistics, statistics_note
+from gradleak.defenses.guard import GuardConfig, ModelGuard
 from gradleak.defenses.in_loop import DefenseSpec, build_defenses, private_generator
 from gradleak.fl.simulation import derive_seed
 from gradleak.integrations.flower.replies import NUM_EXAMPLES, whole_number
@@ -159,8 +163,53 @@ class DefenseMod:
         return torch.Generator().manual_seed(derive_seed(self.seed, ctx.node_id, rnd))
 
 
-def _refuse(msg: Message, reason: str) -> Message:
-    log.error("gradleak DefenseMod: %s; the update is withheld", reason)
+class GuardMod:
+    """A Flower ``Mod`` running the client's guard on every train message, before the ClientApp trains.
+
+    ``own``: the node's own model (the architecture it expects; with ``trusted_start`` also the initial
+    weights it agreed to); ``probe(context)``: a batch of the node's own training inputs (read by the weight
+    checks on this node only). A model that fails the guard is never passed on: the reply is an error
+    (``ErrorCode.MOD_FAILED_PRECONDITION``) that says why, and nothing is trained or sent. One guard per node
+    id, so a process serving several simulated nodes keeps each one's drift reference apart.
+    """
+
+    def __init__(
+        self,
+        own: nn.Module,
+        probe: Callable[[Context], torch.Tensor],
+        config: GuardConfig | None = None,
+        *,
+        trusted_start: bool = False,
+    ) -> None:
+        self.own = own
+        self.probe = probe
+        self.config = config or GuardConfig()
+        self.trusted_start = trusted_start
+        self.guards: dict[int, ModelGuard] = {}
+
+    def __call__(self, msg: Message, ctx: Context, call_next: ClientAppCallable) -> Message:
+        if msg.metadata.message_type.split(".")[0] != MessageType.TRAIN:
+            return call_next(msg, ctx)
+        if len(msg.content.array_records) != 1:
+            return _refuse(
+                msg, f"expects one ArrayRecord, found {len(msg.content.array_records)}", "GuardMod"
+            )
+        state = next(iter(msg.content.array_records.values())).to_torch_state_dict()
+        guard = self.guards.get(ctx.node_id)
+        if guard is None:
+            guard = self.guards[ctx.node_id] = ModelGuard(
+                self.own, self.config, trusted_start=self.trusted_start
+            )
+        verdict = guard.inspect(state, self.probe(ctx))
+        if not verdict.safe:
+            return _refuse(
+                msg, f"the server's model looks malicious, not trained: {verdict.reason()}", "GuardMod"
+            )
+        return call_next(msg, ctx)
+
+
+def _refuse(msg: Message, reason: str, mod: str = "DefenseMod") -> Message:
+    log.error("gradleak %s: %s; the update is withheld", mod, reason)
     return Message(
-        Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=f"gradleak DefenseMod: {reason}"), reply_to=msg
+        Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=f"gradleak {mod}: {reason}"), reply_to=msg
     )

@@ -1,0 +1,191 @@
+"""The client's guard (defenses/guard.py): refuses every malicious model gradleak builds, each for the
+signature its attack must leave, passes honest models through real FedAvg training, and its statistics
+agree with slow references."""
+
+from __future__ import annotations
+
+import math
+from itertools import combinations
+
+import pytest
+import torch
+
+from gradleak.attacks import create_attack
+from gradleak.defenses.guard import (
+    GuardConfig,
+    MaliciousModelError,
+    ModelGuard,
+    guard_model,
+    near_parallel,
+)
+from gradleak.fl.simulation import FederatedSimulation, FLConfig
+from gradleak.models import build_model
+from gradleak.types import LocalTraining
+from synthetic import synthetic_dataset
+
+SHAPE = (1, 12, 12)
+CLASSES = 4
+
+
+def public():
+    return synthetic_dataset(n=200, shape=SHAPE, classes=CLASSES, seed=99).images
+
+
+def probe():
+    return synthetic_dataset(n=64, shape=SHAPE, classes=CLASSES, seed=7).images
+
+
+def malicious(name, model, **options):
+    attack = create_attack(name, **options)
+    out, _ = attack.prepare(model, public(), generator=torch.Generator().manual_seed(0))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "signature"),
+    [
+        ("rtf_in_place", "parallel"),  # one direction in every bin row, one shared back-connection column
+        ("loki_in_place", "bias"),  # the closed slots' biases
+        ("trap_weights", "balance"),  # exactly half of each row negated
+        ("class_fishing", "degenerate"),  # zeroed output rows
+    ],
+)
+@pytest.mark.parametrize("arch", ["mlp", "sme_cnn"])
+def test_each_malicious_model_is_refused_for_its_signature(name, signature, arch):
+    own = build_model(arch, SHAPE, CLASSES, seed=0)
+    guard = ModelGuard(own)  # no drift reference: the stateless checks alone
+    verdict = guard.inspect(malicious(name, own).state_dict(), probe())
+    assert not verdict.safe
+    assert signature in {f.check for f in verdict.findings}, verdict.reason()
+
+
+def test_an_imprint_block_fails_the_architecture_check():
+    own = build_model("mlp", SHAPE, CLASSES, seed=0)
+    for name in ("robbing_the_fed", "loki"):
+        verdict = ModelGuard(own).inspect(malicious(name, own).state_dict(), probe())
+        assert {f.check for f in verdict.findings} == {"architecture"}
+        assert "lacks" in verdict.reason()
+
+
+def test_honest_models_pass_through_fedavg_training():
+    """Every global model of 6 rounds of real FedAvg (4 clients, two epochs each) passes every client's
+    guard, drift included (each guard remembers what it accepted)."""
+    data = synthetic_dataset(n=160, shape=SHAPE, classes=CLASSES, seed=1)
+    clients = [data.subset(list(range(i, 160, 4))) for i in range(4)]
+    model = build_model("mlp", SHAPE, CLASSES, seed=2)
+    guards = [ModelGuard(model, trusted_start=True) for _ in clients]
+    training = LocalTraining(protocol="fedavg", epochs=2, batch_size=8, lr=0.2)
+    sim = FederatedSimulation(model, clients, FLConfig(rounds=6, fraction=1.0, training=training), seed=3)
+    first = {n: t.clone() for n, t in model.state_dict().items()}
+    for r in range(7):
+        for guard, c in zip(guards, clients, strict=True):
+            verdict = guard.inspect(model.state_dict(), c.images)
+            assert verdict.safe, f"round {r}: {verdict.reason()}"
+        if r < 6:
+            sim.run_round(r)
+    moved = (model.state_dict()["layers.1.weight"] - first["layers.1.weight"]).norm()
+    assert float(moved) > 0.01 * float(first["layers.1.weight"].norm())  # it did train
+
+
+def test_drift_catches_the_evasions_of_the_stateless_checks():
+    """Random halves evade the balance count and noisy bins the parallel test; a client that knows the
+    model it accepted last sees the rewritten layer move by about its whole size."""
+    own = build_model("mlp", SHAPE, CLASSES, seed=0)
+    for name, options in (("trap_weights", {"exact_half": False}), ("rtf_in_place", {"noise": 1.0})):
+        sent = malicious(name, own, **options).state_dict()
+        stateless = ModelGuard(own).inspect(sent, probe())
+        assert stateless.safe, stateless.reason()  # the evasion works on a guard without a reference
+        verdict = ModelGuard(own, trusted_start=True).inspect(sent, probe())
+        assert [f.check for f in verdict.findings if f.check != "bias"][:1] == ["drift"], verdict.reason()
+
+
+def test_a_refused_model_does_not_become_the_reference():
+    own = build_model("mlp", SHAPE, CLASSES, seed=0)
+    guard = ModelGuard(own, trusted_start=True)
+    bad = malicious("trap_weights", own, exact_half=False).state_dict()
+    assert not guard.inspect(bad, probe()).safe
+    assert not guard.inspect(bad, probe()).safe  # still measured against the trusted start
+    assert guard.inspect(own.state_dict(), probe()).safe
+
+
+def test_near_parallel_matches_the_pairwise_definition():
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(40, 30, generator=g)
+    m[5] = -3.0 * m[2]  # anti-parallel counts too
+    m[17] = 0.5 * m[2] + 1e-4 * torch.randn(30, generator=g)
+    m[30] = 0.0  # a zero row has no direction
+    slow = set()
+    for i, j in combinations(range(40), 2):
+        ni, nj = float(m[i].norm()), float(m[j].norm())
+        if ni > 0 and nj > 0 and abs(float(m[i] @ m[j])) / (ni * nj) >= 0.99:
+            slow |= {i, j}
+    assert slow == {2, 5, 17}
+    assert near_parallel(m, 0.99) == len(slow)
+    assert near_parallel(m, 0.99, chunk=7) == len(slow)  # chunking changes nothing
+
+
+def test_random_rows_hit_the_exact_half_at_the_binomial_rate():
+    """The balance check's premise: a random row of D entries has exactly D/2 negatives with probability
+    C(D, D/2) / 2^D (about sqrt(2 / (pi D))), far below the 50 % that raises an alarm."""
+    d = 144
+    w = torch.randn(20_000, d, generator=torch.Generator().manual_seed(1))
+    share = float(((w < 0).sum(dim=1) == d // 2).float().mean())
+    exact = math.comb(d, d // 2) / 2**d
+    assert abs(share - exact) < 4 * math.sqrt(exact * (1 - exact) / 20_000)  # 4 standard errors
+    assert exact < 0.07
+
+
+def test_architecture_check_names_each_problem():
+    own = build_model("sme_cnn", SHAPE, CLASSES, seed=0)
+    state = own.state_dict()
+    guard = ModelGuard(own)
+    first = next(iter(state))
+    cases = {
+        "lacks": {**state, "extra.weight": torch.zeros(2)},
+        "missing": {n: t for n, t in state.items() if n != first},
+        "shape": {**state, first: torch.zeros(3)},
+        "non-finite": {**state, first: state[first].clone().fill_(math.nan)},
+        "dtype": {**state, first: state[first].double()},
+        "not a tensor": {**state, first: [1.0]},
+    }
+    for word, sent in cases.items():
+        verdict = guard.inspect(sent, probe())
+        assert [f.check for f in verdict.findings] == ["architecture"], word
+        assert word in verdict.reason(), verdict.reason()
+
+
+def test_an_integer_buffer_may_arrive_as_whole_floats():
+    """Flower's FedAvg averages BatchNorm's num_batches_tracked in float64: whole values pass, others not."""
+    own = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(144, 32), torch.nn.BatchNorm1d(32),
+                              torch.nn.ReLU(), torch.nn.Linear(32, CLASSES))  # fmt: skip
+    state = own.state_dict()
+    guard = ModelGuard(own)
+    assert guard.inspect(
+        {**state, "2.num_batches_tracked": torch.tensor(3.0, dtype=torch.float64)}, probe()
+    ).safe
+    verdict = guard.inspect(
+        {**state, "2.num_batches_tracked": torch.tensor(2.5, dtype=torch.float64)}, probe()
+    )
+    assert "dtype" in verdict.reason()
+
+
+def test_guard_model_raises_with_the_reasons():
+    own = build_model("mlp", SHAPE, CLASSES, seed=0)
+    with pytest.raises(MaliciousModelError, match="degenerate"):
+        guard_model(malicious("class_fishing", own), probe())
+    assert guard_model(own, probe()).safe
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"checks": ("parallel", "nope")}, "unknown guard checks"),
+        ({"parallel_cosine": 0.0}, "parallel_cosine"),
+        ({"max_drift": math.inf}, "max_drift"),
+        ({"parallel_rows": 1}, "parallel_rows"),
+        ({"probe_size": True}, "probe_size"),
+    ],
+)
+def test_bad_config_is_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        GuardConfig(**options)
