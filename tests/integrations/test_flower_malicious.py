@@ -26,6 +26,7 @@ from gradleak.audit import (
     audit_generators,  # noqa: E402
     score_reconstruction,  # noqa: E402
 )
+from gradleak.defenses.guard import GuardConfig  # noqa: E402
 from gradleak.experiments.store import ResultStore  # noqa: E402
 from gradleak.fl import train_client  # noqa: E402
 from gradleak.fl.simulation import derive_seed  # noqa: E402
@@ -144,3 +145,23 @@ def _strict_but_training(inner: ClientApp) -> ClientApp:
         return Message(inner(plain, ctx).content, reply_to=msg)
 
     return app
+
+
+def test_a_guarded_client_app_refuses_a_model_that_keeps_its_architecture(tmp_path):
+    """Robbing the Fed's bins written into the node's own first linear layer pass any architecture check;
+    the guard refuses them on their weights, the node trains nothing and the audit records why."""
+    app = client_app(CLIENTS, build, TRAINING, seed=SEED, guard=GuardConfig())
+    store = ResultStore(tmp_path / "audit.sqlite")
+    strategy = AuditStrategy(
+        FedAvg(fraction_evaluate=0.0, min_available_nodes=3, min_train_nodes=3), model=build(),
+        attacks=[("ig", {"max_iterations": 3})], input_shape=SHAPE, num_classes=CLASSES, store=store,
+        training=TRAINING, seed=SEED, truth=lambda k: CLIENTS[k], malicious=("rtf_in_place", {}),
+        malicious_nodes=1, public_images=PUBLIC,
+    )  # fmt: skip
+    weights = ArrayRecord(torch_state_dict=build().state_dict())
+    strategy.start(AppGrid(dict.fromkeys(NODES, app), NODES), weights, num_rounds=1)
+    (run,) = store.runs()
+    errors = store.records(run.run_id, "client_error")
+    assert len(errors) == 1 and "MaliciousModelError" in errors[0]["error"], errors
+    assert "parallel" in errors[0]["error"]
+    assert [a["attack"] for a in store.records(run.run_id, "attack")] == ["ig", "ig"]  # the honest two

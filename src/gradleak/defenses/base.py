@@ -167,6 +167,14 @@ def statistics_note(defenses: Sequence[Defense], buffers: Sequence[str], statist
     )
 
 
+def is_update_level(defense: Defense) -> bool:
+    """Whether ``defense`` acts on the outgoing update only (``on_update``; ``setup`` may keep a seed): the
+    defenses a Flower mod or the leakage gate can apply to a finished update."""
+    cls = type(defense)
+    in_loop = cls.on_gradients is not Defense.on_gradients or cls.on_epoch_end is not Defense.on_epoch_end
+    return not in_loop and cls.on_update is not Defense.on_update
+
+
 class DefenseChain:
     """Applies a list of defenses in order, wrapping every failure into :class:`DefenseFailure`."""
 

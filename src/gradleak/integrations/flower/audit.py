@@ -59,6 +59,7 @@ from gradleak.integrations.flower.replies import (
     whole_number,
 )
 from gradleak.models.architecture import describe
+from gradleak.models.malicious import MaliciousModel
 from gradleak.spec import as_spec
 from gradleak.types import ClientCustomizingAttack, LocalTraining, ModelModifyingAttack, Update
 from gradleak.validation import InvalidUpdateError, reference_of
@@ -188,7 +189,9 @@ class AuditStrategy(Auditing, Strategy):
                 raise ValueError(f"the strategy's train message holds {len(keys)} ArrayRecords; expected one")
             content = RecordDict({k: r for k, r in msg.content.items() if k != keys[0]})
             content[keys[0]] = ArrayRecord(torch_state_dict=sent)
-            content[ARCHITECTURE] = ConfigRecord({"spec": describe(sent_model, own=True)})
+            if isinstance(sent_model, MaliciousModel):  # a block around the node's own model; attacks that
+                # keep the node's architecture (attacks/linear/in_place.py) send weights only
+                content[ARCHITECTURE] = ConfigRecord({"spec": describe(sent_model, own=True)})
             meta = msg.metadata
             out.append(Message(content, dst_node_id=meta.dst_node_id, message_type=meta.message_type,
                                group_id=meta.group_id, ttl=meta.ttl))  # fmt: skip

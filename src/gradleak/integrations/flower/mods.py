@@ -29,12 +29,20 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 from torch import nn
 
-from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure, check_statistics, statistics_note
+from gradleak.audit.gate import GateConfig, GateDecision, LeakageGate
+from gradleak.data.base import ImageDataset
+from gradleak.defenses.base import (
+    DefenseChain,
+    DefenseFailure,
+    check_statistics,
+    is_update_level,
+    statistics_note,
+)
 from gradleak.defenses.guard import GuardConfig, ModelGuard
 from gradleak.defenses.in_loop import DefenseSpec, build_defenses, private_generator
 from gradleak.fl.simulation import derive_seed
 from gradleak.integrations.flower.replies import NUM_EXAMPLES, whole_number
-from gradleak.types import Update
+from gradleak.types import LocalTraining, Update
 from gradleak.validation import InvalidUpdateError, check_update
 
 log = logging.getLogger(__name__)
@@ -51,13 +59,6 @@ def reply_metric(reply: Message, key: str) -> int | None:
 
 class UnsupportedModError(ValueError):
     """A defense that needs the training loop was asked to run as a mod."""
-
-
-def is_update_level(defense: Defense) -> bool:
-    """Whether ``defense`` acts on the outgoing update only (``on_update``; ``setup`` may keep a seed)."""
-    cls = type(defense)
-    in_loop = cls.on_gradients is not Defense.on_gradients or cls.on_epoch_end is not Defense.on_epoch_end
-    return not in_loop and cls.on_update is not Defense.on_update
 
 
 class DefenseMod:
@@ -148,12 +149,18 @@ class DefenseMod:
                                self.statistics)  # fmt: skip
         if note is not None:
             log.warning("gradleak DefenseMod, node %s: %s", ctx.node_id, note)
-        chain.setup(nn.Module(), generator=self._generator(ctx, msg))
-        out = chain.on_update(update)
+        out = self.transform(chain, update, w0, ctx, msg)
         check_update(out, floats, source=source)
         withhold = self.statistics == "withhold"
         kept = {n: w0[n].to(t.dtype) for n, t in buffers.items()} if withhold else buffers
         return {name: (floats[name] + out.tensors[name]) if name in floats else kept[name] for name in w0}
+
+    def transform(
+        self, chain: DefenseChain, update: Update, w0: dict[str, torch.Tensor], ctx: Context, msg: Message
+    ) -> Update:
+        """The outgoing update: ``update`` through the defenses (subclasses may decide otherwise)."""
+        chain.setup(nn.Module(), generator=self._generator(ctx, msg))
+        return chain.on_update(update)
 
     def _generator(self, ctx: Context, msg: Message) -> torch.Generator:
         if self.seed is None:
@@ -161,6 +168,52 @@ class DefenseMod:
         group = msg.metadata.group_id
         rnd = int(group) if group.isdigit() else 0
         return torch.Generator().manual_seed(derive_seed(self.seed, ctx.node_id, rnd))
+
+
+class GateMod(DefenseMod):
+    """The client's leakage gate (:mod:`gradleak.audit.gate`) as a Flower ``Mod``: the ClientApp's reply is
+    attacked by the gate's fast attack before it leaves the node and, above the threshold, defended (or,
+    with ``GateConfig(withhold=True)``, replaced by an error reply).
+
+    ``own()``: a fresh model of the node's architecture (the server's weights are loaded into it);
+    ``data(context)``: the data the ClientApp trained on (the truth the gate scores against);
+    ``reference(context)``: images for the floors (the node's held-out data or a public set);
+    ``training``: the node's local recipe, when the attack should know it. Each decision is logged and kept
+    in :attr:`decisions` on the node (node id, round, decision); nothing of it is sent to the server.
+    """
+
+    def __init__(
+        self,
+        own: Callable[[], nn.Module],
+        data: Callable[[Context], ImageDataset],
+        reference: Callable[[Context], ImageDataset],
+        config: GateConfig | None = None,
+        *,
+        training: LocalTraining | None = None,
+        seed: int | None = None,
+        statistics: str = "send",
+    ) -> None:
+        self.config = config or GateConfig()
+        super().__init__(list(self.config.defenses), seed=seed, statistics=statistics)
+        self.own, self.data, self.reference, self.training = own, data, reference, training
+        self.decisions: list[tuple[int, str, GateDecision]] = []
+
+    def transform(
+        self, chain: DefenseChain, update: Update, w0: dict[str, torch.Tensor], ctx: Context, msg: Message
+    ) -> Update:
+        model = self.own()
+        state = model.state_dict()
+        model.load_state_dict({n: w0[n].to(t.dtype) for n, t in state.items()})
+        gate = LeakageGate(self.config, reference=self.reference(ctx))
+        out, decision = gate.check(model, update, self.data(ctx), training=self.training,
+                                   generator=self._generator(ctx, msg))  # fmt: skip
+        self.decisions.append((ctx.node_id, msg.metadata.group_id, decision))
+        if out is None:
+            raise DefenseFailure(
+                f"withheld by the leakage gate: {decision.leakage_db} dB above the floor "
+                f"> {decision.threshold_db} dB"
+            )
+        return out
 
 
 class GuardMod:
