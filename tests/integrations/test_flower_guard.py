@@ -1,8 +1,9 @@
-"""GuardMod on real flwr messages: a malicious model never reaches the ClientApp, an honest one does, and
-each node keeps its own drift reference."""
+"""GuardMod and GateMod on real flwr messages: a malicious model never reaches the ClientApp, an honest one
+does, each node keeps its own drift reference; a leaky reply leaves defended or not at all."""
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -10,12 +11,22 @@ import torch
 
 pytest.importorskip("flwr")
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, Metadata, RecordDict  # noqa: E402
+from flwr.app import (  # noqa: E402
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    Metadata,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.client.mod.utils import make_ffn  # noqa: E402
 from flwr.common.constant import ErrorCode  # noqa: E402
 
 from gradleak.attacks import create_attack  # noqa: E402
-from gradleak.integrations.flower import GuardMod  # noqa: E402
+from gradleak.audit.gate import GateConfig  # noqa: E402
+from gradleak.integrations.flower import DefenseMod, GateMod, GuardMod  # noqa: E402
 from gradleak.models import build_model  # noqa: E402
 from synthetic import synthetic_dataset  # noqa: E402
 
@@ -86,3 +97,37 @@ def test_each_node_keeps_its_own_drift_reference():
     refused = guarded(message(other), context(5))  # for node 5 every layer was rewritten
     assert refused.has_error() and "drift" in refused.error.reason
     assert app.seen == [5, 6]
+
+
+def test_the_gate_mod_defends_a_leaky_reply_as_the_defense_mod_would_and_withholds_when_asked():
+    """One image through an MLP leaks; GateMod's reply equals DefenseMod's with the gate's defense, and with
+    withhold=True the node replies with an error instead."""
+    shape = (1, 12, 12)
+    own = functools.partial(build_model, "mlp", shape, 3, seed=0, hidden=(32,))
+    one = synthetic_dataset(n=1, shape=shape, classes=3, seed=1)
+    reference = synthetic_dataset(n=64, shape=shape, classes=3, seed=2)
+    w0 = own().state_dict()
+
+    def train(msg: Message, ctx: Context) -> Message:  # one SGD step on the image, lr 0.1
+        model = own()
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        torch.nn.functional.cross_entropy(model(one.images), one.labels).backward()
+        out = {n: p.detach() - 0.1 * p.grad for n, p in model.named_parameters()}
+        return Message(RecordDict({"arrays": ArrayRecord(torch_state_dict=out),
+                                   "metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)  # fmt: skip
+
+    prune = ("pruning", {"ratio": 0.9})
+    config = GateConfig(("ig", {"max_iterations": 150}), threshold_db=3.0, defenses=[prune])
+    gate = GateMod(own, lambda ctx: one, lambda ctx: reference, config, seed=0)
+    gated = make_ffn(train, [gate])(message(w0), context(5))
+    plain = make_ffn(train, [DefenseMod([prune], seed=0)])(message(w0), context(5))
+    assert not gated.has_error()
+    (node, _, decision) = gate.decisions[0]
+    assert node == 5 and decision.triggered and decision.leakage_db > 3.0
+    got, want = gated.content["arrays"].to_torch_state_dict(), plain.content["arrays"].to_torch_state_dict()
+    for n in w0:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0)
+    withholding = GateMod(own, lambda ctx: one, lambda ctx: reference,
+                          GateConfig(config.attack, threshold_db=3.0, withhold=True), seed=0)  # fmt: skip
+    refused = make_ffn(train, [withholding])(message(w0), context(5))
+    assert refused.has_error() and "withheld by the leakage gate" in refused.error.reason

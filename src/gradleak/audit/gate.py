@@ -38,7 +38,7 @@ from gradleak.defenses.base import DefenseChain, is_update_level
 from gradleak.defenses.in_loop import DefenseSpec, build_defenses
 from gradleak.registry import ATTACKS
 from gradleak.spec import ComponentSpec, as_spec
-from gradleak.types import LocalTraining, ModelModifyingAttack, Observation, Update
+from gradleak.types import AttackInputError, LocalTraining, ModelModifyingAttack, Observation, Update
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,10 @@ class LeakageGate:
         """The update to send (``update`` itself, the defended one, or None when withheld) and the
         decision, which is also appended to :attr:`decisions`."""
         start = time.perf_counter()
-        record = self.measure(model, update, truth, training, generator)
+        try:
+            record = self.measure(model, update, truth, training, generator)
+        except AttackInputError as exc:  # the update does not fit the model: no score, so the gate acts
+            record = {"error": str(exc)}
         value = record.get(LEAKAGE)
         leakage = float(value) if isinstance(value, int | float) and math.isfinite(value) else None
         triggered = leakage is None or leakage > self.config.threshold_db
