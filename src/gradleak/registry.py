@@ -69,6 +69,22 @@ def check_model(name: str, factory: object) -> None:
     _check_signature("model", name, factory, (1, 28, 28), 2)
 
 
+def decorator_into(table: dict[str, T], kind: str) -> Callable[[str], Callable[[T], T]]:
+    """``@register(name)`` adding a function to ``table`` (checks of the pre-flight, of the client's guard);
+    a name registered twice is an error that names the ``kind``."""
+
+    def register(name: str) -> Callable[[T], T]:
+        def add(item: T) -> T:
+            if name in table:
+                raise ValueError(f"{kind} {name!r} is already registered")
+            table[name] = item
+            return item
+
+        return add
+
+    return register
+
+
 class UnknownNameError(KeyError):
     """A name that no registry entry carries; the message lists the names that exist."""
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from gradleak.audit.choice import budget_warnings, is_transformer
-from gradleak.registry import ATTACKS
+from gradleak.registry import ATTACKS, decorator_into
 from gradleak.spec import ComponentSpec
 from gradleak.types import AttackNeeds
 
@@ -65,16 +65,8 @@ Check = Callable[[Preflight], list[Finding]]
 CHECKS: dict[str, Check] = {}
 
 
-def register_check(name: str) -> Callable[[Check], Check]:
-    """Add a pre-flight check under ``name`` (a plugin's too); a name registered twice is an error."""
-
-    def add(check: Check) -> Check:
-        if name in CHECKS:
-            raise ValueError(f"pre-flight check {name!r} is already registered")
-        CHECKS[name] = check
-        return check
-
-    return add
+register_check = decorator_into(CHECKS, "pre-flight check")
+"""``@register_check(name)``: add a pre-flight check (a plugin's too)."""
 
 
 def run_checks(context: Preflight) -> list[Finding]:

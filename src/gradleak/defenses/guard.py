@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from gradleak.registry import decorator_into
+
 log = logging.getLogger(__name__)
 
 
@@ -136,16 +138,8 @@ GuardCheck = Callable[[Inspection, GuardConfig], list[GuardFinding]]
 GUARD_CHECKS: dict[str, GuardCheck] = {}
 
 
-def register_guard_check(name: str) -> Callable[[GuardCheck], GuardCheck]:
-    """Add a weight check under ``name`` (a plugin's too); a name registered twice is an error."""
-
-    def add(check: GuardCheck) -> GuardCheck:
-        if name in GUARD_CHECKS:
-            raise ValueError(f"guard check {name!r} is already registered")
-        GUARD_CHECKS[name] = check
-        return check
-
-    return add
+register_guard_check = decorator_into(GUARD_CHECKS, "guard check")
+"""``@register_guard_check(name)``: add a weight check (a plugin's too)."""
 
 
 def architecture_findings(
