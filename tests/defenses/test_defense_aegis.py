@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from gradleak.attacks import create_attack
 from gradleak.data import ImageDataset, load_dataset
-from gradleak.defenses.aegis_cache import CacheConfig, SyntheticCache, build_cache
+from gradleak.defenses.aegis_cache import CacheConfig, CacheError, SyntheticCache, build_cache
 from gradleak.defenses.aegis_synthetic import (
     AegisConfig,
     AegisSynthetic,
@@ -250,3 +250,47 @@ def test_a_server_that_knows_aegis_sizes_its_bins_and_recovers_the_images(organ_
         rates[label] = score_images(rec.images, data.images).reconstruction_rate  # type: ignore[arg-type]
     assert rates["rtf_aegis"] >= 0.5, rates
     assert rates["rtf_aegis"] >= rates["rtf_all"] + 0.4, rates
+
+
+class _Counting:
+    """A conditional generator that makes what a client's filter rejects (uniform noise against smooth
+    images) and counts its draws."""
+
+    def __init__(self, shape: tuple[int, int, int], classes: int) -> None:
+        self.image_shape, self.num_classes, self.drawn = shape, classes, 0
+
+    def sample(self, labels: torch.Tensor, *, generator: torch.Generator) -> torch.Tensor:
+        self.drawn += len(labels)
+        return torch.rand((len(labels), *self.image_shape), generator=generator)
+
+
+def test_a_cache_that_cannot_fill_fails_in_the_pilot_with_the_rate_and_the_levers() -> None:
+    """The filter rejects (nearly) every noise image: the build stops after the pilot's 64 draws, not after
+    its candidate budget of 8 x 512, and says what it measured and what to change."""
+    g = torch.Generator().manual_seed(0)
+    smooth = torch.linspace(0, 1, 12).reshape(1, 1, 1, 12).expand(40, 1, 12, 12).contiguous()
+    private = ImageDataset("smooth", (smooth + 0.01 * torch.rand(smooth.shape, generator=g)).clamp(0, 1),
+                           torch.arange(40) % 2, 2)  # fmt: skip
+    source = _Counting(SHAPE, 2)
+    with pytest.raises(CacheError, match=r"pilot draw accepted \d+ of 64 candidates") as err:
+        build_cache(source, private, CacheConfig(size=512, pilot=64, chunk=32), generator=g)
+    assert source.drawn == 64
+    assert (
+        "H = " in str(err.value)
+        and "accepted per class" in str(err.value)
+        and "budget_scale" in str(err.value)
+    )
+
+
+def test_a_pilot_that_can_succeed_goes_on_and_counts_toward_the_cache() -> None:
+    """Candidates from the clients' own distribution pass the pilot; the cache is the same one a build
+    without pilot draws, chunk for chunk, keeps (same draws, same filter)."""
+    data = synthetic_dataset(n=60, shape=SHAPE, classes=3, seed=2)
+    source = ClassGaussianGenerator.fit(data)
+    config = CacheConfig(size=16, pilot=32, chunk=32, budget_scale=3.0)
+    with_pilot = build_cache(source, data, config, generator=torch.Generator().manual_seed(1))
+    without = build_cache(
+        source, data, dataclasses.replace(config, pilot=0), generator=torch.Generator().manual_seed(1)
+    )
+    assert len(with_pilot) == 16
+    torch.testing.assert_close(with_pilot.images, without.images, rtol=0, atol=0)

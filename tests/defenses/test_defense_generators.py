@@ -68,8 +68,8 @@ def test_build_cache_logs_rejection_and_fails_clearly(organ: tuple) -> None:
                         generator=torch.Generator().manual_seed(0))  # fmt: skip
     assert len(cache) == 256 and 0 <= cache.stats["rejection_rate"] < 0.5
     assert set(cache.labels.unique().tolist()) <= set(private.labels.unique().tolist())
-    with pytest.raises(CacheError, match="accepted after"):
-        build_cache(NoiseGenerator(), private, CacheConfig(size=64, max_candidates_factor=2),
+    with pytest.raises(CacheError, match="accepted after 128 draws"):  # without a pilot: the whole budget
+        build_cache(NoiseGenerator(), private, CacheConfig(size=64, max_candidates_factor=2, pilot=0),
                     generator=torch.Generator())  # fmt: skip
 
 

@@ -16,6 +16,12 @@ extractor, matched private samples) is made concrete here, every choice a parame
 
 Candidates are drawn in rounds until ``M`` are accepted or ``max_candidates`` were tried; then
 :class:`CacheError`. The rejection rate is logged and kept in :attr:`SyntheticCache.stats`.
+
+**Fail fast.** The first ``pilot`` candidates are a pilot draw: when even the upper 95 % bound of their
+acceptance rate (exact, Clopper-Pearson) cannot fill ``M`` within ``max_candidates_factor * M`` draws, the
+build stops there, seconds in, with the measured rate, the budget H, the acceptance per class (the
+generator's class fidelity as the filter sees it) and the levers, instead of after the whole candidate
+budget. The progress bar shows accepted / tried, the rate and the time left.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from scipy.stats import beta
 from torch import nn
 
 from gradleak.data.base import ImageDataset
@@ -37,7 +44,7 @@ from gradleak.update_io import read_keyed, write_keyed
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = "gradleak-aegis-cache/1"  # raise the version when a change to the build changes its caches
+CACHE_FORMAT = "gradleak-aegis-cache/2"  # raise the version when a change to the build changes its caches
 
 
 class CacheError(RuntimeError):
@@ -54,6 +61,7 @@ class CacheConfig:
     max_candidates_factor: float = 8.0  # give up after this many x M candidates
     chunk: int = 512
     feature_seed: int = 0
+    pilot: int = 256  # candidates drawn first to decide whether the build can succeed (0: no pilot)
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or self.size < 1:
@@ -68,6 +76,8 @@ class CacheConfig:
             raise ValueError("match_k and chunk must be >= 1")
         if not self.max_candidates_factor >= 1:
             raise ValueError(f"max_candidates_factor must be >= 1, got {self.max_candidates_factor}")
+        if isinstance(self.pilot, bool) or not isinstance(self.pilot, int) or self.pilot < 0:
+            raise ValueError(f"pilot must be an int >= 0 (0: no pilot draw), got {self.pilot!r}")
 
 
 @dataclass(frozen=True)
@@ -183,6 +193,33 @@ class AcceptanceFilter:
         return self.distances(images, labels) <= self.budget
 
 
+LEVERS = (
+    "the levers: a larger budget (budget_scale or budget), a smaller cache (size M), more generator training "
+    "steps or a generator trained on data closer to the clients', or the PCA generator (docs/defenses.md)"
+)
+
+
+def check_pilot(
+    accepted: int, tried: int, config: CacheConfig, budget: float, kept: torch.Tensor, drawn: torch.Tensor
+) -> None:
+    """Raise :class:`CacheError` when the pilot's acceptance rate, even at its upper 95 % bound, cannot
+    accept ``config.size`` candidates within the candidate budget (module docstring)."""
+    limit = int(config.max_candidates_factor * config.size)
+    upper = 1.0 if accepted == tried else float(beta.ppf(0.95, accepted + 1, tried - accepted))
+    if upper * limit >= config.size:
+        return
+    classes = torch.unique(drawn)
+    fidelity = ", ".join(
+        f"{int(c)}: {int((kept == c).sum())}/{int((drawn == c).sum())}" for c in classes[:10]
+    ) + (" ..." if len(classes) > 10 else "")
+    raise CacheError(
+        f"Aegis cannot fill its cache: the pilot draw accepted {accepted} of {tried} candidates "
+        f"({accepted / tried:.1%}; at most {upper:.1%} at 95 % confidence), but {config.size} of at most "
+        f"{limit} draws must pass (>= {config.size / limit:.1%}); H = {budget:.4g}; accepted per class "
+        f"(accepted/drawn): {fidelity}; {LEVERS}"
+    )
+
+
 def build_cache(
     source: ConditionalGenerator,
     private: ImageDataset,
@@ -192,24 +229,25 @@ def build_cache(
     extractor: nn.Module | None = None,
 ) -> SyntheticCache:
     """Draw labelled candidates (labels ~ the client's label frequencies) until ``config.size`` pass the
-    acceptance filter; raise :class:`CacheError` after ``max_candidates_factor * size`` candidates."""
+    acceptance filter; raise :class:`CacheError` after the pilot draw when it shows the build cannot
+    succeed (:func:`check_pilot`), else after ``max_candidates_factor * size`` candidates."""
     if tuple(source.image_shape) != private.input_shape:
         raise CacheError(f"generator makes {source.image_shape} images, the task needs {private.input_shape}")
     start = time.perf_counter()
     filt = AcceptanceFilter(private, config, extractor)
     counts = torch.bincount(private.labels, minlength=private.num_classes).to(torch.float64)
     limit = int(config.max_candidates_factor * config.size)
-    imgs, labs, tried = [], [], 0
+    imgs, labs, drawn, tried = [], [], [], 0
     accepted = 0
+    pilot = min(config.pilot, limit)
     with bar(desc="Aegis cache", total=config.size, unit="img") as progress:
         while accepted < config.size:
             if tried >= limit:
                 raise CacheError(
                     f"only {accepted} of {config.size} candidates accepted after {tried} draws "
-                    f"(rejection rate {1 - accepted / tried:.1%}, H = {filt.budget:.4g}); raise the budget, "
-                    "adapt the generator or lower M"
+                    f"(rejection rate {1 - accepted / tried:.1%}, H = {filt.budget:.4g}); {LEVERS}"
                 )
-            n = min(config.chunk, limit - tried)
+            n = min(config.chunk, limit - tried, pilot - tried if tried < pilot else limit)
             y = torch.multinomial(counts, n, replacement=True, generator=generator)
             x = source.sample(y, generator=generator)
             if x.shape != (n, *private.input_shape) or not torch.isfinite(x).all():
@@ -220,6 +258,14 @@ def build_cache(
             accepted += int(ok.sum())
             progress.update(min(int(ok.sum()), config.size - progress.n))
             tried += n
+            rate = accepted / tried
+            eta = (
+                (config.size - accepted) / rate * (time.perf_counter() - start) / tried if rate else math.inf
+            )
+            progress.set_postfix(tried=tried, rate=f"{rate:.1%}", eta=f"{eta:.0f}s")
+            drawn.append(y)
+            if tried == pilot and accepted < config.size:
+                check_pilot(accepted, tried, config, filt.budget, torch.cat(labs), torch.cat(drawn))
     images, labels = torch.cat(imgs)[: config.size], torch.cat(labs)[: config.size]
     rejection = 1 - accepted / tried
     log.info(
