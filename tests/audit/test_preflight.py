@@ -90,3 +90,21 @@ def test_gradleak_check_prints_what_a_run_would_build_and_refuses_what_a_run_wou
     )
     assert "warning: [budget] ig: max_iterations = 10" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_gradleak_check_dry_runs_the_defenses_and_aegis_refuses_in_its_pilot(tmp_path, capsys, monkeypatch):
+    """A budget no candidate can meet: the dry run sets Aegis up on client 0 and stops after the pilot
+    draw, exit 2 with the measured rate, in seconds; the config's cache at a budget it can meet passes."""
+    monkeypatch.chdir(tmp_path)
+    config = ROOT / "examples" / "organamnist_aegis.toml"
+    small = ["data.train_limit=2000", "data.num_clients=10", "audit.clients=1"]
+    impossible = "defenses=[{name='aegis', real_batch_size=64, cache={size=2048, budget=1e-12}}]"
+    assert main(["check", str(config), *small, impossible, "--dry-run-defenses"]) == 2
+    out = capsys.readouterr().out
+    assert "client 0's setup failed" in out and "pilot draw accepted 0 of 256 candidates" in out
+    seconds = float(out.split("failed after ")[1].split(" s")[0])
+    assert seconds < 60
+    feasible = "defenses=[{name='aegis', real_batch_size=64, cache={size=64, budget_scale=4.0}}]"
+    assert main(["check", str(config), *small, feasible, "--dry-run-defenses"]) == 0
+    assert "client 0's setup ok" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []  # nothing written
