@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from gradleak.models import cnn as _cnn  # noqa: F401  (registers the CNNs)
+from gradleak.models import resnet as _resnet  # noqa: F401  (registers)
 from gradleak.models import text as _text  # noqa: F401  (registers the transformers)
 from gradleak.models.architecture import SPEC_ATTRIBUTE, RegisteredModel
 from gradleak.registry import MODELS
