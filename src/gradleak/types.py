@@ -65,13 +65,17 @@ class Update:
     ``kind == "gradient"`` (FedSGD): ``tensors[name]`` is dL/dw at the broadcast weights.
     ``kind == "delta"`` (FedAvg): ``tensors[name]`` is w_T - w_0.
     ``num_samples`` is the sample count the server weights by; ``metadata`` holds what a server really sees
-    besides the payload (client id, round).
+    besides the payload (client id, round). ``buffers``: the module's buffers after local training
+    (BatchNorm's running statistics and batch counter), as a FedAvg reply carries them whole; empty when
+    the client withholds them (FedBN) or sends a FedSGD gradient. They are statistics of the client's
+    data, outside what any defense of the parameters covers (:func:`gradleak.defenses.base.statistics_note`).
     """
 
     tensors: Mapping[str, torch.Tensor]
     num_samples: int
     kind: UpdateKind = "delta"
     metadata: Mapping[str, object] = field(default_factory=dict)
+    buffers: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensors, Mapping):
@@ -90,7 +94,7 @@ class Update:
     def replace(self, tensors: Mapping[str, torch.Tensor]) -> Update:
         if set(tensors) != set(self.tensors):
             raise ValueError("replacement tensors must carry the same parameter names")
-        return Update(dict(tensors), self.num_samples, self.kind, dict(self.metadata))
+        return Update(dict(tensors), self.num_samples, self.kind, dict(self.metadata), dict(self.buffers))
 
 
 MODE = "mode"  # Update.metadata key: the module mode ("train" or "eval") the client computed it in

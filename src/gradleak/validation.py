@@ -190,6 +190,34 @@ def check_update(
         raise InvalidUpdateError(f"{source}: num_samples must be an int >= 0, got {n!r}")
     ref = reference_of(reference) if isinstance(reference, nn.Module) else reference
     check_tensors(update.tensors, ref, source=source, complete=complete)
+    if update.buffers:
+        buffers = dict(reference.named_buffers()) if isinstance(reference, nn.Module) else None
+        check_buffers(update.buffers, buffers, source=source)
+
+
+def check_buffers(
+    buffers: object, reference: Mapping[str, torch.Tensor] | None, *, source: str = "update"
+) -> None:
+    """Raise :class:`InvalidUpdateError` unless ``buffers`` maps buffer names of the model (``reference``,
+    when known) to tensors of their shape and dtype, the floating ones finite."""
+    if not isinstance(buffers, Mapping):
+        raise InvalidUpdateError(
+            f"{source}: buffers must be a mapping name -> tensor, got {type(buffers).__name__}"
+        )
+    for name, t in buffers.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise InvalidUpdateError(f"{source}: buffer {name!r} is not a named tensor")
+        if reference is not None:
+            ref = reference.get(name)
+            if ref is None:
+                raise InvalidUpdateError(f"{source}: carries a buffer the model lacks: {name!r}")
+            if t.shape != ref.shape or t.dtype != ref.dtype:
+                raise InvalidUpdateError(
+                    f"{source}: buffer {name!r} is {t.dtype} {tuple(t.shape)}, the model's {ref.dtype} "
+                    f"{tuple(ref.shape)}"
+                )
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise InvalidUpdateError(f"{source}: buffer {name!r} holds non-finite values")
 
 
 def describe(metadata: Mapping[str, object], default: str = "update") -> str:

@@ -71,6 +71,7 @@ def test_random_update_dicts_are_accepted_exactly_when_valid(kind, target, seed)
     object.__setattr__(update, "num_samples", 4)
     object.__setattr__(update, "kind", "delta")
     object.__setattr__(update, "metadata", {"client_id": 9})
+    object.__setattr__(update, "buffers", {})
     if kind == "none":
         check_update(update, MODEL, source="client 9")
         return
@@ -86,7 +87,7 @@ def test_random_update_dicts_are_accepted_exactly_when_valid(kind, target, seed)
 def test_a_bad_sample_count_is_rejected(samples):
     update = Update.__new__(Update)
     for key, value in (("tensors", mutated("none", 0, 0)), ("num_samples", samples), ("kind", "delta"),
-                       ("metadata", {})):  # fmt: skip
+                       ("metadata", {}), ("buffers", {})):  # fmt: skip
         object.__setattr__(update, key, value)
     with pytest.raises(InvalidUpdateError, match="num_samples"):
         check_update(update, MODEL)

@@ -27,6 +27,7 @@ through it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -140,20 +141,30 @@ class DefendedLoop:
     def _send(self, update: Update) -> Update:
         def finish() -> Update:
             out = self.chain.on_update(update)
+            if update.buffers:  # statistics pass the defenses as trained (they defend the parameters)
+                out = dataclasses.replace(out, buffers=update.buffers)
             check_update(out, self.reference, source=self.source)
             return out
 
         result: Update = self._guard(finish)
         return result
 
-    def update(self, num_samples: int, metadata: Mapping[str, object] | None = None) -> Update:
-        """FedAvg: ``delta = w_T - w_0`` for every parameter, through the defenses' ``on_update``."""
+    def update(
+        self, num_samples: int, metadata: Mapping[str, object] | None = None, *, statistics: str = "send"
+    ) -> Update:
+        """FedAvg: ``delta = w_T - w_0`` for every parameter, through the defenses' ``on_update``, with the
+        model's buffers as trained (``statistics="send"``, what a FedAvg reply carries) or none
+        (``"withhold"``, FedBN)."""
         if self.w0 is None:
             raise ValueError("update() needs the optimizer given to defend(); FedSGD sends gradient()")
+        check_statistics(statistics)
         w0 = self.w0
         delta = {n: p.detach() - w0[n] for n, p in self.model.named_parameters()}
         meta = {"local_steps": self.steps, **dict(metadata or {})}
-        return self._send(Update(delta, num_samples, kind="delta", metadata=meta))
+        buffers = (
+            {n: b.detach().clone() for n, b in self.model.named_buffers()} if statistics == "send" else {}
+        )
+        return self._send(Update(delta, num_samples, kind="delta", metadata=meta, buffers=buffers))
 
     def weights(self, num_samples: int, *, statistics: str = "send") -> dict[str, torch.Tensor]:
         """What a Flower ClientApp replies with: ``w_0 +`` the defended update (so ``on_update`` and the

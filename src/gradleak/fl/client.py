@@ -11,6 +11,7 @@ update itself; only the engine's evaluation code reads it, never an attack.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -140,5 +141,5 @@ def train_client(
     except DefenseFailure as exc:
         return ClientResult(client_id, None, None, error=str(exc))
     meta = {**update.metadata, "client_id": client_id, MODE: task.mode}  # the mode it trained in
-    update = Update(update.tensors, update.num_samples, update.kind, meta)
+    update = dataclasses.replace(update, metadata=meta)
     return ClientResult(client_id, update, truth, sample_index=index)

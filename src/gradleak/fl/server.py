@@ -89,14 +89,31 @@ def _combine(updates: Sequence[Update], weights: Sequence[float]) -> dict[str, t
     return out
 
 
+def mean_buffers(updates: Sequence[Update], weights: Sequence[float]) -> dict[str, torch.Tensor]:
+    """The weighted mean of the clients' buffers (FedAvg of BatchNorm's running statistics, as Flower's
+    FedAvg averages every array of a reply; integer counters rounded to whole numbers); none unless every
+    update carries the same buffers."""
+    names = set(updates[0].buffers)
+    if not names or any(set(u.buffers) != names for u in updates[1:]):
+        return {}
+    out = {}
+    for name, first in updates[0].buffers.items():
+        acc = sum(w * u.buffers[name].to(torch.float64) for u, w in zip(updates, weights, strict=True))
+        assert isinstance(acc, torch.Tensor)
+        out[name] = acc.to(first.dtype) if first.is_floating_point() else acc.round().to(first.dtype)
+    return out
+
+
 def weighted_mean(updates: Sequence[Update]) -> Update:
-    """Sample-weighted mean sum_k (n_k / n) u_k; the result's num_samples is n = sum_k n_k."""
+    """Sample-weighted mean sum_k (n_k / n) u_k, of the buffers too (:func:`mean_buffers`); the result's
+    num_samples is n = sum_k n_k."""
     _check_same_kind(updates)
     total = sum(u.num_samples for u in updates)
     if total <= 0:
         raise ValueError("aggregate weight is zero: every update reports num_samples = 0")
-    out = _combine(updates, [u.num_samples / total for u in updates])
-    return Update(out, total, updates[0].kind, {"num_clients": len(updates)})
+    weights = [u.num_samples / total for u in updates]
+    out = _combine(updates, weights)
+    return Update(out, total, updates[0].kind, {"num_clients": len(updates)}, mean_buffers(updates, weights))
 
 
 def secure_sum(updates: Sequence[Update]) -> Update:
@@ -113,10 +130,14 @@ def secure_sum(updates: Sequence[Update]) -> Update:
 
 @torch.no_grad()
 def apply_update(model: nn.Module, aggregate: Update, server_lr: float = 1.0) -> None:
-    """In place: w += eta_s * delta (deltas) or w -= eta_s * g (gradients)."""
+    """In place: w += eta_s * delta (deltas) or w -= eta_s * g (gradients); the aggregate's buffers (the
+    clients' mean running statistics) replace the model's."""
     sign = 1.0 if aggregate.kind == "delta" else -1.0
     for name, p in model.named_parameters():
         p.add_(aggregate.tensors[name].to(p.dtype), alpha=sign * server_lr)
+    buffers = dict(model.named_buffers())
+    for name, b in aggregate.buffers.items():
+        buffers[name].copy_(b.to(buffers[name].dtype))
 
 
 @torch.no_grad()

@@ -1,5 +1,6 @@
 """Optimisation-based image attacks (gradient inversion)."""
 
+from gradleak.attacks.image import bn_prior as _bn_prior  # noqa: F401  (registers)
 from gradleak.attacks.image import dlg as _dlg  # noqa: F401  (registers)
 from gradleak.attacks.image import ig as _ig  # noqa: F401  (registers)
 from gradleak.attacks.image import ig_noise as _ig_noise  # noqa: F401  (registers)

@@ -86,6 +86,13 @@ class InvertingGradients:
         """The matching term of Eq. 4: the cosine distance over every coordinate."""
         return cosine_distance(grads, target)
 
+    def attach(self, model: nn.Module) -> None:
+        """Hook the attack's copy of the model before optimising (a subclass's prior reads its layers)."""
+
+    def prior(self, x: torch.Tensor) -> torch.Tensor:
+        """An extra term of the objective at the dummy images ``x``, after their forward pass (none)."""
+        return x.new_zeros(())
+
     def _target(self, obs: Observation, model: nn.Module) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
         sign = -1.0 if obs.update.kind == "delta" else 1.0
         params, target = [], []
@@ -114,6 +121,7 @@ class InvertingGradients:
         model = obs.client_model()
         for p in model.parameters():
             p.requires_grad_(True)
+        self.attach(model)
         params, target = self._target(obs, model)
         start = time.perf_counter()
         best: tuple[float, torch.Tensor] | None = None
@@ -153,7 +161,7 @@ class InvertingGradients:
             loss = F.cross_entropy(model(x), labels)
             grads = torch.autograd.grad(loss, params, create_graph=True)
             match = self.distance(list(grads), target)
-            total = match + cfg.tv_weight * total_variation(x)
+            total = match + cfg.tv_weight * total_variation(x) + self.prior(x)
             (x_grad,) = torch.autograd.grad(total, [x])
             x.grad = x_grad.sign() if cfg.signed_gradients else x_grad
             opt.step()

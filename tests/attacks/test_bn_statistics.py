@@ -1,0 +1,117 @@
+"""BatchNorm statistics in FedAvg replies (attacks/image/bn_prior.py, the engine's buffers): the read-off
+gives a batch's exact per-layer mean and unbiased variance after one local step, the momentum-weighted
+average of the steps' after k, and the server's global statistics are the clients' sample-weighted mean."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gradleak.attacks import create_attack
+from gradleak.attacks.image.bn_prior import batchnorm_layers, read_batch_statistics
+from gradleak.fl.client import train_client
+from gradleak.fl.simulation import FederatedSimulation, FLConfig
+from gradleak.models import build_model
+from gradleak.types import AttackInputError, LocalTraining, Observation
+from synthetic import synthetic_dataset
+
+SHAPE, CLASSES = (3, 16, 16), 4
+
+
+def model() -> nn.Module:
+    return build_model("resnet18", SHAPE, CLASSES, seed=0, width=4)
+
+
+class StepRecorder:
+    """The slow reference: every BatchNorm layer's input statistics at every local step, recorded by hooks
+    that travel with the model into the client's copy."""
+
+    def __init__(self, net: nn.Module) -> None:
+        self.steps: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        self.first = next(iter(batchnorm_layers(net)))
+        for name, layer in batchnorm_layers(net).items():
+            layer.register_forward_hook(self.hook(name))
+
+    def hook(self, name):
+        def record(module, args, out):
+            if module.training:
+                x = args[0].detach().double()
+                if name == self.first:  # the first BatchNorm of a forward pass opens a step
+                    self.steps.append({})
+                self.steps[-1][name] = (x.mean(dim=(0, 2, 3)), x.var(dim=(0, 2, 3), unbiased=True))
+
+        return record
+
+
+def train(net: nn.Module, batch, epochs: int):
+    training = LocalTraining("fedavg", epochs=epochs, batch_size=len(batch), lr=0.05, shuffle=False)
+    return train_client(0, net, batch, training, [], torch.Generator().manual_seed(0)).update
+
+
+def test_one_step_gives_the_batch_statistics_exactly():
+    net = model()
+    recorder = StepRecorder(net)
+    batch = synthetic_dataset(n=6, shape=SHAPE, classes=CLASSES, seed=1)
+    update = train(net, batch, epochs=1)
+    assert len(recorder.steps) == 1
+    stats = read_batch_statistics(net, update.buffers)
+    assert stats.steps == 1 and set(stats.mean) == set(recorder.steps[0])
+    for name, (mean, var) in recorder.steps[0].items():
+        # float32 running statistics, divided by the momentum 0.1: rounding grows tenfold
+        torch.testing.assert_close(stats.mean[name], mean, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(stats.var[name], var, rtol=1e-4, atol=1e-5)
+
+
+def test_k_steps_give_the_momentum_weighted_average_of_the_steps():
+    net = model()
+    recorder = StepRecorder(net)
+    batch = synthetic_dataset(n=6, shape=SHAPE, classes=CLASSES, seed=2)
+    update = train(net, batch, epochs=3)
+    stats = read_batch_statistics(net, update.buffers)
+    assert stats.steps == 3 and len(recorder.steps) == 3
+    m, k = 0.1, 3
+    weights = [m * (1 - m) ** (k - t) for t in range(1, k + 1)]
+    for name in stats.mean:
+        mean = sum(w * s[name][0] for w, s in zip(weights, recorder.steps, strict=True)) / (1 - (1 - m) ** k)
+        var = sum(w * s[name][1] for w, s in zip(weights, recorder.steps, strict=True)) / (1 - (1 - m) ** k)
+        torch.testing.assert_close(stats.mean[name], mean, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(stats.var[name], var, rtol=1e-4, atol=1e-5)
+
+
+def test_withheld_statistics_cannot_be_read():
+    net = model()
+    update = train(net, synthetic_dataset(n=4, shape=SHAPE, classes=CLASSES, seed=3), epochs=1)
+    with pytest.raises(AttackInputError, match="no running statistics"):
+        read_batch_statistics(net, {})
+    obs = Observation(net, update.replace(update.tensors), SHAPE, CLASSES)
+    assert obs.update.buffers  # replace keeps the buffers
+    fedbn = type(update)(update.tensors, update.num_samples, update.kind, update.metadata)
+    with pytest.raises(AttackInputError, match="withheld"):
+        create_attack("ig_bn", max_iterations=1).reconstruct(
+            Observation(net, fedbn, SHAPE, CLASSES, labels=torch.zeros(4, dtype=torch.long)),
+            generator=torch.Generator(),
+        )
+
+
+def test_the_server_averages_the_clients_statistics_by_sample_count():
+    """One FedAvg round of two clients of 4 and 12 images: the global running statistics are
+    (4 r_1 + 12 r_2) / 16 of the clients' own, trained separately (the reference)."""
+    net = model()
+    clients = [synthetic_dataset(n=n, shape=SHAPE, classes=CLASSES, seed=10 + n) for n in (4, 12)]
+    training = LocalTraining("fedavg", epochs=1, batch_size=4, lr=0.05)
+    sim = FederatedSimulation(net, clients, FLConfig(rounds=1, fraction=1.0, training=training), seed=5)
+    start = {n: b.clone() for n, b in net.named_buffers()}
+    tasks = sim.tasks(0, [0, 1], training)
+    alone = [
+        train_client(t.client_id, net, t.data, t.training, [], torch.Generator().manual_seed(t.seed)).update
+        for t in tasks
+    ]
+    sim.run_round(0)
+    after = dict(net.named_buffers())
+    for name, b in after.items():
+        want = (4 * alone[0].buffers[name].double() + 12 * alone[1].buffers[name].double()) / 16
+        if b.is_floating_point():
+            torch.testing.assert_close(b.double(), want, rtol=1e-5, atol=1e-6)
+        else:
+            assert int(b) == round(float(want)) == int(start[name]) + 2  # 1 and 3 steps: 2.5 rounds to 2
