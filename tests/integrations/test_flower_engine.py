@@ -90,6 +90,9 @@ def assert_same_results(got, want) -> None:
         assert set(g.update.tensors) == set(w.update.tensors)
         for name, t in w.update.tensors.items():
             torch.testing.assert_close(g.update.tensors[name], t, atol=ATOL, rtol=0, msg=name)
+        assert set(g.update.buffers) == set(w.update.buffers)  # BatchNorm statistics travel too
+        for name, t in w.update.buffers.items():
+            torch.testing.assert_close(g.update.buffers[name], t, atol=ATOL, rtol=0, msg=name)
 
 
 @pytest.mark.timeout(400)

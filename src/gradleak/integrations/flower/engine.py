@@ -83,7 +83,7 @@ from gradleak.validation import reference_of
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-MODEL, WEIGHTS, TASK, RESULT, UPDATE = "model", "weights", "task", "result", "update"
+MODEL, WEIGHTS, TASK, RESULT, UPDATE, BUFFERS = "model", "weights", "task", "result", "update", "buffers"
 TEMPLATES = 4  # built models a node keeps per spec, so that a round does not rebuild (or reload) them
 _templates: dict[str, nn.Module] = {}
 
@@ -142,6 +142,8 @@ def result_content(result: ClientResult) -> RecordDict:
     if update is not None:
         info.update(kind=update.kind, samples=update.num_samples, metadata=json.dumps(dict(update.metadata)))
         content[UPDATE] = ArrayRecord(torch_state_dict=dict(update.tensors))
+        if update.buffers:  # BatchNorm statistics, as a FedAvg reply carries them
+            content[BUFFERS] = ArrayRecord(torch_state_dict=dict(update.buffers))
     if result.sample_index is not None:
         info["sample-index"] = list(result.sample_index)
     content[RESULT] = ConfigRecord(info)
@@ -163,7 +165,12 @@ def result_of(reply: Message, task: ClientTask) -> ClientResult:
         return ClientResult(cid, None, None, error=str(info["error"]) or "no update", stats=stats)
     tensors = reply.content.array_records[UPDATE].to_torch_state_dict()
     metadata = json.loads(str(info["metadata"]))
-    update = Update(dict(tensors), int(info["samples"]), info["kind"], metadata)  # type: ignore[arg-type]
+    buffers = (
+        reply.content.array_records[BUFFERS].to_torch_state_dict()
+        if BUFFERS in reply.content.array_records
+        else {}
+    )
+    update = Update(dict(tensors), int(info["samples"]), info["kind"], metadata, dict(buffers))  # type: ignore[arg-type]
     index = tuple(int(i) for i in info["sample-index"]) if "sample-index" in info else None  # type: ignore[union-attr]
     truth = task.data if index is None else task.data.subset(np.asarray(index))
     return ClientResult(cid, update, truth, stats=stats, sample_index=index)
