@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
-from flwr.app import Context, Error, Message, RecordDict
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, Metadata, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -76,3 +79,30 @@ def server_identity(seed: int = 0) -> Iterator[None]:
     finally:
         TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
         random.setstate(state)
+
+
+def train_message(
+    state: Mapping[str, torch.Tensor],
+    *,
+    node: int,
+    group: str = "3",
+    config: Mapping[str, Any] | None = None,
+    message_type: str = MessageType.TRAIN,
+) -> Message:
+    """A train (or other) message to ``node`` carrying ``state`` as its one ArrayRecord, as Flower's
+    message API sends it."""
+    metadata = Metadata(
+        run_id=1, message_id="m1", src_node_id=1, dst_node_id=node, reply_to_message_id="", group_id=group,
+        created_at=time.time(), ttl=600.0, message_type=message_type,
+    )  # fmt: skip
+    content = RecordDict(
+        {"arrays": ArrayRecord(torch_state_dict=dict(state)), "config": ConfigRecord(dict(config or {}))}
+    )
+    return Message(content, metadata=metadata)
+
+
+def node_context(node: int, node_config: Mapping[str, Any] | None = None) -> Context:
+    """A ClientApp's context on ``node``."""
+    return Context(
+        run_id=1, node_id=node, node_config=dict(node_config or {}), state=RecordDict(), run_config={}
+    )

@@ -4,7 +4,6 @@ does, each node keeps its own drift reference; a leaky reply leaves defended or 
 from __future__ import annotations
 
 import functools
-import time
 
 import pytest
 import torch
@@ -13,17 +12,16 @@ pytest.importorskip("flwr")
 
 from flwr.app import (  # noqa: E402
     ArrayRecord,
-    ConfigRecord,
     Context,
     Message,
     MessageType,
-    Metadata,
     MetricRecord,
     RecordDict,
 )
 from flwr.client.mod.utils import make_ffn  # noqa: E402
 from flwr.common.constant import ErrorCode  # noqa: E402
 
+from flowergrid import node_context, train_message  # noqa: E402
 from gradleak.attacks import create_attack  # noqa: E402
 from gradleak.audit.gate import GateConfig  # noqa: E402
 from gradleak.integrations.flower import DefenseMod, GateMod, GuardMod  # noqa: E402
@@ -35,16 +33,11 @@ DATA = synthetic_dataset(n=32, shape=SHAPE, classes=CLASSES, seed=3)
 
 
 def message(state, message_type=MessageType.TRAIN) -> Message:
-    metadata = Metadata(
-        run_id=1, message_id="m", src_node_id=1, dst_node_id=5, reply_to_message_id="", group_id="1",
-        created_at=time.time(), ttl=600.0, message_type=message_type,
-    )  # fmt: skip
-    content = RecordDict({"arrays": ArrayRecord(torch_state_dict=state), "config": ConfigRecord({})})
-    return Message(content, metadata=metadata)
+    return train_message(state, node=5, group="1", message_type=message_type)
 
 
 def context(node: int) -> Context:
-    return Context(run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={})
+    return node_context(node)
 
 
 class Recorder:

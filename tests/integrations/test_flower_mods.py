@@ -4,7 +4,6 @@ in-process defense changes the same update, composes with Flower's own mods, and
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -13,17 +12,16 @@ flwr = pytest.importorskip("flwr")
 
 from flwr.app import (  # noqa: E402
     ArrayRecord,
-    ConfigRecord,
     Context,
     Message,
     MessageType,
-    Metadata,
     MetricRecord,
     RecordDict,
 )
 from flwr.client.mod.utils import make_ffn  # noqa: E402
 from flwr.clientapp.mod import fixedclipping_mod  # noqa: E402
 
+import flowergrid  # noqa: E402
 from gradleak.defenses.base import Defense  # noqa: E402
 from gradleak.fl.simulation import derive_seed  # noqa: E402
 from gradleak.integrations.flower import DefenseMod, UnsupportedModError, is_update_level  # noqa: E402
@@ -39,18 +37,11 @@ def model_state() -> dict[str, torch.Tensor]:
 
 
 def train_message(state, config=None, message_type=MessageType.TRAIN) -> Message:
-    metadata = Metadata(
-        run_id=1, message_id="m1", src_node_id=1, dst_node_id=NODE, reply_to_message_id="", group_id="3",
-        created_at=time.time(), ttl=600.0, message_type=message_type,
-    )  # fmt: skip
-    content = RecordDict(
-        {"arrays": ArrayRecord(torch_state_dict=state), "config": ConfigRecord(config or {})}
-    )
-    return Message(content, metadata=metadata)
+    return flowergrid.train_message(state, node=NODE, config=config, message_type=message_type)
 
 
 def context() -> Context:
-    return Context(run_id=1, node_id=NODE, node_config={}, state=RecordDict(), run_config={})
+    return flowergrid.node_context(NODE)
 
 
 def client_app(step: float = 0.05, poison: bool = False):
