@@ -167,3 +167,7 @@ def test_reconstructions_are_saved_for_the_operator_privately_and_embedded_in_th
         == 0
     )
     assert out.read_text(encoding="utf-8").count("data:image/png;base64") == 2
+    html = out.read_text(encoding="utf-8")
+    lines = html.split("<ul id='node-verdicts'>")[1].split("</ul>")[0].count("<li>")
+    assert lines == len(records) == 2  # one verdict line per attacked reply
+    assert "rule 4" in html  # the node's data, no public split: the raw score, and what a floor needs

@@ -36,6 +36,7 @@ from gradleak.audit.scoring import ImageScorer
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import DefenseChain, is_update_level
 from gradleak.defenses.in_loop import DefenseSpec, build_defenses
+from gradleak.metrics.floors import LEAKS_ABOVE_DB
 from gradleak.registry import ATTACKS
 from gradleak.spec import ComponentSpec, as_spec
 from gradleak.types import AttackInputError, LocalTraining, ModelModifyingAttack, Observation, Update
@@ -53,7 +54,7 @@ class GateConfig:
     ``defenses``: update-level defenses applied then; ``withhold``: send nothing instead."""
 
     attack: ComponentSpec | str | tuple[str, Any] = ComponentSpec("ig", {"max_iterations": 100})
-    threshold_db: float = 3.0
+    threshold_db: float = LEAKS_ABOVE_DB
     defenses: Sequence[DefenseSpec] = (("pruning", {"ratio": 0.9}),)
     withhold: bool = False
 

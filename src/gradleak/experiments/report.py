@@ -24,6 +24,7 @@ from gradleak.audit.choice import budget_warnings
 from gradleak.experiments import columns
 from gradleak.experiments.config import ComponentSpec, cell_label, defenses_label
 from gradleak.experiments.store import ResultStore, RunRow
+from gradleak.experiments.verdicts import node_verdicts
 from gradleak.registry import ATTACKS, DEFENSES
 from gradleak.validation import RUN_ID
 
@@ -421,6 +422,11 @@ def render(store: ResultStore, run_ids: Sequence[str], figures: Path | None = No
         for c, text in legend(modality, shown_utility)
     ]
     out.append("</ul>")
+    if flower:
+        out.append("<h2>Per node and round</h2><ul id='node-verdicts'>")
+        for run in runs:
+            out += [f"<li>{html.escape(line)}</li>" for line in node_verdicts(store.records(run.run_id))]
+        out.append("</ul>")
     out += [] if flower else glossary(runs)
     out += tradeoff(rows, modality)
     out += _texts(rows) if modality == "text" else []

@@ -23,6 +23,9 @@ from gradleak.data.base import ImageDataset
 from gradleak.metrics.image import score_images
 
 FLOORS = ("class_mean", "random")
+LEAKS_ABOVE_DB = 3.0
+"""Mean PSNR over the higher floor (dB) above which an update counts as leaking: the deployment audit's
+verdicts and the client's leakage gate use this one threshold."""
 SCORED = ("psnr_mean", "ssim_mean", "reconstruction_rate")  # the scores floors are reported for
 
 

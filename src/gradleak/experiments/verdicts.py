@@ -1,0 +1,69 @@
+"""One verdict line per node and round of a deployment audit, with the rule that produced it.
+
+A Flower audit (``AuditStrategy``, ``LegacyAuditStrategy``) leaves per reply an attack record, an attack
+failure, or a rejection; the report turns each into one line an operator can act on. The rules, in order:
+
+1. a rejected reply or a client error: nothing of that node was aggregated or attacked (the reason);
+2. an attack that failed or refused the update: no verdict (its reason);
+3. with the leakage above the null floor (the node's data and public images were given): **leaks** when it
+   exceeds :data:`~gradleak.metrics.floors.LEAKS_ABOVE_DB` (the report's and the leakage gate's unit and
+   threshold), else "no leakage above the floor *by this attack at this budget*" (one-sided: a stronger
+   attack may still leak);
+4. with the node's data but no floor: the raw score, and that a floor needs public images;
+5. without the node's data: only the attack's fit to the update; a failed attack shows its limit, not
+   safety.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gradleak.metrics.floors import LEAKS_ABOVE_DB
+
+KINDS = ("attack", "attack_error", "rejected", "client_error")
+
+
+def _who(r: Mapping[str, Any]) -> str:
+    node = r.get("node_id")
+    where = "the secure aggregate" if r.get("aggregated") else f"node {node if node is not None else '?'}"
+    return f"round {r.get('round', '?')}, {where}"
+
+
+def verdict(r: Mapping[str, Any]) -> str:
+    """The line for one record (module docstring)."""
+    who = _who(r)
+    kind = r.get("kind")
+    if kind in ("rejected", "client_error"):
+        what = "rejected" if kind == "rejected" else "failed on the client"
+        return f"{who}: reply {what} (rule 1): {r.get('error')}"
+    name = str(r.get("attack", "?")) + (" (malicious server)" if r.get("malicious") else "")
+    if kind == "attack_error":
+        return f"{who}: {name} failed (rule 2), no verdict: {r.get('error')}"
+    if r.get("refused"):
+        return f"{who}: {name} refused the update (rule 2), no verdict: {r.get('refused')}"
+    over = r.get("psnr_mean_beyond_floor")
+    if isinstance(over, int | float):
+        if over > LEAKS_ABOVE_DB:
+            return (f"{who}: LEAKS to {name}: {over:+.1f} dB mean PSNR over the higher null floor "
+                    f"(rule 3: > {LEAKS_ABOVE_DB:g} dB)")  # fmt: skip
+        return (f"{who}: no leakage above the floor by {name} at this budget: {over:+.1f} dB "
+                f"(rule 3: <= {LEAKS_ABOVE_DB:g} dB; a stronger attack may still leak)")  # fmt: skip
+    psnr = r.get("psnr_mean")
+    if isinstance(psnr, int | float):
+        return (f"{who}: {name} reaches {psnr:.1f} dB mean PSNR on the node's data; no floor to compare "
+                "(rule 4: give public images for the floors)")  # fmt: skip
+    fit = r.get("matching_loss")
+    fit_text = f"matching loss {fit:.3g}" if isinstance(fit, int | float) else "no fit reported"
+    return (f"{who}: {name} ran without the node's data ({fit_text}; rule 5: a failed attack shows its "
+            "limit, not safety)")  # fmt: skip
+
+
+def node_verdicts(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The verdict lines of a deployment audit's records, by round and node."""
+    chosen = [r for r in records if r.get("kind") in KINDS]
+    chosen.sort(key=lambda r: (int(r.get("round") or 0), str(r.get("node_id")), str(r.get("attack", ""))))
+    return [verdict(r) for r in chosen]
+
+
+__all__ = ["KINDS", "node_verdicts", "verdict"]

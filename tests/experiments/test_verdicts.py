@@ -1,0 +1,46 @@
+"""The deployment audit's verdict lines (experiments/verdicts.py): each rule on the record it is for."""
+
+from __future__ import annotations
+
+from gradleak.experiments.verdicts import node_verdicts, verdict
+from gradleak.metrics.floors import LEAKS_ABOVE_DB
+
+BASE = {"kind": "attack", "round": 2, "node_id": 7, "attack": "ig"}
+
+
+def test_each_rule_names_itself():
+    cases = [
+        ({"kind": "rejected", "round": 1, "node_id": 3, "error": "num-examples 1e18"}, "rule 1"),
+        ({"kind": "client_error", "round": 1, "node_id": 3, "error": "boom"}, "failed on the client"),
+        ({**BASE, "kind": "attack_error", "error": "oops"}, "rule 2"),
+        ({**BASE, "refused": "all zeros"}, "refused the update (rule 2)"),
+        ({**BASE, "psnr_mean_beyond_floor": LEAKS_ABOVE_DB + 0.5, "psnr_mean": 20.0}, "LEAKS to ig"),
+        ({**BASE, "psnr_mean_beyond_floor": LEAKS_ABOVE_DB, "psnr_mean": 20.0}, "no leakage above the floor"),
+        ({**BASE, "psnr_mean": 14.2}, "rule 4"),
+        ({**BASE, "matching_loss": 0.12}, "rule 5"),
+    ]
+    for record, words in cases:
+        assert words in verdict(record), (record, verdict(record))
+
+
+def test_the_threshold_is_strict_and_one_sided():
+    at = verdict({**BASE, "psnr_mean_beyond_floor": LEAKS_ABOVE_DB})
+    above = verdict({**BASE, "psnr_mean_beyond_floor": LEAKS_ABOVE_DB + 1e-9})
+    assert "a stronger attack may still leak" in at and "LEAKS" in above
+
+
+def test_lines_come_by_round_then_node_and_skip_other_records():
+    records = [
+        {**BASE, "round": 2, "node_id": 9, "psnr_mean": 1.0},
+        {"kind": "summary", "rounds": 2},
+        {**BASE, "round": 1, "node_id": 9, "psnr_mean": 1.0},
+        {**BASE, "round": 2, "node_id": 8, "psnr_mean": 1.0},
+        {**BASE, "aggregated": True, "round": 3, "node_id": None, "psnr_mean": 1.0},
+    ]
+    lines = node_verdicts(records)
+    assert [line.split(":")[0] for line in lines] == [
+        "round 1, node 9",
+        "round 2, node 8",
+        "round 2, node 9",
+        "round 3, the secure aggregate",
+    ]
