@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from gradleak.audit.indicator import fit_margin
 from gradleak.audit.scoring import Scorer
 from gradleak.defenses.base import claims
 from gradleak.fl.simulation import derive_seed
@@ -35,7 +36,7 @@ from gradleak.types import Attack, AttackInputError, Observation, Reconstruction
 
 log = logging.getLogger(__name__)
 
-ATTACK_SALT, FLOOR_SALT = 0xA77C, 0xF1008
+ATTACK_SALT, FLOOR_SALT, NULL_SALT = 0xA77C, 0xF1008, 0x4E11
 
 
 def audit_generators(seed: int, attack: int, k: int) -> tuple[torch.Generator, torch.Generator]:
@@ -46,6 +47,11 @@ def audit_generators(seed: int, attack: int, k: int) -> tuple[torch.Generator, t
         torch.Generator().manual_seed(derive_seed(seed, ATTACK_SALT, k)),
         torch.Generator().manual_seed(derive_seed(seed, FLOOR_SALT, attack, k)),
     )
+
+
+def null_generator(seed: int, attack: int, k: int) -> torch.Generator:
+    """The generator of the truth-free indicator's null update for the ``k``-th attacked update."""
+    return torch.Generator().manual_seed(derive_seed(seed, NULL_SALT, attack, k))
 
 
 @dataclass
@@ -65,9 +71,11 @@ def attack_update(
     truth: Any | None = None,
     scorer: Scorer | None = None,
     floor_generator: torch.Generator | None = None,
+    null_generator: torch.Generator | None = None,
 ) -> AttackOutcome:
     """Run ``attack`` (built from ``spec``) on ``obs`` and make its record (module docstring). With
-    ``truth`` and a ``scorer`` the record carries the scores, and with a ``floor_generator`` their floors."""
+    ``truth`` and a ``scorer`` the record carries the scores, and with a ``floor_generator`` their floors;
+    with a ``null_generator`` the truth-free fit margin (:func:`gradleak.audit.indicator.fit_margin`)."""
     base: dict[str, Any] = {
         "attack": spec.name, "options": dict(spec.options), "aggregated": obs.aggregated,
         "num_clients": obs.num_clients, "num_samples": obs.update.num_samples,
@@ -90,6 +98,11 @@ def attack_update(
         "kind": "attack", **base, "refused": refused, "attack_seconds": seconds,
         "reconstructed": 0 if shown is None else len(shown), **claims(obs.update.metadata), **rec.stats,
     }  # fmt: skip
+    if null_generator is not None and refused is None:
+        try:
+            record.update(fit_margin(attack, obs, rec, null_generator))
+        except Exception as exc:  # noqa: BLE001 - the indicator's failure is noted, the record stands
+            record["fit_margin_error"] = f"{type(exc).__name__}: {exc}"[:500]
     if truth is not None and scorer is not None:
         scores = scorer.score(rec, truth)
         if floor_generator is not None:

@@ -53,10 +53,14 @@ def verdict(r: Mapping[str, Any]) -> str:
     if isinstance(psnr, int | float):
         return (f"{who}: {name} reaches {psnr:.1f} dB mean PSNR on the node's data; no floor to compare "
                 "(rule 4: give public images for the floors)")  # fmt: skip
-    fit = r.get("matching_loss")
-    fit_text = f"matching loss {fit:.3g}" if isinstance(fit, int | float) else "no fit reported"
-    return (f"{who}: {name} ran without the node's data ({fit_text}; rule 5: a failed attack shows its "
-            "limit, not safety)")  # fmt: skip
+    margin = r.get("fit_margin")
+    if isinstance(margin, int | float):
+        fit_text = f"it fits the update better than norm-matched noise by {margin:.3g} in matching loss"
+    else:
+        fit = r.get("matching_loss")
+        fit_text = f"matching loss {fit:.3g}" if isinstance(fit, int | float) else "no fit reported"
+    return (f"{who}: {name} ran without the node's data ({fit_text}; rule 5: the larger the margin, the more "
+            "the update gives this attack; a small one shows the attack's limit, not safety)")  # fmt: skip
 
 
 def node_verdicts(records: Sequence[Mapping[str, Any]]) -> list[str]:

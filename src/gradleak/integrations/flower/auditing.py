@@ -26,6 +26,7 @@ from torch import nn
 from gradleak.attacks import create_attack
 from gradleak.audit import ImageScorer, Scorer, attack_update, audit_generators
 from gradleak.audit.choice import auto_attacks
+from gradleak.audit.pipeline import null_generator
 from gradleak.audit.preflight import Preflight, enforce, run_checks
 from gradleak.data.base import ImageDataset
 from gradleak.experiments.figures import matched_figure, save_reconstruction_grid
@@ -291,8 +292,9 @@ class Auditing:
             progress_log.info("round %d, %s: %s ...", server_round, who, spec.name)
             attack = create_attack(spec.name, **spec.options)
             with torch_threads(self.threads):
+                null = null_generator(self.seed, i, k) if data is None else None  # no truth: the fit margin
                 outcome = attack_update(attack, spec, obs, generator=gen, truth=data, scorer=self.scorer,
-                                        floor_generator=floor_gen)  # fmt: skip
+                                        floor_generator=floor_gen, null_generator=null)  # fmt: skip
             r = outcome.record
             images = None if outcome.reconstruction is None else outcome.reconstruction.images
             if images is not None:
