@@ -142,6 +142,10 @@ def test_auto_picks_the_attack_for_the_recipe_and_small_budgets_are_warned_in_th
     out = tmp_path / "r.html"
     assert main(["report", str(tmp_path / "a.sqlite"), "--out", str(out)]) == 0
     assert "Warning: [budget] ig: max_iterations = 2 is below a quarter" in out.read_text(encoding="utf-8")
+    (run,) = store.runs()  # no truth: each record carries the truth-free fit margin, and its verdict says so
+    records = store.records(run.run_id, "attack")
+    assert records and all(r["fit_margin"] == r["null_matching_loss"] - r["matching_loss"] for r in records)
+    assert "better than norm-matched noise" in out.read_text(encoding="utf-8")
 
 
 def test_reconstructions_are_saved_for_the_operator_privately_and_embedded_in_the_report(tmp_path):
