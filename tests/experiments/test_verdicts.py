@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gradleak.experiments.verdicts import node_verdicts, verdict
+from gradleak.experiments.verdicts import node_verdicts, verdict, withheld_lines
 from gradleak.metrics.floors import LEAKS_ABOVE_DB
 
 BASE = {"kind": "attack", "round": 2, "node_id": 7, "attack": "ig"}
@@ -43,4 +43,27 @@ def test_lines_come_by_round_then_node_and_skip_other_records():
         "round 2, node 8",
         "round 2, node 9",
         "round 3, the secure aggregate",
+    ]
+
+
+def test_every_client_that_sent_nothing_is_named_with_its_reason():
+    records = [
+        {
+            "kind": "round",
+            "round": 0,
+            "errors": {"3": "defense 'aegis' failed in setup: cannot fill its cache"},
+        },
+        {"kind": "round", "round": 1, "errors": {}},
+        {
+            "kind": "client_error",
+            "attack": "robbing_the_fed",
+            "cell": 0,
+            "client_id": 5,
+            "error": "no update",
+        },
+        {"kind": "attack", "client_id": 6},
+    ]
+    assert withheld_lines(records) == [
+        "round 0: client 3 sent no update: defense 'aegis' failed in setup: cannot fill its cache",
+        "audit (robbing_the_fed): client 5 sent no update: no update",
     ]

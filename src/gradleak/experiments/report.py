@@ -24,7 +24,7 @@ from gradleak.audit.choice import budget_warnings
 from gradleak.experiments import columns
 from gradleak.experiments.config import ComponentSpec, cell_label, defenses_label
 from gradleak.experiments.store import ResultStore, RunRow
-from gradleak.experiments.verdicts import node_verdicts
+from gradleak.experiments.verdicts import node_verdicts, withheld_lines
 from gradleak.registry import ATTACKS, DEFENSES
 from gradleak.validation import RUN_ID
 
@@ -427,6 +427,12 @@ def render(store: ResultStore, run_ids: Sequence[str], figures: Path | None = No
         for run in runs:
             out += [f"<li>{html.escape(line)}</li>" for line in node_verdicts(store.records(run.run_id))]
         out.append("</ul>")
+    else:
+        lines = [line for run in runs for line in withheld_lines(store.records(run.run_id))]
+        if lines:
+            out.append("<h2>Clients that sent nothing</h2><ul id='withheld'>")
+            out += [f"<li>{html.escape(line)}</li>" for line in lines]
+            out.append("</ul>")
     out += [] if flower else glossary(runs)
     out += tradeoff(rows, modality)
     out += _texts(rows) if modality == "text" else []

@@ -70,4 +70,21 @@ def node_verdicts(records: Sequence[Mapping[str, Any]]) -> list[str]:
     return [verdict(r) for r in chosen]
 
 
-__all__ = ["KINDS", "node_verdicts", "verdict"]
+def withheld_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every client of a run that sent no update, and why: in a training round (its ``round`` record's
+    ``errors``) or in the audit (``client_error`` records, per attack)."""
+    lines = []
+    for r in records:
+        if r.get("kind") == "round":
+            errors = r.get("errors") or {}
+            lines += [
+                f"round {r.get('round')}: client {c} sent no update: {why}" for c, why in errors.items()
+            ]
+        elif r.get("kind") == "client_error" and "client_id" in r:
+            lines.append(
+                f"audit ({r.get('attack', '?')}): client {r['client_id']} sent no update: {r.get('error')}"
+            )
+    return lines
+
+
+__all__ = ["KINDS", "node_verdicts", "verdict", "withheld_lines"]
