@@ -115,3 +115,16 @@ def test_the_server_averages_the_clients_statistics_by_sample_count():
             torch.testing.assert_close(b.double(), want, rtol=1e-5, atol=1e-6)
         else:
             assert int(b) == round(float(want)) == int(start[name]) + 2  # 1 and 3 steps: 2.5 rounds to 2
+
+
+def test_the_server_rejects_statistics_that_do_not_fit_the_model():
+    from gradleak.fl.client import ClientResult
+    from gradleak.fl.server import screen
+
+    net = model()
+    update = train(net, synthetic_dataset(n=4, shape=SHAPE, classes=CLASSES, seed=4), epochs=1)
+    name = next(n for n in update.buffers if n.endswith("running_mean"))
+    for bad in ({**update.buffers, "x": torch.zeros(1)}, {**update.buffers, name: torch.zeros(())}):
+        forged = type(update)(update.tensors, update.num_samples, update.kind, update.metadata, bad)
+        (result,) = screen([ClientResult(0, forged, None)], net, round_idx=0, kind="delta")
+        assert result.update is None and "buffer" in (result.error or "")

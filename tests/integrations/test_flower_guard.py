@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -79,17 +80,31 @@ def test_an_honest_model_passes_and_other_messages_are_not_inspected():
     assert app.seen == [5, 5]
 
 
-def test_each_node_keeps_its_own_drift_reference():
+def test_each_node_keeps_its_own_drift_reference_in_its_context():
+    """The reference lives in the node's Context.state, which Flower keeps across a node's messages, not in
+    the mod: a fresh GuardMod for every message (a ClientApp process that serves one) still sees drift."""
     own = build_model("mlp", SHAPE, CLASSES, seed=0)
     other = build_model("mlp", SHAPE, CLASSES, seed=1).state_dict()  # a different, honest-looking model
-    guard = mod(own)
+    nodes = {5: context(5), 6: context(6)}
     app = Recorder()
-    guarded = make_ffn(app, [guard])
-    assert not guarded(message(own.state_dict()), context(5)).has_error()  # node 5 accepts the first model
-    assert not guarded(message(other), context(6)).has_error()  # node 6 has no reference yet
-    refused = guarded(message(other), context(5))  # for node 5 every layer was rewritten
+
+    def send(state, node):
+        return make_ffn(app, [mod(own)])(message(state), nodes[node])
+
+    assert not send(own.state_dict(), 5).has_error()  # node 5 accepts the first model
+    assert not send(other, 6).has_error()  # node 6 has no reference yet
+    refused = send(other, 5)  # for node 5 every layer was rewritten
     assert refused.has_error() and "drift" in refused.error.reason
     assert app.seen == [5, 6]
+
+
+def test_an_unreadable_model_is_refused_not_raised():
+    msg = message(build_model("mlp", SHAPE, CLASSES, seed=0).state_dict())
+    record = msg.content["arrays"]
+    first = next(iter(record))
+    record[first] = type(record[first])(np.array(["abc"]))  # a string array: no tensor to build
+    reply = make_ffn(Recorder(), [mod(build_model("mlp", SHAPE, CLASSES, seed=0))])(msg, context(5))
+    assert reply.has_error() and "cannot be read" in reply.error.reason
 
 
 def test_the_gate_mod_defends_a_leaky_reply_as_the_defense_mod_would_and_withholds_when_asked():

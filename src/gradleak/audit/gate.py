@@ -39,7 +39,7 @@ from gradleak.defenses.in_loop import DefenseSpec, build_defenses
 from gradleak.metrics.floors import LEAKS_ABOVE_DB
 from gradleak.registry import ATTACKS
 from gradleak.spec import ComponentSpec, as_spec
-from gradleak.types import AttackInputError, LocalTraining, ModelModifyingAttack, Observation, Update
+from gradleak.types import LocalTraining, ModelModifyingAttack, Observation, Update
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +140,8 @@ class LeakageGate:
         start = time.perf_counter()
         try:
             record = self.measure(model, update, truth, training, generator)
-        except AttackInputError as exc:  # the update does not fit the model: no score, so the gate acts
-            record = {"error": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - no score (the update does not fit, scoring failed): act
+            record = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
         value = record.get(LEAKAGE)
         leakage = float(value) if isinstance(value, int | float) and math.isfinite(value) else None
         triggered = leakage is None or leakage > self.config.threshold_db

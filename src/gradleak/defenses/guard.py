@@ -5,8 +5,8 @@ Scale-MIA, trap weights, class fishing); the SEER paper (Garov et al., ICLR 2024
 of the literature are detectable by a client that looks. This module looks, in two steps:
 
 1. **architecture**: the received arrays carry exactly the names, shapes and dtypes of the client's own
-   model (an integer buffer may arrive as whole floating numbers: Flower's FedAvg averages
-   ``num_batches_tracked`` in float64), all finite. Every malicious model that inserts an imprint block
+   model (an integer buffer may arrive as a float >= 0: Flower's FedAvg averages ``num_batches_tracked``
+   in float64, often to no whole number), all finite. Every malicious model that inserts an imprint block
    fails here.
 2. **weight signatures**, for malicious models that keep the client's architecture
    (:mod:`gradleak.attacks.linear.in_place`), each a registered check over every ``nn.Linear`` layer:
@@ -168,8 +168,8 @@ def architecture_findings(
         elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
             out.append(GuardFinding("architecture", name, "non-finite values"))
         elif t.dtype != ref.dtype and not (
-            not ref.is_floating_point() and t.is_floating_point() and bool((t == t.round()).all())
-        ):
+            not ref.is_floating_point() and t.is_floating_point() and bool((t >= 0).all())
+        ):  # Flower's FedAvg averages an integer counter in float64: any finite count >= 0 is one
             out.append(GuardFinding("architecture", name, f"dtype {t.dtype}, expected {ref.dtype}"))
     return out
 
@@ -198,7 +198,9 @@ class ModelGuard:
             return GuardVerdict(tuple(found))
         model = copy.deepcopy(self._own)
         state = {
-            n: t.detach().cpu().to(self._expected[n].dtype)
+            n: (t.detach().cpu() if self._expected[n].is_floating_point() else t.detach().cpu().round()).to(
+                self._expected[n].dtype
+            )
             for n, t in received.items()
             if isinstance(t, torch.Tensor)  # every one is: checked above
         }

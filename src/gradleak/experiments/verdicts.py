@@ -16,6 +16,7 @@ failure, or a rejection; the report turns each into one line an operator can act
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,6 +44,8 @@ def verdict(r: Mapping[str, Any]) -> str:
     if r.get("refused"):
         return f"{who}: {name} refused the update (rule 2), no verdict: {r.get('refused')}"
     over = r.get("psnr_mean_beyond_floor")
+    if isinstance(over, int | float) and not math.isfinite(over):
+        return f"{who}: {name} gave no finite score (rule 2), no verdict"
     if isinstance(over, int | float):
         if over > LEAKS_ABOVE_DB:
             return (f"{who}: LEAKS to {name}: {over:+.1f} dB mean PSNR over the higher null floor "

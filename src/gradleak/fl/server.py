@@ -16,7 +16,7 @@ from torch import nn
 
 from gradleak.fl.client import ClientResult
 from gradleak.types import LocalTraining, Update, UpdateKind
-from gradleak.validation import InvalidUpdateError, check_update, reference_of
+from gradleak.validation import InvalidUpdateError, check_buffers, check_update, reference_of
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,15 @@ def screen(
     an invalid one is dropped (``update=None``, the reason in ``error``) and the others go on to
     aggregation or the audit. Results keep their order."""
     reference = reference_of(model)
+    buffers = dict(model.named_buffers())
     out = []
     for r in results:
         if r.update is not None:
             source = f"client {r.client_id}, round {round_idx}"
             try:
                 check_update(r.update, reference, source=source)
+                if r.update.buffers:  # the statistics against the model's own buffers, not only finite
+                    check_buffers(r.update.buffers, buffers, source=source)
                 if r.update.kind != kind:
                     raise InvalidUpdateError(
                         f"{source}: a {r.update.kind!r} update in a round of {kind!r} updates"
@@ -135,6 +138,12 @@ def apply_update(model: nn.Module, aggregate: Update, server_lr: float = 1.0) ->
     sign = 1.0 if aggregate.kind == "delta" else -1.0
     for name, p in model.named_parameters():
         p.add_(aggregate.tensors[name].to(p.dtype), alpha=sign * server_lr)
+    apply_buffers(model, aggregate)
+
+
+@torch.no_grad()
+def apply_buffers(model: nn.Module, aggregate: Update) -> None:
+    """In place: the aggregate's buffers (the clients' mean running statistics) replace the model's."""
     buffers = dict(model.named_buffers())
     for name, b in aggregate.buffers.items():
         buffers[name].copy_(b.to(buffers[name].dtype))

@@ -27,6 +27,7 @@ from gradleak.fl.client import ClientResult, train_client
 from gradleak.fl.server import (
     SERVER_OPTIMIZERS,
     ServerOptimizer,
+    apply_buffers,
     apply_update,
     sample_clients,
     screen,
@@ -255,6 +256,7 @@ class FederatedSimulation:
                 aggregate = None
             elif self.server_optimizer is not None:
                 self.server_optimizer.step(aggregate)
+                apply_buffers(self.model, aggregate)  # FedOpt steps the parameters; statistics are averaged
             else:
                 apply_update(self.model, aggregate, self.config.server_lr)
         metrics: dict[str, float] = {}

@@ -450,9 +450,11 @@ class ClassFishing:
         target = obs.secrets.get("target_class")
         if not isinstance(target, int):
             raise AttackInputError("no class_fishing secrets (target_class) in the observation")
-        fished = dataclasses.replace(
+        layer = str(obs.secrets.get("layer", ""))
+        body = {n: t for n, t in obs.update.tensors.items() if n not in (f"{layer}.weight", f"{layer}.bias")}
+        fished = dataclasses.replace(  # the output layer's own gradient mixes every sample: left out
             obs,
-            update=Update(obs.update.tensors, 1, obs.update.kind, obs.update.metadata),
+            update=Update(body, 1, obs.update.kind, obs.update.metadata),
             labels=torch.tensor([target]),
         )
         inversion = dataclasses.replace(self.config.inversion, num_samples=1)

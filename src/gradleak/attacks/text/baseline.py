@@ -9,6 +9,7 @@ input with the same scale but no data in it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 import torch
@@ -35,7 +36,7 @@ def _null(update: Update, generator: torch.Generator) -> Update:
         noise[name] = (
             z * (norm / float(z.norm())) if norm > 0 and float(z.norm()) > 0 else torch.zeros_like(t)
         )
-    return update.replace(noise)
+    return dataclasses.replace(update.replace(noise), buffers={})  # a null update carries no statistics
 
 
 def is_valid(r1: float, null_r1: float) -> bool:

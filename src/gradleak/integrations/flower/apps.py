@@ -41,7 +41,7 @@ from torch import nn
 
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import Defense, DefenseFailure
-from gradleak.defenses.guard import GuardConfig, MaliciousModelError, ModelGuard
+from gradleak.defenses.guard import GuardConfig, MaliciousModelError
 from gradleak.defenses.in_loop import private_generator
 from gradleak.models.architecture import Limits, build
 from gradleak.types import LocalTraining
@@ -171,7 +171,6 @@ def client_app(
         log.warning("client_app(seed=%d): reproducible noise is predictable noise; experiments only", seed)
     data = list(clients)
     app = ClientApp(mods=list(mods))
-    guards: dict[int, ModelGuard] = {}
 
     @app.train()
     def train(msg: Message, ctx: Context) -> Message:
@@ -188,14 +187,16 @@ def client_app(
         else:
             w0 = msg.content.array_records["arrays"].to_torch_state_dict()
             rnd = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
-        if guard is not None:
-            if k not in guards:
-                guards[k] = ModelGuard(build_model(), guard)  # type: ignore[arg-type]
-            verdict = guards[k].inspect(w0, data[k].images[: guard.probe_size])
+        if guard is not None:  # its drift reference lives in the node's context (mods.node_guard)
+            from gradleak.integrations.flower.mods import node_guard, remember
+
+            checker = node_guard(build_model(), guard, False, ctx)  # type: ignore[arg-type]
+            verdict = checker.inspect(w0, data[k].images[: guard.probe_size])
             if not verdict.safe:
                 raise MaliciousModelError(
                     f"partition {k}: the server's model looks malicious: {verdict.reason()}"
                 )
+            remember(checker, ctx)
         model.load_state_dict(w0)
         gen = (
             private_generator()
@@ -209,6 +210,8 @@ def client_app(
         weights = {n: t.clone() for n, t in w0.items()}
         for name, u in result.update.tensors.items():
             weights[name] = w0[name] + sign * u
+        for name, b in result.update.buffers.items():  # the statistics as trained, as a FedAvg reply carries
+            weights[name] = b.to(w0[name].dtype)
         n = result.update.num_samples
         if legacy:
             if SECAGG_STATE in ctx.state.config_records:  # integer buffers stay out of the masked vector

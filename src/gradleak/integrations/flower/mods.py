@@ -216,14 +216,35 @@ class GateMod(DefenseMod):
         return out
 
 
+GUARD_STATE = "gradleak.guard.accepted"
+"""The key of a node's ``Context.state`` record holding the last model its guard accepted."""
+
+
+def node_guard(own: nn.Module, config: GuardConfig, trusted_start: bool, ctx: Context) -> ModelGuard:
+    """A guard whose drift reference is the model this node last accepted, kept in ``ctx.state`` (Flower
+    keeps a node's context across its messages; a ClientApp process may not live that long)."""
+    guard = ModelGuard(own, config, trusted_start=trusted_start)
+    if GUARD_STATE in ctx.state.array_records:
+        guard.accepted = ctx.state.array_records[GUARD_STATE].to_torch_state_dict()
+    return guard
+
+
+def remember(guard: ModelGuard, ctx: Context) -> None:
+    """Keep the model ``guard`` accepted in the node's context."""
+    if guard.accepted is not None:
+        ctx.state[GUARD_STATE] = ArrayRecord(torch_state_dict=guard.accepted)
+
+
 class GuardMod:
     """A Flower ``Mod`` running the client's guard on every train message, before the ClientApp trains.
 
     ``own``: the node's own model (the architecture it expects; with ``trusted_start`` also the initial
     weights it agreed to); ``probe(context)``: a batch of the node's own training inputs (read by the weight
     checks on this node only). A model that fails the guard is never passed on: the reply is an error
-    (``ErrorCode.MOD_FAILED_PRECONDITION``) that says why, and nothing is trained or sent. One guard per node
-    id, so a process serving several simulated nodes keeps each one's drift reference apart.
+    (``ErrorCode.MOD_FAILED_PRECONDITION``) that says why, and nothing is trained or sent. The drift
+    reference lives in the node's ``Context.state``, so it survives a ClientApp process that serves one
+    message. It reads message-API train messages (one ArrayRecord of named arrays); gradleak's own
+    ``client_app(..., guard=...)`` also guards the legacy (SecAgg+) path.
     """
 
     def __init__(
@@ -238,7 +259,6 @@ class GuardMod:
         self.probe = probe
         self.config = config or GuardConfig()
         self.trusted_start = trusted_start
-        self.guards: dict[int, ModelGuard] = {}
 
     def __call__(self, msg: Message, ctx: Context, call_next: ClientAppCallable) -> Message:
         if msg.metadata.message_type.split(".")[0] != MessageType.TRAIN:
@@ -247,17 +267,17 @@ class GuardMod:
             return _refuse(
                 msg, f"expects one ArrayRecord, found {len(msg.content.array_records)}", "GuardMod"
             )
-        state = next(iter(msg.content.array_records.values())).to_torch_state_dict()
-        guard = self.guards.get(ctx.node_id)
-        if guard is None:
-            guard = self.guards[ctx.node_id] = ModelGuard(
-                self.own, self.config, trusted_start=self.trusted_start
-            )
+        try:
+            state = next(iter(msg.content.array_records.values())).to_torch_state_dict()
+        except Exception as exc:  # noqa: BLE001 - an undecodable model is refused, never raised
+            return _refuse(msg, f"the model's arrays cannot be read: {type(exc).__name__}: {exc}", "GuardMod")
+        guard = node_guard(self.own, self.config, self.trusted_start, ctx)
         verdict = guard.inspect(state, self.probe(ctx))
         if not verdict.safe:
             return _refuse(
                 msg, f"the server's model looks malicious, not trained: {verdict.reason()}", "GuardMod"
             )
+        remember(guard, ctx)
         return call_next(msg, ctx)
 
 
