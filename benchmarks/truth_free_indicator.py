@@ -18,21 +18,13 @@ from pathlib import Path
 
 import torch
 
-from gradleak.experiments.gate_trials import CLIENT_DEFENSES, items_for
+from gradleak.experiments.gate_trials import CLIENT_DEFENSES, SCALES, items_for
 from gradleak.experiments.indicator_trials import run_items, summarise
 from gradleak.experiments.measurement import make_parser, parse_args, write_result
 
 HERE = Path(__file__).resolve().parent
 NAME = "truth_free_indicator"
-SETTINGS = {
-    "smoke": ([("cifar10", "lenet")], [1, 4], 200),
-    "small": ([("cifar10", "lenet"), ("pathmnist", "lenet")], [1, 2, 4, 8], 1000),
-    "paper": (
-        [("cifar10", "lenet"), ("cifar10", "sme_cifar_cnn"), ("pathmnist", "lenet")],
-        [1, 2, 4, 8],
-        1000,
-    ),
-}
+SETTINGS = SCALES  # the labelled set per scale, shared with the other labelled-set benchmark
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -84,6 +84,43 @@ def client_update(
     return update, time.perf_counter() - start
 
 
+SCALES: dict[str, tuple[list[tuple[str, str]], list[int], int]] = {
+    "smoke": ([("cifar10", "lenet")], [1, 4], 200),
+    "small": ([("cifar10", "lenet"), ("pathmnist", "lenet")], [1, 2, 4, 8], 1000),
+    "paper": (
+        [("cifar10", "lenet"), ("cifar10", "sme_cifar_cnn"), ("pathmnist", "lenet")],
+        [1, 2, 4, 8],
+        1000,
+    ),
+}
+"""The labelled set per scale: (data set, model) pairs, client batch sizes, the full attack's iterations
+(shared by ``benchmarks/leakage_gate.py`` and ``benchmarks/truth_free_indicator.py``)."""
+
+
+class LabelledSets:
+    """Each item's model, reference images (the floors'), the client's batch and the update it sends,
+    with its training seconds; models and data loaded once per (data set, model, seed)."""
+
+    def __init__(self, reference_size: int = 256) -> None:
+        self.reference_size = reference_size
+        self.cache: dict[tuple[str, str, int], tuple[torch.nn.Module, ImageDataset, ImageDataset]] = {}
+
+    def update(self, item: GateItem) -> tuple[torch.nn.Module, ImageDataset, ImageDataset, Update, float]:
+        key = (item.dataset, item.model, item.seed)
+        if key not in self.cache:
+            data = load_dataset(item.dataset, limit=self.reference_size + 512)
+            c, h, w = data.images.shape[1:]
+            model = build_model(item.model, (c, h, w), data.num_classes, seed=item.seed)
+            reference = data.subset(list(range(self.reference_size)))
+            pool = data.subset(list(range(self.reference_size, len(data.images))))
+            self.cache[key] = (model, reference, pool)
+        model, reference, pool = self.cache[key]
+        g = torch.Generator().manual_seed(derive_seed(item.seed, item.batch, len(item.defense)))
+        batch = pool.subset(torch.randperm(len(pool.images), generator=g)[: item.batch].tolist())
+        update, seconds = client_update(model, batch, item.defense, g)
+        return model, reference, batch, update, seconds
+
+
 def run_items(
     items: Sequence[GateItem],
     *,
@@ -99,21 +136,10 @@ def run_items(
         ComponentSpec(config.attack.name, {**config.attack.options, "max_iterations": full_iterations}),
         config.threshold_db, config.defenses, config.withhold,
     )  # fmt: skip
-    cache: dict[tuple[str, str, int], tuple[torch.nn.Module, ImageDataset, ImageDataset]] = {}
+    sets = LabelledSets(reference_size)
     out = []
     for item in tqdm(items, desc="gate items", disable=not progress):
-        key = (item.dataset, item.model, item.seed)
-        if key not in cache:
-            data = load_dataset(item.dataset, limit=reference_size + 512)
-            c, h, w = data.images.shape[1:]
-            model = build_model(item.model, (c, h, w), data.num_classes, seed=item.seed)
-            reference = data.subset(list(range(reference_size)))
-            pool = data.subset(list(range(reference_size, len(data.images))))
-            cache[key] = (model, reference, pool)
-        model, reference, pool = cache[key]
-        g = torch.Generator().manual_seed(derive_seed(item.seed, item.batch, len(item.defense)))
-        batch = pool.subset(torch.randperm(len(pool.images), generator=g)[: item.batch].tolist())
-        update, train_seconds = client_update(model, batch, item.defense, g)
+        model, reference, batch, update, train_seconds = sets.update(item)
         start = time.perf_counter()
         labelled = LeakageGate(full, reference=reference).measure(model, update, batch, None, _gen(item, 1))
         full_seconds = time.perf_counter() - start
@@ -177,4 +203,13 @@ def items_for(
     return [GateItem(d, m, s, b, f) for d, m in pairs for s in seeds for b in batches for f in defenses]
 
 
-__all__ = ["CLIENT_DEFENSES", "GateItem", "GateOutcome", "items_for", "run_items", "summarise"]
+__all__ = [
+    "CLIENT_DEFENSES",
+    "SCALES",
+    "GateItem",
+    "GateOutcome",
+    "LabelledSets",
+    "items_for",
+    "run_items",
+    "summarise",
+]

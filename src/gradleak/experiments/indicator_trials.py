@@ -23,11 +23,9 @@ from tqdm import tqdm
 from gradleak.attacks import create_attack
 from gradleak.audit.pipeline import attack_update
 from gradleak.audit.scoring import ImageScorer
-from gradleak.data import load_dataset
-from gradleak.experiments.gate_trials import GateItem, client_update
+from gradleak.experiments.gate_trials import GateItem, LabelledSets
 from gradleak.fl.simulation import derive_seed
 from gradleak.metrics.floors import LEAKS_ABOVE_DB
-from gradleak.models import build_model
 from gradleak.spec import ComponentSpec
 from gradleak.types import Observation
 
@@ -54,19 +52,9 @@ def run_items(
 ) -> list[IndicatorOutcome]:
     """The truth-based leakage (IG at ``full`` iterations) and the fit margin (IG at ``fast``) per item."""
     out = []
-    cache: dict[tuple[str, str, int], Any] = {}
+    sets = LabelledSets(reference_size)
     for item in tqdm(items, desc="indicator items", disable=not progress):
-        key = (item.dataset, item.model, item.seed)
-        if key not in cache:
-            data = load_dataset(item.dataset, limit=reference_size + 512)
-            c, h, w = data.images.shape[1:]
-            model = build_model(item.model, (c, h, w), data.num_classes, seed=item.seed)
-            cache[key] = (model, data.subset(list(range(reference_size))),
-                          data.subset(list(range(reference_size, len(data.images)))))  # fmt: skip
-        model, reference, pool = cache[key]
-        g = torch.Generator().manual_seed(derive_seed(item.seed, item.batch, len(item.defense)))
-        batch = pool.subset(torch.randperm(len(pool.images), generator=g)[: item.batch].tolist())
-        update, _ = client_update(model, batch, item.defense, g)
+        model, reference, batch, update, _ = sets.update(item)
         obs = Observation(model, update, tuple(batch.images.shape[1:]), batch.num_classes,
                           labels=batch.labels.clone())  # fmt: skip
         start = time.perf_counter()
