@@ -128,3 +128,35 @@ def test_the_server_rejects_statistics_that_do_not_fit_the_model():
         forged = type(update)(update.tensors, update.num_samples, update.kind, update.metadata, bad)
         (result,) = screen([ClientResult(0, forged, None)], net, round_idx=0, kind="delta")
         assert result.update is None and "buffer" in (result.error or "")
+
+
+def test_a_flower_audit_reads_the_statistics_off_a_reply(tmp_path):
+    """AuditStrategy around Flower's FedAvg, gradleak's ClientApp training a BatchNorm ResNet for one step:
+    the reply's running statistics reach the attack's observation, and ig_bn reads them off (not refused)."""
+    pytest.importorskip("flwr")
+    import functools
+
+    from flwr.app import ArrayRecord
+    from flwr.serverapp.strategy import FedAvg
+
+    from flowergrid import AppGrid, server_identity
+    from gradleak.experiments.store import ResultStore
+    from gradleak.integrations.flower import AuditStrategy
+    from gradleak.integrations.flower.apps import client_app
+
+    build = functools.partial(build_model, "resnet18", SHAPE, CLASSES, seed=0, width=4)
+    data = [synthetic_dataset(n=4, shape=SHAPE, classes=CLASSES, seed=30 + k) for k in range(2)]
+    training = LocalTraining("fedavg", epochs=1, batch_size=4, lr=0.05)
+    store = ResultStore(tmp_path / "a.sqlite")
+    strategy = AuditStrategy(
+        FedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2), model=build(),
+        attacks=[("ig_bn", {"max_iterations": 2})], input_shape=SHAPE, num_classes=CLASSES, store=store,
+        training=training, seed=1,
+    )  # fmt: skip
+    app = client_app(data, build, training, seed=1)
+    with server_identity(1):
+        strategy.start(AppGrid(dict.fromkeys((41, 42), app), (41, 42)),
+                       ArrayRecord(torch_state_dict=build().state_dict()), num_rounds=1)  # fmt: skip
+    (run,) = store.runs()
+    records = store.records(run.run_id, "attack")
+    assert len(records) == 2 and all(r["refused"] is None and r["bn_steps"] == 1.0 for r in records), records

@@ -160,7 +160,9 @@ def check_reply(
     floats = [k for k, v in model_state.items() if v.is_floating_point()]
     delta = {k: wt[k] - w0[k] for k in floats}
     norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta.values()))
-    update = Update({k: delta[k] for k in params}, n, "delta", dict(metadata))
+    tied = {p.data_ptr() for p in params.values()}  # a tied weight (GPT-2's lm_head) is no buffer
+    buffers = {k: wt[k] for k, v in model_state.items() if k not in params and v.data_ptr() not in tied}
+    update = Update({k: delta[k] for k in params}, n, "delta", dict(metadata), buffers)
     check_update(update, params, source=source)
     forwarded, clipped = wt, False
     if policy.clip_norm is not None and norm > policy.clip_norm:
