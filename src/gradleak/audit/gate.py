@@ -19,7 +19,6 @@ share of the round is measured by ``benchmarks/leakage_gate.py`` (docs/security.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import math
 import time
@@ -168,9 +167,4 @@ class LeakageGate:
         return out, decision
 
 
-def gate_decision_fields(decision: GateDecision) -> dict[str, Any]:
-    """The decision as plain fields (for a log line or a store record)."""
-    return {k: v for k, v in dataclasses.asdict(decision).items() if k != "record"}
-
-
-__all__ = ["LEAKAGE", "GateConfig", "GateDecision", "LeakageGate", "gate_decision_fields"]
+__all__ = ["LEAKAGE", "GateConfig", "GateDecision", "LeakageGate"]

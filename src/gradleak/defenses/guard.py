@@ -356,16 +356,19 @@ def _balance(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
     return out
 
 
+def relative_change(before: torch.Tensor, after: torch.Tensor) -> float:
+    """``||after - before|| / ||before||``: how far a layer moved, in units of its own size."""
+    b = before.detach().to(torch.float64)
+    return float((after.detach().to(torch.float64) - b).norm() / b.norm().clamp_min(1e-300))
+
+
 @register_guard_check("drift")
 def _drift(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
     if inspection.previous is None:
         return []
     out = []
     for name, layer in inspection.linears:
-        before = inspection.previous[f"{name}.weight"].to(torch.float64)
-        change = float(
-            (layer.weight.detach().to(torch.float64) - before).norm() / before.norm().clamp_min(1e-300)
-        )
+        change = relative_change(inspection.previous[f"{name}.weight"], layer.weight)
         if change > config.max_drift:
             out.append(GuardFinding("drift", name, (
                 f"the weights moved by {change:.2f} of their size since the last model this client accepted "
@@ -383,4 +386,5 @@ __all__ = [
     "ModelGuard",
     "guard_model",
     "register_guard_check",
+    "relative_change",
 ]

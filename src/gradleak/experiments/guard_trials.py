@@ -27,18 +27,18 @@ from typing import Any
 
 import torch
 from scipy.stats import beta
-from torch.nn import functional as F
 from tqdm import tqdm
 
 from gradleak.attacks import create_attack
 from gradleak.data import load_dataset
 from gradleak.data.base import ImageDataset
 from gradleak.data.partition import partition
-from gradleak.defenses.guard import GuardConfig, GuardVerdict, ModelGuard
+from gradleak.defenses.guard import GuardConfig, GuardVerdict, ModelGuard, relative_change
+from gradleak.fl.client import train_client
 from gradleak.fl.simulation import FederatedSimulation, FLConfig, derive_seed
 from gradleak.metrics.image import match_reconstructions, pairwise_psnr
 from gradleak.models import build_model
-from gradleak.types import AttackInputError, ClientCustomizingAttack, LocalTraining, Observation, Update
+from gradleak.types import AttackInputError, ClientCustomizingAttack, LocalTraining, Observation
 
 log = logging.getLogger(__name__)
 
@@ -142,14 +142,8 @@ def federation(setting: GuardSetting) -> tuple[FederatedSimulation, list[ImageDa
 def drift(
     before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor], names: Sequence[str]
 ) -> float:
-    """The largest relative change of the named weights from ``before`` to ``after``."""
-    return max(
-        float(
-            (after[n].to(torch.float64) - before[n].to(torch.float64)).norm()
-            / before[n].norm().clamp_min(1e-300)
-        )
-        for n in names
-    )
+    """The largest relative change of the named weights from ``before`` to ``after`` (the guard's measure)."""
+    return max(relative_change(before[n], after[n]) for n in names)
 
 
 def recovered_share(
@@ -164,12 +158,11 @@ def recovered_share(
     """The share of ``batch`` the attack recovers (PSNR above :data:`RECOVERED_DB`, matched one to one)
     from the FedSGD gradient of ``model`` on it; for class fishing, which recovers one image, 1 when it
     matches a sample of the fished class, else 0; None where the attack recovers features, not images."""
-    m = copy.deepcopy(model)
-    m.zero_grad(set_to_none=True)
-    F.cross_entropy(m(batch.images), batch.labels).backward()
-    grads = {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
+    fedsgd = LocalTraining("fedsgd", batch_size=len(batch.images))  # one gradient on the whole batch
+    update = train_client(0, model, batch, fedsgd, [], torch.Generator()).update  # (its order: as given)
+    assert update is not None
     obs = Observation(
-        model=model, update=Update(grads, len(batch.images), "gradient"),
+        model=model, update=update,
         input_shape=tuple(batch.images.shape[1:]), num_classes=num_classes, secrets=secrets,
     )  # fmt: skip
     try:

@@ -16,7 +16,7 @@ from torch import nn
 
 from gradleak.fl.client import ClientResult
 from gradleak.types import LocalTraining, Update, UpdateKind
-from gradleak.validation import InvalidUpdateError, check_buffers, check_update, reference_of
+from gradleak.validation import InvalidUpdateError, check_update
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +41,12 @@ def screen(
     (:func:`gradleak.validation.check_update`), the round's update ``kind`` and a positive sample count:
     an invalid one is dropped (``update=None``, the reason in ``error``) and the others go on to
     aggregation or the audit. Results keep their order."""
-    reference = reference_of(model)
-    buffers = dict(model.named_buffers())
     out = []
     for r in results:
         if r.update is not None:
             source = f"client {r.client_id}, round {round_idx}"
             try:
-                check_update(r.update, reference, source=source)
-                if r.update.buffers:  # the statistics against the model's own buffers, not only finite
-                    check_buffers(r.update.buffers, buffers, source=source)
+                check_update(r.update, model, source=source)  # parameters and buffers against the model
                 if r.update.kind != kind:
                     raise InvalidUpdateError(
                         f"{source}: a {r.update.kind!r} update in a round of {kind!r} updates"

@@ -43,6 +43,7 @@ from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import Defense, DefenseFailure
 from gradleak.defenses.guard import GuardConfig, MaliciousModelError
 from gradleak.defenses.in_loop import private_generator
+from gradleak.integrations.flower.mods import node_guard, remember
 from gradleak.models.architecture import Limits, build
 from gradleak.types import LocalTraining
 
@@ -188,8 +189,6 @@ def client_app(
             w0 = msg.content.array_records["arrays"].to_torch_state_dict()
             rnd = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
         if guard is not None:  # its drift reference lives in the node's context (mods.node_guard)
-            from gradleak.integrations.flower.mods import node_guard, remember
-
             checker = node_guard(build_model(), guard, False, ctx)  # type: ignore[arg-type]
             verdict = checker.inspect(w0, data[k].images[: guard.probe_size])
             if not verdict.safe:
