@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from gradleak.data.base import ImageDataset
 
+from gradleak.device import DEVICE_TYPES
 from gradleak.options import OptionError, build_dataclass
 
 T = TypeVar("T")
@@ -94,14 +95,17 @@ class UnknownNameError(KeyError):
 
 @dataclass(frozen=True)
 class Entry(Generic[T]):
-    """One registered thing: a factory, its optional config dataclass, a one-line summary, and the modality
-    it works on (``"image"``, ``"text"``; ``None``: any), checked against the task before any work."""
+    """One registered thing: a factory, its optional config dataclass, a one-line summary, the modality
+    it works on (``"image"``, ``"text"``; ``None``: any), checked against the task before any work, and the
+    device types it computes on (an attack: ``("cpu", "cuda")`` when it runs where the observation's model
+    is; ``("cpu",)``, the default, runs on a CPU copy of the observation, :mod:`gradleak.device`)."""
 
     name: str
     factory: T
     config_cls: type | None
     summary: str
     modality: str | None = None
+    devices: tuple[str, ...] = ("cpu",)
 
 
 class Registry(Generic[T]):
@@ -135,6 +139,7 @@ class Registry(Generic[T]):
         config_cls: type | None = None,
         summary: str = "",
         modality: str | None = None,
+        devices: tuple[str, ...] = ("cpu",),
     ) -> T:
         self._populate()  # the built-ins first: a plugin that reuses a built-in name is told so
         key = name.lower()
@@ -146,9 +151,13 @@ class Registry(Generic[T]):
             raise ValueError(f"{self.kind} {name!r} is already registered")
         if config_cls is not None and not dataclasses.is_dataclass(config_cls):
             raise TypeError(f"config_cls for {self.kind} {name!r} must be a dataclass, got {config_cls!r}")
+        if "cpu" not in devices or not set(devices) <= set(DEVICE_TYPES):
+            raise ValueError(
+                f"devices of {self.kind} {name!r} must include 'cpu', of {DEVICE_TYPES}: {devices!r}"
+            )
         if self.check is not None:
             self.check(name, factory)
-        self._entries[key] = Entry(key, factory, config_cls, summary, modality)
+        self._entries[key] = Entry(key, factory, config_cls, summary, modality, tuple(devices))
         return factory
 
     def rename(self, old: str, new: str, why: str) -> None:

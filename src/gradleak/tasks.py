@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradleak.data.base import ImageDataset
+from gradleak.device import module_device
 from gradleak.text.data import TextBatch, TokenDataset
 
 Dataset = ImageDataset | TokenDataset
@@ -74,7 +75,8 @@ class ImageClassification:
 
     def loss(self, model: nn.Module, data: ImageDataset) -> torch.Tensor:
         _check(data, ImageDataset, self.name)
-        return F.cross_entropy(model(data.images), data.labels)
+        device = module_device(model)  # the data rests on the CPU; the model computes where it lives
+        return F.cross_entropy(model(data.images.to(device)), data.labels.to(device))
 
     def evaluate(self, model: nn.Module, data: ImageDataset) -> dict[str, float]:
         from gradleak.fl.server import evaluate  # the server's one accuracy loop
@@ -103,8 +105,9 @@ def text_loss(model: nn.Module, batch: TextBatch, task: str) -> torch.Tensor:
 def next_token_scores(model: nn.Module, batches: Iterable[TextBatch]) -> tuple[float, int, int]:
     """Over ``batches``: the summed next-token NLL (the model's mean loss times its next-token positions),
     how many of those positions the argmax predicts, and how many there are."""
-    nll, hits, count = 0.0, 0, 0
+    nll, hits, count, device = 0.0, 0, 0, module_device(model)
     for b in batches:
+        b = b.to(device)
         labels = b.input_ids.masked_fill(b.attention_mask == 0, -100)
         out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=labels)
         keep = (b.attention_mask[:, 1:] * b.attention_mask[:, :-1]).bool()
@@ -135,7 +138,7 @@ class _TextTask:
 
     def loss(self, model: nn.Module, data: TokenDataset) -> torch.Tensor:
         _check(data, TokenDataset, self.name)
-        return text_loss(model, data.batch(), self.head)
+        return text_loss(model, data.batch().to(module_device(model)), self.head)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, data: TokenDataset) -> dict[str, float]:

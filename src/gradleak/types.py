@@ -7,6 +7,7 @@ only in :mod:`gradleak.metrics` (the separation that makes results honest).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -91,6 +92,17 @@ class Update:
     def flat(self) -> torch.Tensor:
         return torch.cat([t.reshape(-1) for t in self.tensors.values()])
 
+    def to(self, device: torch.device | str) -> Update:
+        """The same update with its tensors and buffers on ``device`` (itself when all are there)."""
+        device = torch.device(device)
+        if all(t.device == device for t in (*self.tensors.values(), *self.buffers.values())):
+            return self
+        return dataclasses.replace(
+            self,
+            tensors={n: t.to(device) for n, t in self.tensors.items()},
+            buffers={n: b.to(device) for n, b in self.buffers.items()},
+        )
+
     def replace(self, tensors: Mapping[str, torch.Tensor]) -> Update:
         if set(tensors) != set(self.tensors):
             raise ValueError("replacement tensors must carry the same parameter names")
@@ -157,6 +169,24 @@ class Observation:
             raise AttackInputError(f"mode must be one of {MODES}, got {mode!r}")
         object.__setattr__(self, "mode", mode)
 
+    def to(self, device: torch.device | str) -> Observation:
+        """The same observation computed on ``device``: a copy of the model there, the updates, views and
+        granted labels with it (:mod:`gradleak.device`); itself when the model is already there."""
+        device = torch.device(device)
+        if all(t.device == device for t in (*self.model.parameters(), *self.model.buffers())) and all(
+            t.device == device for u in (self.update, *self.views) for t in u.tensors.values()
+        ):
+            return self
+        moved = copy.copy(self)  # checked on construction; moving changes no value, so no second check
+        for name, value in (
+            ("model", copy.deepcopy(self.model).to(device)),
+            ("update", self.update.to(device)),
+            ("views", tuple(v.to(device) for v in self.views)),
+            ("labels", None if self.labels is None else self.labels.to(device)),
+        ):
+            object.__setattr__(moved, name, value)
+        return moved
+
     def client_model(self) -> nn.Module:
         """A copy of the model in the mode the client computed the update in: what an attack
         differentiates (its BatchNorm running statistics may change; the observation's model does not)."""
@@ -183,6 +213,14 @@ class Reconstruction:
             raise ValueError(
                 f"Reconstruction.images must be (N, C, H, W), got shape {tuple(self.images.shape)}"
             )
+
+    def to(self, device: torch.device | str) -> Reconstruction:
+        """The same reconstruction with its images and labels on ``device``."""
+        return dataclasses.replace(
+            self,
+            images=None if self.images is None else self.images.to(device),
+            labels=None if self.labels is None else self.labels.to(device),
+        )
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.aegis_synthetic import clear_cache_memo
+from gradleak.device import DeviceError
 from gradleak.fl.client import train_client
 from gradleak.generators import diffusion as diffusion_mod
 from gradleak.generators.base import PublicSplit, fingerprint
@@ -356,11 +357,11 @@ def test_the_device_is_checked_before_work_and_is_not_part_of_the_stored_generat
     digest = diffusion_mod.data_digest(data)
     assert diffusion_mod.stored_name(digest, cfg) == diffusion_mod.stored_name(digest, on_gpu)
     if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="no CUDA device"):
+        with pytest.raises(DeviceError, match="no CUDA device"):
             fit_diffusion(data, on_gpu)
         assert not list(tmp_path.iterdir())  # refused before any training or file
         fit_diffusion(data, cfg)  # stored now: a GPU config must still be refused, not load and fail later
-        with pytest.raises(RuntimeError, match="no CUDA device"):
+        with pytest.raises(DeviceError, match="no CUDA device"):
             fit_diffusion(data, on_gpu)
     # saved with where it ran: a load samples on the device it is given (the CPU by default)
     moved = DiffusionGenerator(gen.unet, dataclasses.replace(gen.config, device="cuda:3"), gen.image_shape,

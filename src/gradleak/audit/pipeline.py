@@ -30,7 +30,9 @@ import torch
 from gradleak.audit.indicator import fit_margin
 from gradleak.audit.scoring import Scorer
 from gradleak.defenses.base import claims
+from gradleak.device import CPU, module_device
 from gradleak.fl.simulation import derive_seed
+from gradleak.registry import ATTACKS
 from gradleak.spec import ComponentSpec
 from gradleak.types import Attack, AttackInputError, Observation, Reconstruction
 
@@ -62,6 +64,21 @@ class AttackOutcome:
     reconstruction: Reconstruction | None
 
 
+def attack_device(name: str, model: torch.nn.Module) -> torch.device:
+    """Where attack ``name`` computes on an observation of ``model``: the model's device when the attack is
+    registered for its type, else the CPU (:mod:`gradleak.device`)."""
+    device, devices = module_device(model), ATTACKS.entry(name).devices
+    if device.type not in devices:
+        log.info("%s computes on the CPU (registered devices: %s)", name, devices)
+        return CPU
+    return device
+
+
+def on_attack_device(name: str, obs: Observation) -> Observation:
+    """``obs`` where attack ``name`` computes (:func:`attack_device`); the update follows the model."""
+    return obs.to(attack_device(name, obs.model))
+
+
 def attack_update(
     attack: Attack,
     spec: ComponentSpec,
@@ -80,9 +97,10 @@ def attack_update(
         "attack": spec.name, "options": dict(spec.options), "aggregated": obs.aggregated,
         "num_clients": obs.num_clients, "num_samples": obs.update.num_samples,
     }  # fmt: skip
+    obs = on_attack_device(spec.name, obs)
     refused, started = None, time.perf_counter()
     try:
-        rec = attack.reconstruct(obs, generator=generator)
+        rec = attack.reconstruct(obs, generator=generator).to(CPU)  # results rest on the CPU
     except AttackInputError as exc:  # e.g. a defense left nothing the attack can read
         who = obs.update.metadata.get("client_id", "sum")
         log.info("%s refused the update of client %s: %s", spec.name, who, exc)

@@ -66,6 +66,7 @@ import torch
 from torch import nn
 
 from gradleak.defenses.base import Defense
+from gradleak.device import generator_on
 from gradleak.registry import DEFENSES
 from gradleak.text.families import FAMILIES, TransformerFamily
 
@@ -272,8 +273,7 @@ class AegisLLM(Defense):
         """The noise generator for gradients on ``device``: the setup generator ``base`` on its own device,
         else one generator per device seeded once from it (no host-to-device copy of the noise each step)."""
         if device not in self.device_generators:
-            seed = int(torch.randint(0, 2**62, (1,), generator=base))
-            self.device_generators[device] = torch.Generator(device=device).manual_seed(seed)
+            self.device_generators[device] = generator_on(device, base)
         return self.device_generators[device]
 
     @torch.no_grad()

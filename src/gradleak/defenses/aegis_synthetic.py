@@ -69,6 +69,7 @@ from torch.nn import functional as F
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.aegis_cache import CACHE_FORMAT, CacheConfig, SyntheticCache, build_cache
 from gradleak.defenses.base import Defense
+from gradleak.device import module_device
 from gradleak.fileio import kept
 from gradleak.generators.base import ConditionalGenerator, data_digest, fingerprint
 from gradleak.generators.diffusion import DiffusionGeneratorConfig, clear_public_generators
@@ -178,9 +179,9 @@ def accumulate_mean_gradient(
     n = len(images)
     for p in model.parameters():
         p.grad = None
-    total = 0.0
+    total, device = 0.0, module_device(model)
     for x, y in zip(images.split(micro_batch), labels.split(micro_batch), strict=True):
-        loss = F.cross_entropy(model(x), y, reduction="sum")
+        loss = F.cross_entropy(model(x.to(device)), y.to(device), reduction="sum")
         (loss * (weight / n)).backward()
         total += float(loss.detach())
     return total / n

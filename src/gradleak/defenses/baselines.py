@@ -28,6 +28,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import nn
 
 from gradleak.defenses.base import NOISE_STD, Defense
+from gradleak.device import normal
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
 
@@ -97,11 +98,11 @@ class BatchNoise(Defense):
             raise RuntimeError("batch_noise needs setup() before on_gradients()")
         self.steps += 1
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.sqrt(sum((g.pow(2).sum() for g in grads), torch.tensor(0.0)))
+        norm = torch.sqrt(sum((g.pow(2).sum() for g in grads), torch.tensor(0.0)))  # 0-dim: any device
         factor = min(1.0, self.config.clip / (float(norm) + 1e-12))
         std = self.config.sigma * self.config.clip / self.config.batch_size
         for g in grads:
-            g.mul_(factor).add_(torch.randn(g.shape, generator=self.generator) * std)
+            g.mul_(factor).add_(normal(g.shape, self.generator, g) * std)
 
     def on_update(self, update: Update) -> Update:
         """A FedSGD gradient of one noised step carries its noise scale (``batch_noise/noise_std``); after
@@ -166,7 +167,7 @@ class Soteria(Defense):
     def _inject_tangent(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
         if not self._probing:
             return None
-        v = torch.randn(output.shape, generator=self._generator, dtype=torch.float32).to(output.dtype)
+        v = normal(output.shape, self._generator, output)
         return fwAD.make_dual(output, v)
 
     def ratios(self, model: nn.Module, x: torch.Tensor | None = None) -> torch.Tensor:
@@ -184,7 +185,7 @@ class Soteria(Defense):
                 x = self._call[0][0]
             assert x is not None
             xs = x.detach().repeat(k, *([1] * (x.dim() - 1)))
-            v = torch.randn(xs.shape, generator=gen, dtype=xs.dtype)
+            v = normal(xs.shape, gen, xs, dtype=xs.dtype)
             with torch.no_grad(), fwAD.dual_level():
                 self._probing = True
                 try:

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from gradleak.defenses.base import COMPOSITIONS, NOISE_STD, Defense
+from gradleak.device import generator_on, module_device
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
 
@@ -217,7 +218,7 @@ class DPSGD(Defense):
         if errors:
             raise ValueError(
                 "Opacus cannot compute per-sample gradients of this model: "
-                + "; ".join(str(e) for e in errors)
+                + "; ".join(dict.fromkeys(str(e) for e in errors))  # one per kind, not one per layer
                 + " (opacus.validators.ModuleValidator.fix replaces BatchNorm with GroupNorm)"
             )
         self._train_size = len(train_data) if train_data is not None else None  # type: ignore[arg-type]
@@ -242,7 +243,7 @@ class DPSGD(Defense):
             max_grad_norm=self.config.clip,
             expected_batch_size=1,
             loss_reduction="mean",
-            generator=generator,
+            generator=generator_on(module_device(model), generator),  # Opacus draws where the grads are
             secure_mode=self.config.secure_mode,
         )
         self.sigma, self.sample_rate, self.steps, self._batch_of_step = None, None, 0, 1

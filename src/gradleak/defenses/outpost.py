@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from gradleak.defenses.base import Defense
+from gradleak.device import normal
 from gradleak.registry import DEFENSES
 
 
@@ -97,7 +98,7 @@ class Outpost(Defense):
             informative = g.pow(2) >= threshold  # the mask is read before pruning changes g
             if cfg.prune > 0:
                 g.masked_fill_(g.abs() < kth_smallest(g.abs(), cfg.prune / 100), 0.0)
-            noise = torch.randn(g.shape, generator=self.generator).to(g) * (risk * cfg.noise)
+            noise = normal(g.shape, self.generator, g) * (risk * cfg.noise)
             g.add_(torch.where(informative, noise, torch.zeros_like(noise)))
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from gradleak.attacks import model_modifying
 from gradleak.data.partition import partition_options
 from gradleak.defenses.presets import preset_of
+from gradleak.device import DeviceError, parse_device
 from gradleak.fl.engines import FederationCheck
 from gradleak.fl.server import clients_per_round, update_kind
 from gradleak.fl.simulation import PICKS, FLConfig
@@ -60,18 +61,25 @@ class ExperimentSection:
     only when the caller trusts the config's code: ``gradleak run --trust-config-plugins``) imported before
     the rest of the config is read, so that it can name the data sets, models, attacks and defenses they
     register (:mod:`gradleak.plugins`). ``resource_limits``: refuse a run whose estimated cost does not fit
-    this machine (:mod:`gradleak.experiments.resources`); false runs it anyway."""
+    this machine (:mod:`gradleak.experiments.resources`); false runs it anyway. ``device``: where the model,
+    the clients' training, the defenses in their loop and the attacks compute (``"cpu"``, ``"cuda"``,
+    ``"cuda:1"``; :mod:`gradleak.device`); a device this machine lacks is refused before any work."""
 
     name: str = "experiment"
     seed: int = 0
     data_root: str | None = None
     plugins: list[str] = field(default_factory=list)
     resource_limits: bool = True
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         try:
             safe_name(self.name, "experiment.name")
         except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        try:
+            object.__setattr__(self, "device", str(parse_device(self.device, "experiment.device")))
+        except DeviceError as exc:
             raise ConfigError(str(exc)) from None
         if not isinstance(self.plugins, list) or not all(isinstance(p, str) and p for p in self.plugins):
             raise ConfigError(

@@ -39,6 +39,7 @@ from gradleak.data import partition
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import composed_claims
 from gradleak.defenses.in_loop import build_defenses
+from gradleak.device import DeviceError, usable_device
 from gradleak.experiments.config import ConfigError, ExperimentConfig
 from gradleak.experiments.figures import matched_figure, save_reconstruction_grid
 from gradleak.experiments.measurement import git_info
@@ -350,6 +351,10 @@ class _Run:
         self.started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         self.t0 = time.perf_counter()
         seed = cfg.experiment.seed
+        try:  # before the data loads: a run meant for a GPU never starts on the CPU
+            self.device = usable_device(cfg.experiment.device, "experiment.device")
+        except DeviceError as exc:
+            raise ConfigError(str(exc)) from None
         self.setup = build_setup(cfg)  # data, model, task and scoring of the data set's modality
         self.train, self.test = self.setup.train, self.setup.test
         preflight(cfg, self.setup.model, self.train)  # the audit's pre-flight checks: errors raise here
@@ -374,7 +379,8 @@ class _Run:
         # a fresh list of defenses per client task; a partial of a library function, importable by name
         # where an engine runs the clients in other processes (Ray actors)
         defenses = functools.partial(build_defenses, [(s.name, dict(s.options)) for s in cfg.defenses])
-        self.sim = FederatedSimulation(self.setup.model, clients, cfg.fl, seed=seed, test=self.test,
+        model = self.setup.model.to(self.device)  # computes there; the data rests on the CPU
+        self.sim = FederatedSimulation(model, clients, cfg.fl, seed=seed, test=self.test,
                                        defenses=defenses, task=self.setup.task)  # fmt: skip
         self.engine: EngineRunner = ENGINES.create(cfg.engine.name, **cfg.engine.options)
 
@@ -430,7 +436,8 @@ class _Run:
         secrets: Mapping[str, object] = {}
         if isinstance(attack, ModelModifyingAttack):  # the server broadcasts its own model this round
             gen = torch.Generator().manual_seed(derive_seed(cfg.experiment.seed, 0xBAD, salt))
-            broadcast, secrets = attack.prepare(copy.deepcopy(sim.model), self.public, generator=gen)
+            # built and trained on the CPU: the linear-layer attacks make their tensors there
+            broadcast, secrets = attack.prepare(copy.deepcopy(sim.model).cpu(), self.public, generator=gen)
         recipe = audit.training if audit.training_public else None
         shape, classes = self.setup.input_shape, self.setup.num_classes
         if not cfg.fl.secure_aggregation:

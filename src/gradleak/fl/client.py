@@ -20,6 +20,7 @@ from torch import nn
 
 from gradleak.defenses.base import Defense, DefenseFailure
 from gradleak.defenses.in_loop import DefendedLoop
+from gradleak.device import CPU
 from gradleak.tasks import IMAGE_CLASSIFICATION, Dataset, Task
 from gradleak.types import MODE, LocalTraining, Update
 
@@ -141,5 +142,5 @@ def train_client(
     except DefenseFailure as exc:
         return ClientResult(client_id, None, None, error=str(exc))
     meta = {**update.metadata, "client_id": client_id, MODE: task.mode}  # the mode it trained in
-    update = dataclasses.replace(update, metadata=meta)
+    update = dataclasses.replace(update.to(CPU), metadata=meta)  # updates rest on the CPU (gradleak.device)
     return ClientResult(client_id, update, truth, sample_index=index)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradleak.device import module_device
 from gradleak.fl.client import ClientResult
 from gradleak.types import LocalTraining, Update, UpdateKind
 from gradleak.validation import InvalidUpdateError, check_update
@@ -133,7 +134,7 @@ def apply_update(model: nn.Module, aggregate: Update, server_lr: float = 1.0) ->
     clients' mean running statistics) replace the model's."""
     sign = 1.0 if aggregate.kind == "delta" else -1.0
     for name, p in model.named_parameters():
-        p.add_(aggregate.tensors[name].to(p.dtype), alpha=sign * server_lr)
+        p.add_(aggregate.tensors[name].to(p.device, p.dtype), alpha=sign * server_lr)
     apply_buffers(model, aggregate)
 
 
@@ -142,7 +143,7 @@ def apply_buffers(model: nn.Module, aggregate: Update) -> None:
     """In place: the aggregate's buffers (the clients' mean running statistics) replace the model's."""
     buffers = dict(model.named_buffers())
     for name, b in aggregate.buffers.items():
-        buffers[name].copy_(b.to(buffers[name].dtype))
+        buffers[name].copy_(b.to(buffers[name].device, buffers[name].dtype))
 
 
 @torch.no_grad()
@@ -151,9 +152,10 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch
     mode, which switched a caller's eval-mode model, e.g. an attack's, to batch statistics)."""
     was_training = model.training
     model.eval()
-    correct = 0
+    correct, device = 0, module_device(model)
     for i in range(0, len(labels), batch_size):
-        correct += int((model(images[i : i + batch_size]).argmax(1) == labels[i : i + batch_size]).sum())
+        scores = model(images[i : i + batch_size].to(device)).argmax(1).cpu()
+        correct += int((scores == labels[i : i + batch_size]).sum())
     model.train(was_training)
     return correct / max(1, len(labels))
 
@@ -184,7 +186,7 @@ class ServerOptimizer:
     def step(self, aggregate: Update) -> None:
         sign = -1.0 if aggregate.kind == "delta" else 1.0
         for name, p in zip(self.names, self.params, strict=True):
-            p.grad = sign * aggregate.tensors[name].detach().to(p.dtype)
+            p.grad = sign * aggregate.tensors[name].detach().to(p.device, p.dtype)
         self.optimizer.step()
         for p in self.params:
             p.grad = None
@@ -194,7 +196,7 @@ class ServerOptimizer:
         hyper-parameters (JSON-able)."""
         sd = self.optimizer.state_dict()
         tensors = {
-            f"server_opt/{self.names[i]}/{k}": v.detach().clone()
+            f"server_opt/{self.names[i]}/{k}": v.detach().cpu().clone()  # at rest on the CPU
             for i, st in sd["state"].items()
             for k, v in st.items()
         }

@@ -402,7 +402,7 @@ class FederatedSimulation:
         """What resuming needs after the last finished round: the global model's state (parameters and
         buffers, and an adaptive server optimiser's moments) and the sampler's state with the number of
         rounds run (JSON-able)."""
-        tensors = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        tensors = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}  # rest on the CPU
         state: dict[str, object] = {"rounds": len(self.history), "sampler": self._rng.bit_generator.state}
         if self.server_optimizer is not None:
             opt_tensors, state["server_optimizer"] = self.server_optimizer.state_tensors()

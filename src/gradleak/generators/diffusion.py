@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from gradleak.data.base import ImageDataset
+from gradleak.device import DEVICE_TYPES, usable_device
 from gradleak.fileio import kept
 from gradleak.generators.base import PublicSplit, check_labels, data_digest
 from gradleak.generators.pool import PoolDraws, SamplePool
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = "gradleak-diffusion-generator/1"
 TRAIN_SOURCES = ("own", "public")
-DEVICE_TYPES = ("cpu", "cuda")
+
 # Images per UNet forward while sampling on the CPU: the sampling batch (``sampling.batch_size``, the noise
 # drawn and stepped together) is evaluated in slices of this many. Measured on 2 cores with the 0.76 M
 # parameter UNet on 28 x 28 images (benchmarks/results/diffusion_forward_slices_small.json): 32-image
@@ -71,18 +72,6 @@ def require_diffusers() -> Any:
             "the diffusion generator needs the 'diffusers' package: pip install 'gradleak[diffusion]' "
             "(or pip install diffusers); the built-in 'gaussian' generator needs nothing more"
         ) from exc
-
-
-def usable_device(name: str) -> torch.device:
-    """``name`` as a torch device, or a RuntimeError before any work where this machine has no such device."""
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"diffusion generator device {name!r}: torch sees no CUDA device here; use 'cpu'")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise RuntimeError(
-            f"diffusion generator device {name!r}: only {torch.cuda.device_count()} CUDA devices"
-        )
-    return device
 
 
 def _full_precision() -> contextlib.AbstractContextManager[None]:
@@ -334,7 +323,7 @@ class DiffusionGenerator:
         diffusers = require_diffusers()
         if len(data) == 0:
             raise ValueError("cannot fit a diffusion generator on no images")
-        device = usable_device(config.device)
+        device = usable_device(config.device, "diffusion generator device")
         tc = config.training
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         g = torch.Generator().manual_seed(seed)
@@ -422,7 +411,7 @@ class DiffusionGenerator:
                 f"diffusion generator was not trained on classes {missing}; it knows {self.classes}"
             )
         sc = self.config.sampling
-        device = usable_device(self.config.device)
+        device = usable_device(self.config.device, "diffusion generator device")
         self.unet.to(device)
         out = torch.empty(len(labels), *self.image_shape)
         with _full_precision():
@@ -539,7 +528,7 @@ def fit_diffusion(data: ImageDataset, config: DiffusionGeneratorConfig) -> Diffu
 
 def _trained(data: ImageDataset, config: DiffusionGeneratorConfig) -> tuple[DiffusionGenerator, str]:
     require_diffusers()
-    usable_device(config.device)  # before loading or training: a stored file would load, then fail to sample
+    usable_device(config.device, "diffusion generator device")  # before loading or training
     source = data if config.train_on == "own" else config.public.load_for(data)
     # the weights are a function of (training data, options), like the file that keeps them: the seed comes
     # from the options and the data's content, not from the caller's generator

@@ -23,6 +23,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
+from gradleak.device import module_device
 from gradleak.tasks import next_token_scores
 from gradleak.text.data import TextBatch
 from gradleak.text.wordnet import ensure_wordnet
@@ -151,7 +152,8 @@ def classify(model: nn.Module, batches: Iterable[TextBatch]) -> tuple[list[int],
     for b in batches:
         if b.labels is None:
             raise ValueError("classification batches need labels")
-        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+        on = b.to(module_device(model))
+        logits = model(input_ids=on.input_ids, attention_mask=on.attention_mask).logits
         pred += logits.argmax(-1).tolist()
         true += b.labels.tolist()
     return pred, true

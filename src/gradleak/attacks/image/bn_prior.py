@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from gradleak.attacks.image.ig import IGConfig, InvertingGradients
+from gradleak.device import DEVICE_TYPES
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
 
@@ -118,7 +119,7 @@ class StatisticsRecorder:
     def penalty(self, target: BatchStatistics) -> torch.Tensor:
         """GradInversion's R_BN (Eq. 5) of the last forward pass against ``target``."""
         terms = [
-            (mu - target.mean[n].to(mu.dtype)).norm() + (v - target.var[n].to(v.dtype)).norm()
+            (mu - target.mean[n].to(mu)).norm() + (v - target.var[n].to(v)).norm()
             for n, (mu, v) in self.seen.items()
         ]
         return torch.stack(terms).sum()
@@ -160,7 +161,7 @@ class BNPriorIG(InvertingGradients):
 
     def prior(self, x: torch.Tensor) -> torch.Tensor:
         if self._recorder is None or self._target_stats is None or not self._recorder.seen:
-            return torch.zeros((), dtype=x.dtype)
+            return x.new_zeros(())
         return self.config.bn_weight * self._recorder.penalty(self._target_stats).to(x.dtype)
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
@@ -190,6 +191,7 @@ ATTACKS.register(
     config_cls=BNPriorIGConfig,
     summary="IG + GradInversion's BatchNorm prior, targets read off the reply's buffers (Yin et al. 2021)",
     modality="image",
+    devices=DEVICE_TYPES,
 )
 
 __all__ = [

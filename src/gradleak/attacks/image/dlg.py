@@ -26,6 +26,7 @@ from torch.nn import functional as F
 from gradleak.attacks.checks import require_image_input
 from gradleak.attacks.image.labels import recover_label_counts, recover_labels
 from gradleak.attacks.image.surrogate import local_steps
+from gradleak.device import DEVICE_TYPES, normal
 from gradleak.progress import bar
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
@@ -99,8 +100,10 @@ class DLG:
             raise AttackInputError(
                 f"the observation grants {len(fixed)} labels but the attack reconstructs {n} images"
             )
-        x = torch.randn((n, *obs.input_shape), generator=generator).requires_grad_(True)
-        y = torch.randn((n, obs.num_classes), generator=generator).requires_grad_(True)
+        like = target[0]  # draws on the CPU, moved where the model is (gradleak.device)
+        x = normal((n, *obs.input_shape), generator, like).requires_grad_(True)
+        y = normal((n, obs.num_classes), generator, like).requires_grad_(True)
+        fixed = None if fixed is None else fixed.to(like.device)
         variables = [x] if fixed is not None else [x, y]
         opt = torch.optim.LBFGS(
             variables, lr=cfg.lr, max_iter=cfg.lbfgs_max_iter, history_size=cfg.history_size
@@ -142,7 +145,7 @@ class DLG:
             y.copy_(best[2])
         final = float(objective().detach())
         labels = fixed if fixed is not None else best[2].argmax(dim=-1).sort().values
-        order = torch.arange(n) if fixed is not None else best[2].argmax(dim=-1).argsort()
+        order = torch.arange(n, device=like.device) if fixed is not None else best[2].argmax(dim=-1).argsort()
         images = best[1][order].clamp(0, 1)
         stats = {
             "iterations": float(done),
@@ -158,4 +161,5 @@ ATTACKS.register(
     config_cls=DLGConfig,
     summary="DLG: Euclidean matching, L-BFGS, joint label optimisation (Zhu 2019); labels='idlg' for iDLG",
     modality="image",
+    devices=DEVICE_TYPES,
 )

@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from gradleak.attacks.checks import require_image_input
 from gradleak.attacks.image.labels import recover_labels
+from gradleak.device import DEVICE_TYPES, module_device, normal, uniform
 from gradleak.progress import bar
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
@@ -119,6 +120,7 @@ class InvertingGradients:
                 "(num_samples); they must agree"
             )
         model = obs.client_model()
+        labels = labels.to(module_device(model))
         for p in model.parameters():
             p.requires_grad_(True)
         self.attach(model)
@@ -148,10 +150,11 @@ class InvertingGradients:
         generator: torch.Generator,
     ) -> tuple[torch.Tensor, float]:
         cfg = self.config
+        like = next(iter(params))  # the initial guess is drawn on the CPU and moved where the model is
         if cfg.init == "randn":
-            x0 = (0.5 + 0.25 * torch.randn(shape, generator=generator)).clamp(0, 1)
+            x0 = (0.5 + 0.25 * normal(shape, generator, like)).clamp(0, 1)
         else:
-            x0 = torch.rand(shape, generator=generator)
+            x0 = uniform(shape, generator, like)
         x = x0.requires_grad_(True)
         opt = torch.optim.Adam([x], lr=cfg.lr)
         milestones = [int(cfg.max_iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)]
@@ -207,6 +210,7 @@ ATTACKS.register(
     config_cls=IGConfig,
     summary="Inverting Gradients: cosine matching + TV (Geiping 2020)",
     modality="image",
+    devices=DEVICE_TYPES,
 )
 ATTACKS.register(
     "ig_masked",
@@ -214,4 +218,5 @@ ATTACKS.register(
     config_cls=IGConfig,
     summary="adaptive IG vs pruning / top-k: cosine on the update's transmitted coordinates only",
     modality="image",
+    devices=DEVICE_TYPES,
 )

@@ -53,6 +53,7 @@ import torch
 
 from gradleak.attacks.image.ig import IGConfig, InvertingGradients
 from gradleak.attacks.noise import averaged, noise_scale
+from gradleak.device import DEVICE_TYPES
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
 
@@ -165,4 +166,5 @@ ATTACKS.register(
     config_cls=NoiseAwareIGConfig,
     summary="adaptive IG vs DP noise: TV prior weighted at the MAP balance for the stated noise scale",
     modality="image",
+    devices=DEVICE_TYPES,
 )

@@ -21,6 +21,7 @@ from gradleak.attacks.image.surrogate import (
     SurrogateSettings,
     run_surrogate,
 )
+from gradleak.device import DEVICE_TYPES
 from gradleak.registry import ATTACKS
 from gradleak.types import Observation, Reconstruction
 
@@ -80,4 +81,5 @@ ATTACKS.register(
     config_cls=NLSMEConfig,
     summary="NL-SME: Bezier surrogate at one learnable t + calibration d (Xia 2025); FedAvg deltas",
     modality="image",
+    devices=DEVICE_TYPES,
 )

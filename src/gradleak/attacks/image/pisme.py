@@ -30,6 +30,7 @@ from gradleak.attacks.image.surrogate import (
     SurrogateSettings,
     run_surrogate,
 )
+from gradleak.device import DEVICE_TYPES
 from gradleak.registry import ATTACKS
 from gradleak.types import Observation, Reconstruction
 
@@ -88,4 +89,5 @@ ATTACKS.register(
     config_cls=PISMEConfig,
     summary="PI-SME: Gauss-Legendre path integral on a Bezier surrogate (paper 001); FedAvg deltas",
     modality="image",
+    devices=DEVICE_TYPES,
 )

@@ -19,6 +19,7 @@ from gradleak.attacks.image.surrogate import (
     SurrogateSettings,
     run_surrogate,
 )
+from gradleak.device import DEVICE_TYPES
 from gradleak.registry import ATTACKS
 from gradleak.types import Observation, Reconstruction
 
@@ -76,4 +77,5 @@ ATTACKS.register(
     config_cls=SMEConfig,
     summary="SME: line surrogate between w0 and wT (Zhu 2023); FedAvg deltas",
     modality="image",
+    devices=DEVICE_TYPES,
 )

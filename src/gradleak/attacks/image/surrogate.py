@@ -51,6 +51,7 @@ from torch.nn import functional as F
 from gradleak.attacks.checks import require_image_input
 from gradleak.attacks.image.ig import cosine_distance, total_variation
 from gradleak.attacks.image.labels import recover_label_counts
+from gradleak.device import module_device, normal
 from gradleak.progress import bar
 from gradleak.types import AttackInputError, AttackNeeds, Observation, Reconstruction
 
@@ -181,6 +182,7 @@ def build_problem(obs: Observation, attack: str, num_samples: int | None) -> Pro
         fixed[name] = b.detach().clone()
     if not names:
         raise AttackInputError("the update carries none of the model's parameters")
+    labels = labels.to(module_device(model))
     return Problem(model, names, w0, wt, fixed, target, labels, (n, *obs.input_shape))
 
 
@@ -218,8 +220,9 @@ class SurrogateState:
 
     def __init__(self, prob: Problem, s: SurrogateSettings) -> None:
         self.prob, self.s = prob, s
-        self.alpha = torch.tensor(s.init_alpha, requires_grad=True)
-        self.t = torch.tensor(s.init_t, requires_grad=True)
+        device = prob.w0[0].device  # the path's scalars live with the weights (one fused Adam over all)
+        self.alpha = torch.tensor(s.init_alpha, device=device, requires_grad=True)
+        self.t = torch.tensor(s.init_t, device=device, requires_grad=True)
         self.p1 = [((a + b) / 2).requires_grad_(True) for a, b in zip(prob.w0, prob.wt, strict=True)]
         self.mid = [((a + b) / 2) for a, b in zip(prob.w0, prob.wt, strict=True)]
         self.d = [torch.ones_like(a, requires_grad=True) for a in prob.w0] if s.calibrate else []
@@ -257,7 +260,7 @@ class SurrogateState:
         return [d * gi for d, gi in zip(self.d, g, strict=True)] if self.d else g
 
     def regularisers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        zero = torch.zeros(())
+        zero = self.prob.w0[0].new_zeros(())
         rp = zero
         if self.s.path != "line":
             rp = sum(((p - m) ** 2).sum() for p, m in zip(self.p1, self.mid, strict=True))  # type: ignore[assignment]
@@ -293,7 +296,7 @@ def run_surrogate(
     s = settings
     prob = build_problem(obs, attack, num_samples)
     state = SurrogateState(prob, s)
-    z = torch.randn(prob.shape, generator=generator).requires_grad_(True)
+    z = normal(prob.shape, generator, prob.w0[0]).requires_grad_(True)  # drawn on the CPU (gradleak.device)
     groups: list[dict[str, object]] = [{"params": [z], "lr": s.lr_x}]
     if s.path == "line":
         groups.append({"params": [state.alpha], "lr": s.lr_path})

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import torch
 
+from gradleak.device import normal
 from gradleak.types import Observation, Update
 
 VALID_MIN_R1 = 0.10
@@ -31,7 +32,7 @@ def null_observation(obs: Observation, generator: torch.Generator) -> Observatio
 def _null(update: Update, generator: torch.Generator) -> Update:
     noise = {}
     for name, t in update.tensors.items():
-        z = torch.randn(t.shape, generator=generator, dtype=torch.float32).to(t.dtype)
+        z = normal(t.shape, generator, t)  # float32 draws from the CPU generator, on t's device and dtype
         norm = float(t.norm())
         noise[name] = (
             z * (norm / float(z.norm())) if norm > 0 and float(z.norm()) > 0 else torch.zeros_like(t)

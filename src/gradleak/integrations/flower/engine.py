@@ -392,7 +392,7 @@ class SecureGridEngine(GridEngine):
         fitins: list[tuple[ClientProxy, FitIns]] = []
         for model, task in zip(models, tasks, strict=True):
             if id(model) not in sent:
-                arrays = [t.numpy() for t in model.state_dict().values()]
+                arrays = [t.detach().cpu().numpy() for t in model.state_dict().values()]
                 sent[id(model)] = (describe(model), ndarrays_to_parameters(arrays))
             spec, parameters = sent[id(model)]
             config = {**task_config(task), "spec": spec, "weighted": weighted,
