@@ -37,7 +37,7 @@ from gradleak.plugins import PluginError, is_plugin_file, load_plugins
 from gradleak.registry import ATTACKS, DATASETS, DEFENSES, ENGINES, MODELS, Registry
 from gradleak.spec import ComponentSpec
 from gradleak.text.models import TASKS as TEXT_TASKS
-from gradleak.types import AttackNeeds, LocalTraining
+from gradleak.types import MODES, AttackNeeds, LocalTraining
 from gradleak.validation import safe_name
 
 
@@ -116,14 +116,20 @@ class DataSection:
 class ModelSection:
     """The global model: a registered ``name`` with its ``options``. ``task`` (text models only):
     ``"causal_lm"`` or ``"classification"``, by default the model's own (``gradleak list``). ``seed``: the
-    initialisation seed, by default derived from ``experiment.seed``."""
+    initialisation seed, by default derived from ``experiment.seed``. ``mode``: the module mode the
+    clients train in, ``"train"`` (BatchNorm normalises with the batch's statistics and updates its running
+    ones; dropout on) or ``"eval"`` (running statistics, no dropout); by default the task's (images
+    ``"train"``, as a PyTorch loop trains; text ``"eval"``, paper 002's fine-tuning)."""
 
     name: str = "aegis_cnn"
     options: Mapping[str, Any] = field(default_factory=dict)
     task: str | None = None
     seed: int | None = None
+    mode: str | None = None
 
     def __post_init__(self) -> None:
+        if self.mode is not None and self.mode not in MODES:
+            raise ConfigError(f"model.mode must be one of {list(MODES)}, got {self.mode!r}")
         if self.task is not None and self.task not in TEXT_TASKS:
             raise ConfigError(f"model.task must be one of {list(TEXT_TASKS)}, got {self.task!r}")
 

@@ -37,6 +37,7 @@ from gradleak.tasks import (
     TASKS,
     TEXT_TASK_OF_MODEL,
     Dataset,
+    ImageClassification,
     Task,
 )
 from gradleak.text.data import TextDataset, TokenDataset
@@ -159,7 +160,8 @@ def image_setup(cfg: ExperimentConfig) -> ImageSetup:
     check_public_images(public, train.input_shape, cfg)
     model = build_model(cfg.model.name, train.input_shape, train.num_classes, seed=model_seed(cfg),
                         **cfg.model.options)  # fmt: skip
-    return ImageSetup(train, test, model, IMAGE_CLASSIFICATION, public)
+    task = IMAGE_CLASSIFICATION if cfg.model.mode is None else ImageClassification(mode=cfg.model.mode)
+    return ImageSetup(train, test, model, task, public)
 
 
 # ------------------------------------------------------------------------------------------------- text
@@ -197,7 +199,8 @@ def text_setup(cfg: ExperimentConfig) -> TextSetup:
         raise ConfigError(f"model {cfg.model.name!r} ({task_name}): {exc}") from None
     train = TokenDataset.from_texts(raw_train, tm.tokenizer, max_tokens=max_tokens)
     test = TokenDataset.from_texts(raw_test, tm.tokenizer, max_tokens=max_tokens)
-    task: Task = TASKS[TEXT_TASK_OF_MODEL[task_name]]()
+    mode = {} if cfg.model.mode is None else {"mode": cfg.model.mode}
+    task: Task = TASKS[TEXT_TASK_OF_MODEL[task_name]](**mode)
     return TextSetup(train, test, tm.model, task, tm.tokenizer)
 
 

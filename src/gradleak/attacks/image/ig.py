@@ -140,6 +140,27 @@ class InvertingGradients:
         }
         return Reconstruction(images=best[1], labels=labels.clone(), stats=stats)
 
+    def _initial(
+        self, shape: tuple[int, ...], generator: torch.Generator, like: torch.Tensor
+    ) -> torch.Tensor:
+        """The initial guess, drawn on the CPU and moved where the model is (:mod:`gradleak.device`)."""
+        if self.config.init == "randn":
+            return (0.5 + 0.25 * normal(shape, generator, like)).clamp(0, 1)
+        return uniform(shape, generator, like)
+
+    def objective(
+        self,
+        model: nn.Module,
+        params: list[nn.Parameter],
+        target: list[torch.Tensor],
+        labels: torch.Tensor,
+        x: torch.Tensor,
+    ) -> torch.Tensor:
+        """Eq. 4 at the dummy images ``x``: the matching term, TV, and the subclass's prior."""
+        loss = F.cross_entropy(model(x), labels)
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        return self.distance(list(grads), target) + self.config.tv_weight * total_variation(x) + self.prior(x)
+
     def _optimise(
         self,
         model: nn.Module,
@@ -150,21 +171,12 @@ class InvertingGradients:
         generator: torch.Generator,
     ) -> tuple[torch.Tensor, float]:
         cfg = self.config
-        like = next(iter(params))  # the initial guess is drawn on the CPU and moved where the model is
-        if cfg.init == "randn":
-            x0 = (0.5 + 0.25 * normal(shape, generator, like)).clamp(0, 1)
-        else:
-            x0 = uniform(shape, generator, like)
-        x = x0.requires_grad_(True)
+        x = self._initial(shape, generator, next(iter(params))).requires_grad_(True)
         opt = torch.optim.Adam([x], lr=cfg.lr)
-        milestones = [int(cfg.max_iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)]
-        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones, gamma=0.1)
+        sched = step_decay(opt, cfg.max_iterations)
         for _ in bar(range(cfg.max_iterations), desc="IG", force=cfg.progress):
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x), labels)
-            grads = torch.autograd.grad(loss, params, create_graph=True)
-            match = self.distance(list(grads), target)
-            total = match + cfg.tv_weight * total_variation(x) + self.prior(x)
+            total = self.objective(model, params, target, labels, x)
             (x_grad,) = torch.autograd.grad(total, [x])
             x.grad = x_grad.sign() if cfg.signed_gradients else x_grad
             opt.step()
@@ -172,9 +184,25 @@ class InvertingGradients:
             with torch.no_grad():
                 x.clamp_(0, 1)
         x = x.detach()
-        final = F.cross_entropy(model(x), labels)  # matching loss at the final, projected point
-        loss_value = float(self.distance(list(torch.autograd.grad(final, params)), target))
-        return x.clone(), loss_value
+        return x.clone(), self.matching_loss(model, params, target, labels, x)
+
+    def matching_loss(
+        self,
+        model: nn.Module,
+        params: list[nn.Parameter],
+        target: list[torch.Tensor],
+        labels: torch.Tensor,
+        x: torch.Tensor,
+    ) -> float:
+        """The matching term at the final, projected images ``x``."""
+        final = F.cross_entropy(model(x), labels)
+        return float(self.distance(list(torch.autograd.grad(final, params)), target))
+
+
+def step_decay(opt: torch.optim.Optimizer, iterations: int) -> torch.optim.lr_scheduler.MultiStepLR:
+    """The official inversefed schedule: the learning rate x0.1 at 3/8, 5/8 and 7/8 of the iterations."""
+    milestones = [int(iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)]
+    return torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones, gamma=0.1)
 
 
 class MaskedInvertingGradients(InvertingGradients):

@@ -49,7 +49,7 @@ from torch.func import functional_call
 from torch.nn import functional as F
 
 from gradleak.attacks.checks import require_image_input
-from gradleak.attacks.image.ig import cosine_distance, total_variation
+from gradleak.attacks.image.ig import cosine_distance, step_decay, total_variation
 from gradleak.attacks.image.labels import recover_label_counts
 from gradleak.device import module_device, normal
 from gradleak.progress import bar
@@ -310,8 +310,7 @@ def run_surrogate(
     opt = torch.optim.Adam(groups, fused=True)
     sched = None
     if s.lr_decay:
-        milestones = [int(s.iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)]
-        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones, gamma=0.1)
+        sched = step_decay(opt, s.iterations)
     start = time.perf_counter()
     for it in bar(range(s.iterations), desc=s.desc, force=s.progress):
         opt.zero_grad(set_to_none=True)
