@@ -160,3 +160,44 @@ def test_a_flower_audit_reads_the_statistics_off_a_reply(tmp_path):
     (run,) = store.runs()
     records = store.records(run.run_id, "attack")
     assert len(records) == 2 and all(r["refused"] is None and r["bn_steps"] == 1.0 for r in records), records
+
+
+def _fedavg_observation(seed: int = 4):
+    net = model()
+    batch = synthetic_dataset(n=2, shape=SHAPE, classes=CLASSES, seed=seed)
+    update = train(net, batch, epochs=1)
+    return Observation(net, update, SHAPE, CLASSES, labels=batch.labels)
+
+
+def test_gradinversion_of_one_guess_is_the_bn_prior_ig():
+    """With one guess the consensus is the guess itself: the group term is zero and GradInversion's
+    iterates are ig_bn's (the slow reference), bit for bit."""
+    obs = _fedavg_observation()
+    opts = {"max_iterations": 6, "source": "readoff", "bn_weight": 0.1}
+    ref = create_attack("ig_bn", **opts).reconstruct(obs, generator=torch.Generator().manual_seed(3))
+    got = create_attack("gradinversion", group=1, group_weight=5.0, **opts).reconstruct(
+        obs, generator=torch.Generator().manual_seed(3)
+    )
+    torch.testing.assert_close(got.images, ref.images, rtol=0, atol=0)
+    assert got.stats["matching_loss"] == ref.stats["matching_loss"] and got.stats["group_spread"] == 0.0
+
+
+def test_the_group_term_pulls_the_guesses_together():
+    """Four guesses from different seeds: the consistency term (unsigned gradients, so its weight is felt
+    in proportion) leaves them closer to their consensus than without it."""
+    obs = _fedavg_observation()
+    spread = {}
+    for weight in (0.0, 50.0):
+        attack = create_attack("gradinversion", max_iterations=20, group=4, group_weight=weight,
+                               signed_gradients=False, lr=0.05)  # fmt: skip
+        spread[weight] = attack.reconstruct(obs, generator=torch.Generator().manual_seed(3)).stats[
+            "group_spread"
+        ]
+    assert spread[50.0] < 0.5 * spread[0.0], spread
+
+
+@pytest.mark.parametrize(("key", "value"), [("group", 0), ("group", 1.5), ("group_weight", -1.0),
+                                            ("group_weight", float("inf"))])  # fmt: skip
+def test_gradinversion_refuses_a_bad_group(key, value):
+    with pytest.raises(ValueError, match=key):
+        create_attack("gradinversion", **{key: value})
