@@ -356,3 +356,14 @@ def test_a_utility_benchmark_row_has_no_attack_and_the_mean_accuracy_of_its_last
     assert row["clients_by_round"] == [[r, 7] for r in range(5)]
     assert row["withheld_by_round"] == [0, 0, 0, 1, 0]
     assert row["final_accuracy"] == 0.4 and row["fl_seconds"] == 8.0
+
+
+def test_a_scale_runs_named_cells_with_extra_overrides_last():
+    bench = load_benchmark(Path(__file__).resolve().parents[2] / "benchmarks/configs/image_map.toml")
+    (cell, seed, cfg), = bench.configs("paper", cells=["wrn_train-b8-fedavg1"],
+                                       extra=["experiment.device='cuda'", "audit.clients=1"])  # fmt: skip
+    assert cell.name == "wrn_train-b8-fedavg1" and seed == 0
+    assert cfg.experiment.device == "cuda" and cfg.audit.clients == 1  # after the scale's clients = 4
+    assert cfg.model.name == "wide_resnet" and cfg.model.mode == "train" and cfg.audit.max_samples == 8
+    with pytest.raises(ConfigError, match=r"--cells names \['lenet-b1-fedsgd'\], not cells of scale 'paper'"):
+        bench.configs("paper", cells=["lenet-b1-fedsgd"])

@@ -9,6 +9,7 @@ git commit, machine, seeds and scale (:mod:`gradleak.experiments.benchmark`).
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--store", default=None, help="SQLite store (default: benchmarks/.state/NAME_SCALE.sqlite)"
     )
+    p.add_argument("--cells", nargs="+", default=None, help="run only these cells of the scale")
+    p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override applied to every cell after its own (repeatable), e.g. "
+                   "experiment.device=cuda")  # fmt: skip
     p.add_argument("--previous", default=None, help="folder of the committed result to compare with "
                    "(default: --out)")  # fmt: skip
     p.add_argument("--compare", default=None, metavar="RESULT", help="run nothing: compare the written "
@@ -42,8 +47,11 @@ def handle(args: argparse.Namespace) -> int:
     store_path.parent.mkdir(parents=True, exist_ok=True)
     previous = Path(args.previous) if args.previous else None
     command = " ".join(["gradleak bench", args.config, "--scale", args.scale,
-                        *(["--seeds", *map(str, args.seeds)] if args.seeds else [])])  # fmt: skip
+                        *(["--seeds", *map(str, args.seeds)] if args.seeds else []),
+                        *(["--cells", *args.cells] if args.cells else []),
+                        *(f"--set {shlex.quote(e)}" for e in args.extra)])  # fmt: skip
     path = run_benchmark(bench, args.scale, out=Path(args.out), store=ResultStore(store_path),
-                         seeds=args.seeds, previous_dir=previous, command=command)  # fmt: skip
+                         seeds=args.seeds, previous_dir=previous, command=command, cells=args.cells,
+                         extra=args.extra)  # fmt: skip
     print(f"wrote {path}: {describe(path)}")
     return 0

@@ -105,9 +105,15 @@ class Benchmark:
     source: Path | None = None
 
     def configs(
-        self, scale: str, seeds: Sequence[int] | None = None
+        self,
+        scale: str,
+        seeds: Sequence[int] | None = None,
+        *,
+        cells: Sequence[str] | None = None,
+        extra: Sequence[str] = (),
     ) -> list[tuple[Cell, int, ExperimentConfig]]:
-        """Every cell of ``scale`` for every seed, validated (all before any work)."""
+        """Every cell of ``scale`` (or the named ``cells`` of it) for every seed, with the ``extra``
+        overrides last (e.g. ``experiment.device='cuda'``), validated (all before any work)."""
         if scale not in self.scales:
             raise ConfigError(f"benchmark {self.name!r} has no scale {scale!r}; it has {sorted(self.scales)}")
         sc = self.scales[scale]
@@ -116,6 +122,13 @@ class Benchmark:
         if unknown:
             raise ConfigError(f"benchmark.scales.{scale}.cells names unknown cells {unknown}; cells: {names}")
         chosen = [c for c in self.cells if sc.cells is None or c.name in sc.cells]
+        if cells is not None:
+            missing = sorted(set(cells) - {c.name for c in chosen})
+            if missing:
+                raise ConfigError(
+                    f"--cells names {missing}, not cells of scale {scale!r}: {[c.name for c in chosen]}"
+                )
+            chosen = [c for c in chosen if c.name in cells]
         out = []
         for cell in chosen:
             for seed in seeds if seeds is not None else self.seeds:
@@ -126,6 +139,7 @@ class Benchmark:
                     *cell.at.get(scale, ()),
                     f"experiment.seed={seed}",
                     name,
+                    *extra,
                 ]
                 try:
                     cfg = load_config(json.loads(json.dumps(self.base)), overrides)
@@ -403,10 +417,13 @@ def run_benchmark(
     seeds: Sequence[int] | None = None,
     previous_dir: Path | None = None,
     command: str | None = None,
+    cells: Sequence[str] | None = None,
+    extra: Sequence[str] = (),
 ) -> Path:
     """Run every cell of ``scale`` (all validated first), write ``out/<name>_<scale>.json``; returns it.
-    ``command``: the command line to record (default: this process's)."""
-    plan = bench.configs(scale, seeds)
+    ``command``: the command line to record (default: this process's); ``cells`` and ``extra`` as
+    :meth:`Benchmark.configs`."""
+    plan = bench.configs(scale, seeds, cells=cells, extra=extra)
     store.check()
     env = environment()  # the code that runs the cells (a later commit during a long run is not it)
     rows: list[dict[str, Any]] = []
