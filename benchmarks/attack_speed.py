@@ -10,9 +10,10 @@ backward pass to the images, the signed gradient, Adam, the step decay and the b
 Zhu et al. 2023, Eq. 3). Both start from the same initial images; their reconstructions must agree (the
 mean absolute pixel difference is recorded and checked), which shows they did the same work.
 
-Timing: per batch size, ``reps`` alternating pairs (gradleak first in even pairs, the reference first in
-odd ones) of ``iterations`` iterations each after an untimed warm-up of each; ``ratio = median(gradleak) /
-median(reference)`` per iteration; target <= 1.0 (within the noise of the machine: 1.05).
+Timing: per batch size, ``reps`` rounds (gradleak first in even rounds, the reference first in odd ones)
+of ``n`` and ``2n`` iterations of each after an untimed warm-up; the per-iteration time is ``(t(2n) - t(n))
+/ n``, free of each side's fixed cost (recorded apart); ``ratio = median(gradleak) / median(reference)``;
+target <= 1.0 (within the noise of the machine). The reconstructions of ``2n`` iterations must agree.
 
     python benchmarks/attack_speed.py --scale smoke|small|paper [--threads 1]
 """
@@ -55,8 +56,8 @@ class Scale:
 
 SCALE = {
     "smoke": Scale(width=8, batches=(1, 2), iterations=2, reps=1),
-    "small": Scale(width=64, batches=(1, 8), iterations=10, reps=3),
-    "paper": Scale(width=64, batches=(1, 8, 32, 64), iterations=10, reps=3),
+    "small": Scale(width=64, batches=(1, 8), iterations=5, reps=3),
+    "paper": Scale(width=64, batches=(1, 8, 32, 64), iterations=5, reps=3),
 }
 
 
@@ -134,19 +135,31 @@ def reference_sme(
 
 
 def time_pair(
-    ours: Callable[[], torch.Tensor], ref: Callable[[], torch.Tensor], reps: int
+    ours: Callable[[int], torch.Tensor], ref: Callable[[int], torch.Tensor], n: int, reps: int
 ) -> dict[str, object]:
-    ours(), ref()  # warm-up
-    t_ours, t_ref, diff = [], [], 0.0
+    """Per-iteration seconds of both sides, free of their fixed costs (copying the model, the final
+    matching loss): each rep times ``n`` and ``2n`` iterations of each, in alternating order, and takes
+    ``(t(2n) - t(n)) / n``; the fixed cost is ``2 t(n) - t(2n)``."""
+    ours(1), ref(1)  # warm-up
+    per: dict[str, list[float]] = {"ours": [], "ref": []}
+    fixed: dict[str, list[float]] = {"ours": [], "ref": []}
+    diff = 0.0
     for r in range(reps):
         order = [("ours", ours), ("ref", ref)] if r % 2 == 0 else [("ref", ref), ("ours", ours)]
+        t: dict[tuple[str, int], float] = {}
         got = {}
-        for name, fn in order:
-            start = time.perf_counter()
-            got[name] = fn()
-            (t_ours if name == "ours" else t_ref).append(time.perf_counter() - start)
+        for k in (n, 2 * n):
+            for name, fn in order:
+                start = time.perf_counter()
+                got[name] = fn(k)
+                t[name, k] = time.perf_counter() - start
+        for name in per:
+            per[name].append((t[name, 2 * n] - t[name, n]) / n)
+            fixed[name].append(2 * t[name, n] - t[name, 2 * n])
         diff = max(diff, float((got["ours"] - got["ref"]).abs().mean()))
-    return {"ours": summarize(t_ours), "reference": summarize(t_ref), "mean_abs_diff": diff}
+    return {"ours": summarize(per["ours"]), "reference": summarize(per["ref"]),
+            "ours_fixed_seconds": summarize(fixed["ours"]),
+            "reference_fixed_seconds": summarize(fixed["ref"]), "mean_abs_diff": diff}  # fmt: skip
 
 
 def measure_batch(data: ImageDataset, b: int, scale: Scale, seed: int) -> list[dict[str, object]]:
@@ -163,10 +176,14 @@ def measure_batch(data: ImageDataset, b: int, scale: Scale, seed: int) -> list[d
     target = [sgd.update.tensors[k] for k, _ in net.named_parameters()]
     x0 = (0.5 + 0.25 * torch.randn(x.shape, generator=torch.Generator().manual_seed(1))).clamp(0, 1)
     n = scale.iterations
-    ig = create_attack("ig", max_iterations=n)
     ig_pair = time_pair(
-        lambda: ig.reconstruct(obs, generator=torch.Generator().manual_seed(1)).images,  # draws x0
-        lambda: reference_ig(net, target, y, x0, n),
+        lambda k: (
+            create_attack("ig", max_iterations=k)
+            .reconstruct(obs, generator=torch.Generator().manual_seed(1))
+            .images
+        ),
+        lambda k: reference_ig(net, target, y, x0, k),
+        n,
         scale.reps,
     )
     step = LocalTraining("fedavg", epochs=2, batch_size=b, lr=0.01, shuffle=False)
@@ -176,14 +193,18 @@ def measure_batch(data: ImageDataset, b: int, scale: Scale, seed: int) -> list[d
     w0 = [p.detach().clone() for p in net.parameters()]
     wt = [p + avg.update.tensors[k] for (k, _), p in zip(net.named_parameters(), w0, strict=True)]
     z0 = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
-    sme = create_attack("sme", max_iterations=n)
     sme_pair = time_pair(
-        lambda: sme.reconstruct(obs_avg, generator=torch.Generator().manual_seed(1)).images,
-        lambda: reference_sme(net, w0, wt, y, z0, n),
+        lambda k: (
+            create_attack("sme", max_iterations=k)
+            .reconstruct(obs_avg, generator=torch.Generator().manual_seed(1))
+            .images
+        ),
+        lambda k: reference_sme(net, w0, wt, y, z0, k),
+        n,
         scale.reps,
     )
     for attack, pair in (("ig", ig_pair), ("sme", sme_pair)):
-        ours, ref = pair["ours"]["median"] / n, pair["reference"]["median"] / n  # type: ignore[index]
+        ours, ref = pair["ours"]["median"], pair["reference"]["median"]  # type: ignore[index]
         rows.append({"attack": attack, "batch": b, "seconds_per_iteration": ours,
                      "reference_seconds_per_iteration": ref, "ratio": ours / ref,
                      "agree": pair["mean_abs_diff"] <= AGREEMENT[attack], **pair})  # fmt: skip
