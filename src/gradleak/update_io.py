@@ -1,8 +1,10 @@
 """Tensors and updates on disk: safetensors only (no pickle, so a file cannot run code when loaded).
 
 An update file holds the tensors and, in its safetensors metadata, ``kind`` and ``num_samples`` (and the
-JSON of the update's metadata). :func:`load_update` passes what it read through the same validation as
-every other update (:func:`gradleak.validation.check_update`) before anyone can aggregate or attack it.
+JSON of the update's metadata); the update's buffers (a FedAvg reply's BatchNorm statistics) are stored as
+tensors ``buffer:<name>``, listed in the metadata's ``buffers``. :func:`load_update` passes what it read
+through the same validation as every other update (:func:`gradleak.validation.check_update`) before
+anyone can aggregate or attack it.
 :func:`save_tree` / :func:`load_tree` store a nested structure of JSON values and tensors (a resumable
 benchmark state: round rows and model state dicts) the same way.
 """
@@ -24,6 +26,8 @@ from torch import nn
 from gradleak.fileio import atomic_write
 from gradleak.types import Update, UpdateKind
 from gradleak.validation import InvalidUpdateError, check_update
+
+BUFFER = "buffer:"  # an update file's key prefix of a buffer (parameter names hold no ':')
 
 
 def tensors_to_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
@@ -49,8 +53,10 @@ def write_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor], metadat
 def save_update(update: Update, path: str | Path) -> Path:
     """Write ``update`` to ``path`` (safetensors, atomically: a reader never sees half a file)."""
     meta = {"kind": update.kind, "num_samples": str(update.num_samples),
-            "metadata": json.dumps(dict(update.metadata), default=str)}  # fmt: skip
-    return write_tensors(path, update.tensors, meta)
+            "metadata": json.dumps(dict(update.metadata), default=str),
+            "buffers": json.dumps(sorted(update.buffers))}  # fmt: skip
+    tensors = {**update.tensors, **{f"{BUFFER}{n}": b for n, b in update.buffers.items()}}
+    return write_tensors(path, tensors, meta)
 
 
 def load_update(path: str | Path, model: nn.Module, *, complete: bool = True) -> Update:
@@ -65,10 +71,14 @@ def load_update(path: str | Path, model: nn.Module, *, complete: bool = True) ->
         kind = cast(UpdateKind, meta["kind"])  # Update checks it
         num_samples = int(meta["num_samples"])
         extra = json.loads(meta.get("metadata", "{}"))
-        update = Update(tensors, num_samples, kind, extra)
+        names = json.loads(meta.get("buffers", "[]"))
+        if not isinstance(names, list) or any(f"{BUFFER}{n}" not in tensors for n in names):
+            raise ValueError(f"the listed buffers {names!r} are not all in the file")
+        buffers = {n: tensors.pop(f"{BUFFER}{n}") for n in names}
+        update = Update(tensors, num_samples, kind, extra, buffers)
     except (KeyError, ValueError, TypeError) as exc:
         raise InvalidUpdateError(f"{source}: missing or bad update metadata ({exc})") from None
-    check_update(update, model, source=source, complete=complete)
+    check_update(update, model, source=source, complete=complete)  # the buffers too
     return update
 
 

@@ -229,11 +229,20 @@ def test_an_attack_on_a_device_matches_the_cpu(attack, device):
 def test_a_run_on_a_device_gives_the_cpu_run_s_records(device):
     from gradleak.cli.demo import demo_config_path
 
-    tiny = ["data.dataset='cifar10'", "data.train_split='test'", "data.train_limit=300",
-            "data.test_limit=100", "data.num_clients=6", "model.name='resnet18'", "model.options={width = 4}",
-            "fl.rounds=1",
-            "fl.fraction=0.34", "audit.attacks.0.max_iterations=5", "audit.training.batch_size=2",
-            "audit.clients=1"]  # fmt: skip  (a BatchNorm ResNet on CIFAR-10: the data the GPU check carries)
+    tiny = [
+        "data.dataset='cifar10'",
+        "data.train_split='test'",
+        "data.train_limit=300",
+        "data.test_limit=100",
+        "data.num_clients=6",
+        "model.name='resnet18'",
+        "model.options={width = 4}",
+        "fl.rounds=1",
+        "fl.fraction=0.34",
+        "audit.attacks.0.max_iterations=5",
+        "audit.training.batch_size=2",
+        "audit.clients=1",
+    ]  # fmt: skip  (a BatchNorm ResNet on CIFAR-10: the data the GPU check carries)
     ref = run_experiment(load_config(demo_config_path(), tiny))
     got = run_experiment(load_config(demo_config_path(), [*tiny, f"experiment.device={device}"]))
     (a,), (b,) = ref.of_kind("attack"), got.of_kind("attack")

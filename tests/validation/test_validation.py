@@ -195,3 +195,21 @@ def test_updates_round_trip_through_safetensors_files_and_foreign_files_are_refu
 def test_an_update_built_from_a_list_of_tensors_is_refused_with_a_clear_message():
     with pytest.raises(TypeError, match="map parameter names to tensors"):
         Update([p.detach() for p in MODEL.parameters()], 4)  # type: ignore[arg-type]
+
+
+def test_an_update_file_keeps_the_reply_s_batchnorm_statistics_and_checks_them(tmp_path):
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))
+    tensors = {
+        n: torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) for n, p in net.named_parameters()
+    }
+    buffers = {n: b.clone() + 1 for n, b in net.named_buffers()}
+    update = Update(tensors, 3, "delta", {"client_id": 1}, buffers)
+    back = load_update(save_update(update, tmp_path / "bn.safetensors"), net)
+    assert set(back.tensors) == set(tensors) and set(back.buffers) == set(buffers)
+    assert all(
+        torch.equal(back.buffers[n], b) and back.buffers[n].dtype == b.dtype for n, b in buffers.items()
+    )
+    bad = dict(buffers, **{"1.running_var": torch.full((2,), float("nan"))})
+    path = save_update(Update(tensors, 3, "delta", {}, bad), tmp_path / "nan.safetensors")
+    with pytest.raises(InvalidUpdateError, match="running_var"):
+        load_update(path, net)
