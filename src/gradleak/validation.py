@@ -49,8 +49,10 @@ class InvalidUpdateError(ValueError):
 
 
 def reference_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's named parameters: what an update's tensors are checked against."""
-    return dict(model.named_parameters())
+    """The model's trainable parameters (``requires_grad``): what an update carries and is checked against.
+    Every parameter of a model trained whole; the adapters (and a trained head) of a LoRA model, whose base
+    weights are frozen when it is broadcast (:mod:`gradleak.text.adapters`)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
 def check_tensors(

@@ -40,7 +40,7 @@ from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure, check_
 from gradleak.defenses.presets import preset_of
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
-from gradleak.validation import InvalidUpdateError, check_update
+from gradleak.validation import InvalidUpdateError, check_update, reference_of
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +85,12 @@ class DefendedLoop:
         self.failure: DefenseFailure | None = None
         self.steps = 0
         self._in_epoch_end = False
+        # what the update carries: the parameters trainable before any defense's setup (a LoRA model's
+        # adapters; every parameter of a model trained whole, frozen ones by AEGIS included, sending zeros)
+        self.reference = {n: p.detach() for n, p in reference_of(model).items()}  # names, shapes, dtypes
         # w_0 for the FedAvg delta (FedSGD needs no copy of the weights)
-        self.w0 = {n: p.detach().clone() for n, p in model.named_parameters()} if optimizer else None
-        self.reference = {n: p.detach() for n, p in model.named_parameters()}  # names, shapes, dtypes
-        params = set(self.reference)
+        self.w0 = {n: p.detach().clone() for n, p in self.reference.items()} if optimizer else None
+        params = {n for n, _ in model.named_parameters()}
         self.b0 = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in params}
         self._guard(lambda: self.chain.setup(model, generator=generator, data=data, train_data=train_data))  # type: ignore[arg-type]
         self.optimizer: torch.optim.Optimizer | None = None
@@ -159,7 +161,7 @@ class DefendedLoop:
             raise ValueError("update() needs the optimizer given to defend(); FedSGD sends gradient()")
         check_statistics(statistics)
         w0 = self.w0
-        delta = {n: p.detach() - w0[n] for n, p in self.model.named_parameters()}
+        delta = {n: p.detach() - w0[n] for n, p in self.model.named_parameters() if n in w0}
         meta = {"local_steps": self.steps, **dict(metadata or {})}
         buffers = (
             {n: b.detach().clone() for n, b in self.model.named_buffers()} if statistics == "send" else {}
@@ -199,6 +201,7 @@ class DefendedLoop:
         grads = {
             n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
             for n, p in self.model.named_parameters()
+            if n in self.reference
         }
         return self._send(Update(grads, num_samples, kind="gradient", metadata=dict(metadata or {})))
 

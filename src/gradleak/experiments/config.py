@@ -36,6 +36,7 @@ from gradleak.options import OptionError, check_value
 from gradleak.plugins import PluginError, is_plugin_file, load_plugins
 from gradleak.registry import ATTACKS, DATASETS, DEFENSES, ENGINES, MODELS, Registry
 from gradleak.spec import ComponentSpec
+from gradleak.text.adapters import AdapterConfig
 from gradleak.text.models import TASKS as TEXT_TASKS
 from gradleak.types import MODES, AttackNeeds, LocalTraining
 from gradleak.validation import safe_name
@@ -119,13 +120,15 @@ class ModelSection:
     initialisation seed, by default derived from ``experiment.seed``. ``mode``: the module mode the
     clients train in, ``"train"`` (BatchNorm normalises with the batch's statistics and updates its running
     ones; dropout on) or ``"eval"`` (running statistics, no dropout); by default the task's (images
-    ``"train"``, as a PyTorch loop trains; text ``"eval"``, paper 002's fine-tuning)."""
+    ``"train"``, as a PyTorch loop trains; text ``"eval"``, paper 002's fine-tuning). ``adapter`` (text
+    models): train LoRA adapters instead of the whole model (:mod:`gradleak.text.adapters`)."""
 
     name: str = "aegis_cnn"
     options: Mapping[str, Any] = field(default_factory=dict)
     task: str | None = None
     seed: int | None = None
     mode: str | None = None
+    adapter: AdapterConfig | None = None
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
@@ -373,8 +376,11 @@ def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
     for key, value in data.items():
         hint = hints[key]
         sub = f"{where}.{key}"
+        inner = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]  # an optional table
         if dataclasses.is_dataclass(hint):
             kwargs[key] = _build(hint, value, sub)  # type: ignore[arg-type]
+        elif inner and isinstance(value, Mapping):
+            kwargs[key] = _build(inner[0], value, sub)
         elif typing.get_origin(hint) is tuple:
             if not isinstance(value, list):
                 raise ConfigError(f"{sub}: expected an array of tables, got {type(value).__name__}")

@@ -40,6 +40,7 @@ from gradleak.tasks import (
     ImageClassification,
     Task,
 )
+from gradleak.text.adapters import apply_adapter
 from gradleak.text.data import TextDataset, TokenDataset
 
 log = logging.getLogger(__name__)
@@ -197,11 +198,19 @@ def text_setup(cfg: ExperimentConfig) -> TextSetup:
                            **cfg.model.options)  # fmt: skip
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"model {cfg.model.name!r} ({task_name}): {exc}") from None
+    model = tm.model
+    if cfg.model.adapter is not None:  # LoRA: only the adapters (and a trained head) train and travel
+        if entry.modality != "text":
+            raise ConfigError("model.adapter applies to the text models")
+        try:
+            model = apply_adapter(model, cfg.model.adapter, task_name, model_seed(cfg))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"model.adapter: {exc}") from None
     train = TokenDataset.from_texts(raw_train, tm.tokenizer, max_tokens=max_tokens)
     test = TokenDataset.from_texts(raw_test, tm.tokenizer, max_tokens=max_tokens)
     mode = {} if cfg.model.mode is None else {"mode": cfg.model.mode}
     task: Task = TASKS[TEXT_TASK_OF_MODEL[task_name]](**mode)
-    return TextSetup(train, test, tm.model, task, tm.tokenizer)
+    return TextSetup(train, test, model, task, tm.tokenizer)
 
 
 SETUPS: dict[str, Callable[[ExperimentConfig], Setup]] = {"image": image_setup, "text": text_setup}

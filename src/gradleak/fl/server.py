@@ -133,8 +133,10 @@ def apply_update(model: nn.Module, aggregate: Update, server_lr: float = 1.0) ->
     """In place: w += eta_s * delta (deltas) or w -= eta_s * g (gradients); the aggregate's buffers (the
     clients' mean running statistics) replace the model's."""
     sign = 1.0 if aggregate.kind == "delta" else -1.0
-    for name, p in model.named_parameters():
-        p.add_(aggregate.tensors[name].to(p.device, p.dtype), alpha=sign * server_lr)
+    params = dict(model.named_parameters())
+    for name, t in aggregate.tensors.items():  # the trainable parameters (validation.reference_of)
+        p = params[name]
+        p.add_(t.to(p.device, p.dtype), alpha=sign * server_lr)
     apply_buffers(model, aggregate)
 
 
@@ -185,8 +187,9 @@ class ServerOptimizer:
 
     def step(self, aggregate: Update) -> None:
         sign = -1.0 if aggregate.kind == "delta" else 1.0
-        for name, p in zip(self.names, self.params, strict=True):
-            p.grad = sign * aggregate.tensors[name].detach().to(p.device, p.dtype)
+        for name, p in zip(self.names, self.params, strict=True):  # a frozen parameter: no grad, no step
+            t = aggregate.tensors.get(name)
+            p.grad = None if t is None else sign * t.detach().to(p.device, p.dtype)
         self.optimizer.step()
         for p in self.params:
             p.grad = None

@@ -1,0 +1,119 @@
+"""LoRA adapters through the one engine (gradleak/text/adapters.py, issue 52 item 1): an adapter update holds
+exactly the trainable parameters, peft's zero-initialised B makes the first gradient of A vanish, the base
+stays bit-identical through FedAvg rounds while the adapters move, and bad adapter configs are refused."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from gradleak.experiments import load_config, run_experiment
+from gradleak.experiments.config import ConfigError
+from gradleak.fl.client import train_client
+from gradleak.tasks import CausalLM, TextClassification
+from gradleak.text.adapters import AdapterConfig, apply_adapter, target_modules
+from gradleak.text.data import TextDataset, TokenDataset
+from gradleak.text.families import FAMILIES
+from gradleak.text.models import build_bert_tiny, build_gpt2
+from gradleak.types import LocalTraining
+from gradleak.validation import reference_of
+
+TEXTS = ("the movie was surprisingly good", "a dull and lifeless film .", "an honest , moving story",
+         "nothing works here")  # fmt: skip
+
+
+def tokens(tm) -> TokenDataset:
+    return TokenDataset.from_texts(
+        TextDataset("t", TEXTS, (1, 0, 1, 0), ("neg", "pos")), tm.tokenizer, max_tokens=12
+    )
+
+
+@pytest.mark.parametrize(
+    ("build", "task", "target", "head"),
+    [
+        (lambda: build_gpt2("tiny", "causal_lm", seed=0), "causal_lm", ["attention"], None),
+        (
+            lambda: build_gpt2("tiny", "classification", seed=0),
+            "classification",
+            ["attention", "mlp"],
+            "score",
+        ),
+        (lambda: build_bert_tiny(seed=0), "classification", ["attention"], "classifier"),
+    ],
+    ids=["gpt2_lm_attention", "gpt2_cls_both", "bert_cls_attention"],
+)
+def test_an_adapter_update_holds_exactly_the_trainable_parameters(build, task, target, head):
+    tm = build()
+    family = FAMILIES.get(tm.family)
+    layers = target_modules(tm.model, family, target)
+    config = AdapterConfig(r=4, alpha=8.0, target=target)
+    model = apply_adapter(tm.model, config, task, seed=0)
+    trainable = reference_of(model)
+    # two matrices per adapted layer (A: r x in, B: out x r), and the head's copy where the task trains one
+    lora = {n for n in trainable if ".lora_" in n}
+    assert len(lora) == 2 * len(layers) and layers
+    for name in lora:
+        assert re.search(r"\.lora_(A|B)\.default\.weight$", name), name
+        rank_dim = 0 if ".lora_A." in name else 1
+        assert trainable[name].shape[rank_dim] == 4
+    others = set(trainable) - lora
+    assert (
+        (others == set())
+        if head is None
+        else (others and all(f"{head}.modules_to_save" in n for n in others))
+    )
+    task_obj = CausalLM() if task == "causal_lm" else TextClassification()
+    result = train_client(0, model, tokens(tm), LocalTraining("fedsgd", batch_size=4), [],
+                          torch.Generator().manual_seed(0), task=task_obj)  # fmt: skip
+    assert result.update is not None, result.error
+    assert {n: t.shape for n, t in result.update.tensors.items()} == {
+        n: p.shape for n, p in trainable.items()
+    }
+    # peft starts B at zero: the first gradient of every A is exactly zero, of B not (DAGER's LoRA note)
+    a_grads = [t for n, t in result.update.tensors.items() if ".lora_A." in n]
+    b_grads = [t for n, t in result.update.tensors.items() if ".lora_B." in n]
+    assert all(bool((g == 0).all()) for g in a_grads) and any(float(g.abs().sum()) > 0 for g in b_grads)
+
+
+def test_fedavg_rounds_move_the_adapters_and_keep_the_base_bit_identical():
+    raw = {
+        "experiment": {"name": "lora", "seed": 0},
+        "data": {"dataset": "rotten_tomatoes", "train_split": "all", "test_split": "all", "train_limit": 40,
+                 "test_limit": 8, "num_clients": 4, "partition": "iid"},
+        "model": {"name": "gpt2_tiny", "adapter": {"r": 4, "alpha": 8}},
+        "fl": {"rounds": 2, "fraction": 0.5,
+               "training": {"protocol": "fedavg", "epochs": 1, "batch_size": 4, "lr": 0.05}},
+        "audit": {"clients": 0},
+    }  # fmt: skip
+    from gradleak.experiments.runner import build_simulation
+
+    sim = build_simulation(load_config(raw, []))
+    before = {n: p.detach().clone() for n, p in sim.model.named_parameters()}
+    sim.run(2)
+    after = dict(sim.model.named_parameters())
+    frozen = [n for n in before if ".lora_" not in n]
+    assert frozen and all(torch.equal(before[n], after[n]) for n in frozen)
+    moved = [n for n in before if ".lora_B." in n and not torch.equal(before[n], after[n])]
+    assert moved, "no adapter moved in two FedAvg rounds"
+    rounds = run_experiment(load_config(raw, [])).of_kind("round")
+    assert len(rounds) == 2 and all(len(r["clients"]) == 2 for r in rounds)
+
+
+@pytest.mark.parametrize(
+    ("adapter", "message"),
+    [({"r": 0}, "r must be an int >= 1"), ({"target": ["embedding"]}, "adapter target"),
+     ({"alpha": -1}, "alpha"), ({"kind": "prefix"}, "adapter kind"), ({"dropout": 1.0}, "dropout")],
+)  # fmt: skip
+def test_bad_adapters_are_refused_on_construction(adapter, message):
+    from gradleak.cli.demo import demo_config_path
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(demo_config_path(), [f"model.adapter={_toml(adapter)}"])
+
+
+def _toml(table: dict) -> str:
+    """An inline TOML table (JSON's numbers, strings and arrays are TOML's)."""
+    return "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in table.items()) + "}"
