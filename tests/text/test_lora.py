@@ -117,3 +117,16 @@ def test_bad_adapters_are_refused_on_construction(adapter, message):
 def _toml(table: dict) -> str:
     """An inline TOML table (JSON's numbers, strings and arrays are TOML's)."""
     return "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in table.items()) + "}"
+
+
+def test_the_flower_engine_refuses_an_adapter_model_before_any_work():
+    from gradleak.cli.demo import demo_config_path
+
+    text = ["data.dataset='rotten_tomatoes'", "data.train_split='all'", "data.test_split='all'",
+            "model.name='gpt2_tiny'", "audit.clients=0"]  # fmt: skip
+    with pytest.raises(ConfigError, match="engine.options: the Flower engine's nodes rebuild the model"):
+        load_config(demo_config_path(), [*text, "model.adapter={r = 4}", "engine.name='flower'"])
+    with pytest.raises(
+        ConfigError, match="model.adapter works on text tasks, but data.dataset = 'organamnist'"
+    ):
+        load_config(demo_config_path(), ["model.adapter={r = 4}"])

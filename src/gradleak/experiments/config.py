@@ -305,7 +305,8 @@ class ExperimentConfig:
                 engine.check_federation(secure_aggregation=self.fl.secure_aggregation, per_round=per_round,
                                         audited=self.audit.clients,
                                         random_subset=self.audit.pick == "random"
-                                        and self.audit.max_samples is not None)  # fmt: skip
+                                        and self.audit.max_samples is not None,
+                                        adapters=self.model.adapter is not None)  # fmt: skip
             except ValueError as exc:
                 raise ConfigError(f"engine.options: {exc}") from None
 
@@ -332,6 +333,8 @@ class ExperimentConfig:
         data set's modality."""
         task = DATASETS.entry(self.data.dataset).modality
         parts: list[tuple[str, str | None]] = [("model.name", MODELS.entry(self.model.name).modality)]
+        if self.model.adapter is not None:  # LoRA adapters wrap the transformer family map's layers
+            parts.append(("model.adapter", "text"))
         attacks = self.audit.attacks if self.audit.clients > 0 else ()
         parts += [(f"audit.attacks[{i}]", ATTACKS.entry(s.name).modality) for i, s in enumerate(attacks)]
         parts += [(f"defenses[{i}]", DEFENSES.entry(s.name).modality) for i, s in enumerate(self.defenses)]
