@@ -130,3 +130,71 @@ def test_the_flower_engine_refuses_an_adapter_model_before_any_work():
         ConfigError, match="model.adapter works on text tasks, but data.dataset = 'organamnist'"
     ):
         load_config(demo_config_path(), ["model.adapter={r = 4}"])
+
+
+# ------------------------------------------------------------------------------------ DAGER on LoRA updates
+def _trained_adapter_update(r: int, task: str = "classification", train_b: bool = True):
+    """A FedSGD update of a GPT-2 arch adapter whose B has trained (random small entries: a later round)."""
+    from gradleak.text.models import build_gpt2
+
+    tm = build_gpt2("tiny", task, seed=0)
+    model = apply_adapter(tm.model, AdapterConfig(r=r, alpha=2.0 * r, target=["attention"]), task, seed=0)
+    if train_b:
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".lora_B." in name:
+                    p.copy_(0.02 * torch.randn(p.shape, generator=g))
+    data = TokenDataset.from_texts(
+        TextDataset("t", TEXTS[:2], (1, 0), ("neg", "pos")), tm.tokenizer, max_tokens=12
+    )
+    task_obj = CausalLM() if task == "causal_lm" else TextClassification()
+    result = train_client(0, model, data, LocalTraining("fedsgd", batch_size=2), [],
+                          torch.Generator().manual_seed(0), task=task_obj)  # fmt: skip
+    assert result.update is not None, result.error
+    return model, result.update, data.batch().sequences()
+
+
+def test_dager_lora_recovers_a_batch_from_the_adapters_a_gradients():
+    """r = 16 above the batch's 11 distinct (token, position) pairs and B trained: both sentences exactly; a
+    norm-matched random update in its place recovers nothing."""
+    from gradleak.attacks import create_attack
+    from gradleak.attacks.text.baseline import null_observation
+    from gradleak.types import Observation
+
+    model, update, truth = _trained_adapter_update(16)
+    obs = Observation(model, update, (12,), 2)
+    rec = create_attack("dager_lora").reconstruct(obs, generator=torch.Generator().manual_seed(0))
+    assert sorted(rec.token_ids) == sorted(truth) and rec.stats["rank_l1"] == 11
+    null = create_attack("dager_lora").reconstruct(
+        null_observation(obs, torch.Generator().manual_seed(1)), generator=torch.Generator().manual_seed(0)
+    )
+    assert null.token_ids == []
+
+
+def test_dager_lora_states_its_limits_fresh_b_and_rank():
+    from gradleak.attacks import create_attack
+    from gradleak.types import AttackInputError, Observation
+
+    model, update, _ = _trained_adapter_update(16, train_b=False)
+    with pytest.raises(AttackInputError, match="B is still zero"):
+        create_attack("dager_lora").reconstruct(
+            Observation(model, update, (12,), 2), generator=torch.Generator()
+        )
+    model, update, _ = _trained_adapter_update(8)  # r below the 11 token positions: the span is capped at r
+    rec = create_attack("dager_lora").reconstruct(
+        Observation(model, update, (12,), 2), generator=torch.Generator()
+    )
+    assert rec.stats["rank_l1"] == 8
+
+
+def test_dager_lora_on_a_causal_lm_recovers_all_but_the_last_tokens():
+    """The last token is read off the LM head's gradient, which a LoRA update does not carry."""
+    from gradleak.attacks import create_attack
+    from gradleak.types import Observation
+
+    model, update, truth = _trained_adapter_update(16, task="causal_lm")
+    rec = create_attack("dager_lora").reconstruct(
+        Observation(model, update, (12,), 2), generator=torch.Generator()
+    )
+    assert sorted(rec.token_ids) == sorted(s[:-1] for s in truth)

@@ -10,6 +10,7 @@ size (causal LM); the attacks read neither.
 """
 
 from gradleak.attacks.text import dager as _dager  # noqa: F401  (registers)
+from gradleak.attacks.text import dager_lora as _dager_lora  # noqa: F401
 from gradleak.attacks.text import dager_masked as _dager_masked  # noqa: F401
 from gradleak.attacks.text import dager_spectral as _dager_spectral  # noqa: F401
 from gradleak.attacks.text import embedding_norm as _embedding_norm  # noqa: F401

@@ -203,9 +203,9 @@ class Dager:
         start = time.perf_counter()
         model = self.attacker_model(obs)
         spec = self.spec(model)
-        grads = [input_side_gradient(obs, model, spec.attn_inputs, i) for i in (0, 1)]
+        grads = [self.input_gradient(obs, model, spec, i) for i in (0, 1)]
         if float(grads[0].abs().max()) == 0.0:
-            raise AttackInputError("the first block's attention gradient is zero (frozen or masked)")
+            raise AttackInputError(self.zero_gradient)
         span1, span2, spec, span_stats = self.spans(obs, spec, grads[0], grads[1])
         if span1.rank == 0 or span2.rank == 0 or span1.full or span2.full:
             log.warning(
@@ -267,6 +267,15 @@ class Dager:
         }
         log.info("DAGER: L1 rank %d, %d positions, %d accepted sequences", span1.rank, len(cands), len(found))
         return Reconstruction(token_ids=seqs, stats=stats)
+
+    zero_gradient = "the first block's attention gradient is zero (frozen or masked)"
+
+    def input_gradient(
+        self, obs: Observation, model: nn.Module, spec: FamilySpec, layer: int
+    ) -> torch.Tensor:
+        """Block ``layer``'s (d_in, k) matrix whose column space is the span of its attention inputs: the
+        attention projections' weight gradients (DAGER, Petrov et al. 2024, Sec. 4)."""
+        return input_side_gradient(obs, model, spec.attn_inputs, layer)
 
     def spans(
         self, obs: Observation, spec: FamilySpec, grad1: torch.Tensor, grad2: torch.Tensor
