@@ -170,16 +170,18 @@ class Observation:
         object.__setattr__(self, "mode", mode)
 
     def to(self, device: torch.device | str) -> Observation:
-        """The same observation computed on ``device``: a copy of the model there, the updates, views and
-        granted labels with it (:mod:`gradleak.device`); itself when the model is already there."""
+        """The same observation computed on ``device``: the model there (copied only when it is elsewhere),
+        the updates, views and granted labels with it (:mod:`gradleak.device`); itself when all are there."""
         device = torch.device(device)
-        if all(t.device == device for t in (*self.model.parameters(), *self.model.buffers())) and all(
-            t.device == device for u in (self.update, *self.views) for t in u.tensors.values()
-        ):
+        model_there = all(t.device == device for t in (*self.model.parameters(), *self.model.buffers()))
+        rest = [t for u in (self.update, *self.views) for t in (*u.tensors.values(), *u.buffers.values())]
+        if self.labels is not None:
+            rest.append(self.labels)
+        if model_there and all(t.device == device for t in rest):
             return self
         moved = copy.copy(self)  # checked on construction; moving changes no value, so no second check
         for name, value in (
-            ("model", copy.deepcopy(self.model).to(device)),
+            ("model", self.model if model_there else copy.deepcopy(self.model).to(device)),
             ("update", self.update.to(device)),
             ("views", tuple(v.to(device) for v in self.views)),
             ("labels", None if self.labels is None else self.labels.to(device)),

@@ -49,9 +49,14 @@ class InvalidUpdateError(ValueError):
 
 
 def reference_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's trainable parameters (``requires_grad``): what an update carries and is checked against.
-    Every parameter of a model trained whole; the adapters (and a trained head) of a LoRA model, whose base
-    weights are frozen when it is broadcast (:mod:`gradleak.text.adapters`)."""
+    """The model's named parameters: the names an update may carry, with their shapes and dtypes."""
+    return dict(model.named_parameters())
+
+
+def trainable_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's trainable parameters (``requires_grad``): what a complete update carries. Every parameter
+    of a model trained whole; the adapters (and a trained head) of a LoRA model, whose base weights are
+    frozen when it is broadcast (:mod:`gradleak.text.adapters`)."""
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
@@ -190,8 +195,13 @@ def check_update(
     n = update.num_samples
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise InvalidUpdateError(f"{source}: num_samples must be an int >= 0, got {n!r}")
-    ref = reference_of(reference) if isinstance(reference, nn.Module) else reference
-    check_tensors(update.tensors, ref, source=source, complete=complete)
+    if isinstance(reference, nn.Module):  # any of its parameters; complete: every trainable one
+        check_tensors(update.tensors, reference_of(reference), source=source, complete=False)
+        missing = [n for n in trainable_of(reference) if n not in update.tensors] if complete else []
+        if missing:
+            raise InvalidUpdateError(f"{source}: lacks parameters of the model: {missing[:5]}")
+    else:
+        check_tensors(update.tensors, reference, source=source, complete=complete)
     if update.buffers:
         buffers = dict(reference.named_buffers()) if isinstance(reference, nn.Module) else None
         check_buffers(update.buffers, buffers, source=source)
@@ -201,7 +211,9 @@ def check_buffers(
     buffers: object, reference: Mapping[str, torch.Tensor] | None, *, source: str = "update"
 ) -> None:
     """Raise :class:`InvalidUpdateError` unless ``buffers`` maps buffer names of the model (``reference``,
-    when known) to tensors of their shape and dtype, the floating ones finite."""
+    when known) to tensors of their shape and dtype, the floating ones finite, a running variance never
+    negative and an integer buffer (BatchNorm's batch counter) never below the model's (it only counts up:
+    a server reads the local steps off it, :func:`gradleak.attacks.image.bn_prior.read_batch_statistics`)."""
     if not isinstance(buffers, Mapping):
         raise InvalidUpdateError(
             f"{source}: buffers must be a mapping name -> tensor, got {type(buffers).__name__}"
@@ -220,6 +232,12 @@ def check_buffers(
                 )
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise InvalidUpdateError(f"{source}: buffer {name!r} holds non-finite values")
+        if name.endswith("running_var") and bool((t < 0).any()):
+            raise InvalidUpdateError(f"{source}: buffer {name!r} holds a negative variance")
+        if not t.is_floating_point():
+            floor = reference[name] if reference is not None else torch.zeros((), dtype=t.dtype)
+            if bool((t < floor).any()):
+                raise InvalidUpdateError(f"{source}: counter {name!r} went back (below the model's)")
 
 
 def describe(metadata: Mapping[str, object], default: str = "update") -> str:

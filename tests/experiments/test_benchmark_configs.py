@@ -367,3 +367,9 @@ def test_a_scale_runs_named_cells_with_extra_overrides_last():
     assert cfg.model.name == "wide_resnet" and cfg.model.mode == "train" and cfg.audit.max_samples == 8
     with pytest.raises(ConfigError, match=r"--cells names \['lenet-b1-fedsgd'\], not cells of scale 'paper'"):
         bench.configs("paper", cells=["lenet-b1-fedsgd"])
+
+
+def test_a_benchmark_s_own_seed_and_name_cannot_be_set_from_outside():
+    bench = load_benchmark(Path(__file__).resolve().parents[2] / "benchmarks/configs/image_map.toml")
+    with pytest.raises(ConfigError, match="--set 'experiment.seed=3': a benchmark sets each cell's seed"):
+        bench.configs("smoke", extra=["experiment.seed=3"])

@@ -128,7 +128,7 @@ def test_an_observation_moves_whole_and_stays_put_where_it_is():
 
 def test_an_attack_registered_for_the_cpu_only_gets_a_cpu_copy(monkeypatch):
     device_ready = {n for n in ATTACKS.names() if "cuda" in ATTACKS.entry(n).devices}
-    assert {"ig", "ig_bn", "ig_masked", "ig_noise", "dlg", "sme", "nlsme", "pisme"} <= device_ready
+    assert device_ready == set(ATTACK_CASES)  # each device-ready attack is compared with the CPU below
     cpu_only = next(n for n in ATTACKS.names() if "cuda" not in ATTACKS.entry(n).devices)
     net = build_model("lenet", (1, 12, 12), 3, seed=0)
     update = Update({n: torch.zeros_like(p) for n, p in net.named_parameters()}, 1)
@@ -191,6 +191,8 @@ ATTACK_CASES = {  # each device-ready image attack, a few iterations, on the upd
     "ig_masked": ("fedsgd", {"max_iterations": 3}),
     "ig_noise": ("fedsgd", {"max_iterations": 3, "noise_std": 0.01}),
     "ig_bn": ("fedavg", {"max_iterations": 3}),
+    "gradinversion": ("fedsgd", {"max_iterations": 3, "group": 2}),
+    "label_counts": ("fedsgd", {}),
     "dlg": ("fedsgd", {"max_iterations": 2, "lbfgs_max_iter": 2}),
     "sme": ("fedavg", {"max_iterations": 3}),
     "nlsme": ("fedavg", {"max_iterations": 3}),
@@ -216,8 +218,12 @@ def test_an_attack_on_a_device_matches_the_cpu(attack, device):
     ref, got = _attack_record(attack, "cpu"), _attack_record(attack, device)
     assert got.record["kind"] == "attack" and got.record["refused"] is None, got.record
     assert ref.reconstruction is not None and got.reconstruction is not None
-    images = got.reconstruction.images
-    assert images is not None and images.device.type == "cpu"  # results rest on the CPU
+    images, labels = got.reconstruction.images, got.reconstruction.labels
+    assert labels is not None and labels.device.type == "cpu"  # results rest on the CPU
+    assert torch.equal(labels, ref.reconstruction.labels)
+    if images is None:  # a label attack: its labels are all it returns
+        return
+    assert images.device.type == "cpu"
     # a few signed-gradient steps: rounding can flip a near-zero sign, moving a pixel by one step (lr)
     assert float((images - ref.reconstruction.images).abs().mean()) <= (0.0 if device == "cpu" else 0.05)
     assert got.record["matching_loss"] == pytest.approx(

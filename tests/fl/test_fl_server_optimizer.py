@@ -84,3 +84,15 @@ def test_a_resumed_run_steps_as_an_uninterrupted_one():
 def test_an_unknown_server_optimizer_is_refused_by_name():
     with pytest.raises(ValueError, match="server_optimizer must be one of \\['sgd', 'adam', 'adamw'\\]"):
         FLConfig(server_optimizer="lion")
+
+
+def test_a_step_on_an_aggregate_that_misses_a_trainable_parameter_is_refused():
+    from gradleak.fl.server import ServerOptimizer, apply_update
+    from gradleak.types import Update
+
+    model = build_model("lenet", (1, 12, 12), 3, seed=0)
+    partial = Update({n: torch.zeros_like(p) for n, p in list(model.named_parameters())[1:]}, 1)
+    with pytest.raises(ValueError, match="lacks .* of the model's trainable parameters"):
+        apply_update(model, partial)
+    with pytest.raises(ValueError, match="lacks .* of the model's trainable parameters"):
+        ServerOptimizer("adam", model, 1e-3).step(partial)

@@ -198,3 +198,10 @@ def test_dager_lora_on_a_causal_lm_recovers_all_but_the_last_tokens():
         Observation(model, update, (12,), 2), generator=torch.Generator()
     )
     assert sorted(rec.token_ids) == sorted(s[:-1] for s in truth)
+
+
+def test_an_adapter_that_is_not_a_table_is_refused():
+    from gradleak.cli.demo import demo_config_path
+
+    with pytest.raises(ConfigError, match="model.adapter must be a table, got str 'lora'"):
+        load_config(demo_config_path(), ["model.adapter='lora'"])

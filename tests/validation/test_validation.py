@@ -213,3 +213,29 @@ def test_an_update_file_keeps_the_reply_s_batchnorm_statistics_and_checks_them(t
     path = save_update(Update(tensors, 3, "delta", {}, bad), tmp_path / "nan.safetensors")
     with pytest.raises(InvalidUpdateError, match="running_var"):
         load_update(path, net)
+
+
+def test_a_model_with_frozen_parameters_takes_full_and_trainable_only_updates():
+    """A complete update carries every trainable parameter; a frozen one may come (zeros) or not."""
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    net[0].requires_grad_(False)
+    full = {n: torch.zeros_like(p) for n, p in net.named_parameters()}
+    check_update(Update(full, 1), net)
+    check_update(Update({k: v for k, v in full.items() if k.startswith("1.")}, 1), net)
+    with pytest.raises(InvalidUpdateError, match=r"lacks parameters of the model: \['1.bias'\]"):
+        check_update(Update({k: v for k, v in full.items() if k != "1.bias"}, 1), net)
+
+
+def test_batchnorm_statistics_must_be_possible_values():
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))
+    tensors = {n: torch.zeros_like(p) for n, p in net.named_parameters()}
+    buffers = {n: b.clone() for n, b in net.named_buffers()}
+    check_update(Update(tensors, 1, "delta", {}, buffers), net)
+    negative = dict(buffers, **{"1.running_var": torch.tensor([1.0, -0.5])})
+    with pytest.raises(InvalidUpdateError, match="'1.running_var' holds a negative variance"):
+        check_update(Update(tensors, 1, "delta", {}, negative), net)
+    net[1].num_batches_tracked.fill_(5)  # the server's model has counted 5 steps; a reply says 3
+    with pytest.raises(InvalidUpdateError, match="counter '1.num_batches_tracked' went back"):
+        check_update(
+            Update(tensors, 1, "delta", {}, dict(buffers, **{"1.num_batches_tracked": torch.tensor(3)})), net
+        )

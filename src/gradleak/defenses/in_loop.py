@@ -40,7 +40,7 @@ from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure, check_
 from gradleak.defenses.presets import preset_of
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
-from gradleak.validation import InvalidUpdateError, check_update, reference_of
+from gradleak.validation import InvalidUpdateError, check_update, trainable_of
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class DefendedLoop:
         self._in_epoch_end = False
         # what the update carries: the parameters trainable before any defense's setup (a LoRA model's
         # adapters; every parameter of a model trained whole, frozen ones by AEGIS included, sending zeros)
-        self.reference = {n: p.detach() for n, p in reference_of(model).items()}  # names, shapes, dtypes
+        self.reference = {n: p.detach() for n, p in trainable_of(model).items()}  # names, shapes, dtypes
         # w_0 for the FedAvg delta (FedSGD needs no copy of the weights)
         self.w0 = {n: p.detach().clone() for n, p in self.reference.items()} if optimizer else None
         params = {n for n, _ in model.named_parameters()}

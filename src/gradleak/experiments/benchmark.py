@@ -122,6 +122,9 @@ class Benchmark:
         if unknown:
             raise ConfigError(f"benchmark.scales.{scale}.cells names unknown cells {unknown}; cells: {names}")
         chosen = [c for c in self.cells if sc.cells is None or c.name in sc.cells]
+        owned = [e for e in extra if e.split("=", 1)[0].strip() in ("experiment.seed", "experiment.name")]
+        if owned:
+            raise ConfigError(f"--set {owned[0]!r}: a benchmark sets each cell's seed and name (use --seeds)")
         if cells is not None:
             missing = sorted(set(cells) - {c.name for c in chosen})
             if missing:

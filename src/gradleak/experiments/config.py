@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -379,10 +380,13 @@ def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
     for key, value in data.items():
         hint = hints[key]
         sub = f"{where}.{key}"
-        inner = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]  # an optional table
+        optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        inner = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)] if optional else []
         if dataclasses.is_dataclass(hint):
             kwargs[key] = _build(hint, value, sub)  # type: ignore[arg-type]
-        elif inner and isinstance(value, Mapping):
+        elif inner:  # an optional table: a table or nothing
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{sub} must be a table, got {type(value).__name__} {value!r}")
             kwargs[key] = _build(inner[0], value, sub)
         elif typing.get_origin(hint) is tuple:
             if not isinstance(value, list):

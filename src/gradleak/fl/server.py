@@ -17,7 +17,7 @@ from torch import nn
 from gradleak.device import module_device
 from gradleak.fl.client import ClientResult
 from gradleak.types import LocalTraining, Update, UpdateKind
-from gradleak.validation import InvalidUpdateError, check_update
+from gradleak.validation import InvalidUpdateError, check_update, trainable_of
 
 log = logging.getLogger(__name__)
 
@@ -128,13 +128,25 @@ def secure_sum(updates: Sequence[Update]) -> Update:
     return Update(out, total, updates[0].kind, {"num_clients": len(updates)})
 
 
+def check_trainable(aggregate: Update, model: nn.Module) -> None:
+    """An aggregate carries exactly the model's trainable parameters (:func:`~gradleak.validation.
+    trainable_of`), else a ValueError naming the difference: a step never skips a parameter silently."""
+    expected, got = set(trainable_of(model)), set(aggregate.tensors)
+    if got != expected:
+        raise ValueError(
+            f"the aggregate carries {sorted(got - expected)[:5]} beyond and lacks "
+            f"{sorted(expected - got)[:5]} of the model's trainable parameters"
+        )
+
+
 @torch.no_grad()
 def apply_update(model: nn.Module, aggregate: Update, server_lr: float = 1.0) -> None:
     """In place: w += eta_s * delta (deltas) or w -= eta_s * g (gradients); the aggregate's buffers (the
     clients' mean running statistics) replace the model's."""
     sign = 1.0 if aggregate.kind == "delta" else -1.0
+    check_trainable(aggregate, model)
     params = dict(model.named_parameters())
-    for name, t in aggregate.tensors.items():  # the trainable parameters (validation.reference_of)
+    for name, t in aggregate.tensors.items():
         p = params[name]
         p.add_(t.to(p.device, p.dtype), alpha=sign * server_lr)
     apply_buffers(model, aggregate)
@@ -181,11 +193,13 @@ class ServerOptimizer:
     def __init__(self, name: str, model: nn.Module, lr: float, weight_decay: float = 0.0) -> None:
         if name not in SERVER_OPTIMIZERS:
             raise ValueError(f"server optimizer must be one of {sorted(SERVER_OPTIMIZERS)}, got {name!r}")
+        self.model = model
         self.names = [n for n, _ in model.named_parameters()]
         self.params = [p for _, p in model.named_parameters()]
         self.optimizer = SERVER_OPTIMIZERS[name](self.params, lr, weight_decay)
 
     def step(self, aggregate: Update) -> None:
+        check_trainable(aggregate, self.model)
         sign = -1.0 if aggregate.kind == "delta" else 1.0
         for name, p in zip(self.names, self.params, strict=True):  # a frozen parameter: no grad, no step
             t = aggregate.tensors.get(name)

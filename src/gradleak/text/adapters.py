@@ -7,7 +7,7 @@ peft does the adaptation; this module picks what it adapts through the transform
 (:mod:`gradleak.text.families`: ``target = ["attention"]``, ``["mlp"]`` or both) and whether the task's
 head trains too (``train_head``: by default a classifier's new head does, a language model's tied head
 does not). Only the parameters left trainable are updated, sent, checked, averaged and attacked
-(:func:`gradleak.validation.reference_of`): a client's update is the adapters (and the head).
+(:func:`gradleak.validation.trainable_of`): a client's update is the adapters (and the head).
 
 In a config::
 

@@ -80,8 +80,10 @@ def read_batch_statistics(model: nn.Module, buffers: Mapping[str, torch.Tensor])
         keys = [f"{name}.running_mean", f"{name}.running_var", f"{name}.num_batches_tracked"]
         if any(k not in buffers for k in keys):
             raise AttackInputError(f"the reply carries no running statistics of {name!r} (withheld: FedBN?)")
-        if layer.momentum is None:
-            raise AttackInputError(f"{name!r} keeps a cumulative average (momentum=None): not read off here")
+        if layer.momentum is None or not 0 < float(layer.momentum) <= 1:
+            raise AttackInputError(
+                f"{name!r} has momentum {layer.momentum!r} (a cumulative average, or none): not read off here"
+            )
         assert layer.num_batches_tracked is not None
         k = int(buffers[keys[2]]) - int(layer.num_batches_tracked)
         steps.add(k)

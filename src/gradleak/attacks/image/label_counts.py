@@ -13,7 +13,8 @@ offers two estimates (``prior``):
 - ``"uniform"``: ``p_bar_c = 1/C``, right for a freshly initialised model (LLG's setting);
 - ``"model"``: the mean softmax of the broadcast model, in the client's mode, on ``probes`` random images
   drawn in the data's range (Geng et al.'s estimate from dummy data), right where the model already
-  prefers some classes whatever the input (a trained or biased model).
+  prefers some classes whatever the input (a trained or biased model). In train mode the probes pass
+  BatchNorm with their own batch statistics, not the client batch's: the estimate carries that error.
 
 The estimated counts are rounded as :func:`gradleak.attacks.image.labels._fill_greedily` does: every class
 whose bias gradient is negative (present, Zhao et al. 2020's sign rule) first, then the largest remaining
