@@ -19,7 +19,7 @@ from gradleak.text.data import TextDataset, TokenDataset
 from gradleak.text.families import FAMILIES
 from gradleak.text.models import build_bert_tiny, build_gpt2
 from gradleak.types import LocalTraining
-from gradleak.validation import reference_of
+from gradleak.validation import trainable_of
 
 TEXTS = ("the movie was surprisingly good", "a dull and lifeless film .", "an honest , moving story",
          "nothing works here")  # fmt: skip
@@ -51,7 +51,7 @@ def test_an_adapter_update_holds_exactly_the_trainable_parameters(build, task, t
     layers = target_modules(tm.model, family, target)
     config = AdapterConfig(r=4, alpha=8.0, target=target)
     model = apply_adapter(tm.model, config, task, seed=0)
-    trainable = reference_of(model)
+    trainable = trainable_of(model)
     # two matrices per adapted layer (A: r x in, B: out x r), and the head's copy where the task trains one
     lora = {n for n in trainable if ".lora_" in n}
     assert len(lora) == 2 * len(layers) and layers

@@ -385,6 +385,9 @@ def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
         if dataclasses.is_dataclass(hint):
             kwargs[key] = _build(hint, value, sub)  # type: ignore[arg-type]
         elif inner:  # an optional table: a table or nothing
+            if value is None:
+                kwargs[key] = None
+                continue
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{sub} must be a table, got {type(value).__name__} {value!r}")
             kwargs[key] = _build(inner[0], value, sub)

@@ -42,9 +42,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from gradleak.attacks.image.ig import IGConfig, InvertingGradients, step_decay
+from gradleak.attacks.image.ig import IGConfig, InvertingGradients
 from gradleak.device import DEVICE_TYPES
-from gradleak.progress import bar
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
 
@@ -226,42 +225,22 @@ class GradInversion(BNPriorIG):
     def __init__(self, config: GradInversionConfig | None = None) -> None:
         super().__init__(config or GradInversionConfig())
 
-    def _optimise(
-        self,
-        model: nn.Module,
-        params: list[nn.Parameter],
-        target: list[torch.Tensor],
-        labels: torch.Tensor,
-        shape: tuple[int, ...],
-        generator: torch.Generator,
-    ) -> tuple[torch.Tensor, float]:
-        cfg = self.config
-        like = next(iter(params))
-        xs = [self._initial(shape, generator, like).requires_grad_(True) for _ in range(cfg.group)]
-        opt = torch.optim.Adam(xs, lr=cfg.lr)
-        sched = step_decay(opt, cfg.max_iterations)
-        for _ in bar(range(cfg.max_iterations), desc="GradInversion", force=cfg.progress):
-            opt.zero_grad(set_to_none=True)
-            consensus = torch.stack([x.detach() for x in xs]).mean(dim=0)
-            total = sum(
-                self.objective(model, params, target, labels, x)
-                + cfg.group_weight * (x - consensus).pow(2).sum(dim=(1, 2, 3)).mean()
-                for x in xs
-            )
-            grads = torch.autograd.grad(total, xs)
-            for x, g in zip(xs, grads, strict=True):
-                x.grad = g.sign() if cfg.signed_gradients else g
-            opt.step()
-            sched.step()
-            with torch.no_grad():
-                for x in xs:
-                    x.clamp_(0, 1)
-        final = [x.detach() for x in xs]
-        losses = [self.matching_loss(model, params, target, labels, x) for x in final]
-        best = min(range(len(final)), key=losses.__getitem__)
-        consensus = torch.stack(final).mean(dim=0)
-        self.last_spread = float(torch.stack([(x - consensus).pow(2).mean() for x in final]).mean())
-        return final[best].clone(), losses[best]
+    @property
+    def guesses(self) -> int:  # type: ignore[override]
+        return self.config.group
+
+    def group_term(self, xs: list[torch.Tensor]) -> torch.Tensor | float:
+        """``group_weight * sum_g ||x_g - E(x)||^2`` (per image, averaged over the batch), ``E`` the guesses'
+        pixel-wise mean, detached (module docstring)."""
+        consensus = torch.stack([x.detach() for x in xs]).mean(dim=0)
+        total: torch.Tensor | float = 0.0
+        for x in xs:
+            total = total + self.config.group_weight * (x - consensus).pow(2).sum(dim=(1, 2, 3)).mean()
+        return total
+
+    def finished(self, guesses: list[torch.Tensor]) -> None:
+        consensus = torch.stack(guesses).mean(dim=0)
+        self.last_spread = float(torch.stack([(x - consensus).pow(2).mean() for x in guesses]).mean())
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         self.last_spread = math.nan

@@ -161,6 +161,12 @@ class InvertingGradients:
         grads = torch.autograd.grad(loss, params, create_graph=True)
         return self.distance(list(grads), target) + self.config.tv_weight * total_variation(x) + self.prior(x)
 
+    guesses = 1  # dummy batches optimised together (GradInversion's group)
+
+    def group_term(self, xs: list[torch.Tensor]) -> torch.Tensor | float:
+        """A term over all the guesses together (none: each guess is optimised on its own)."""
+        return 0.0
+
     def _optimise(
         self,
         model: nn.Module,
@@ -170,21 +176,34 @@ class InvertingGradients:
         shape: tuple[int, ...],
         generator: torch.Generator,
     ) -> tuple[torch.Tensor, float]:
+        """Adam on the signed gradient of Eq. 4 for each of the ``guesses`` (one for IG), plus the group
+        term; the guess whose final matching term is lowest."""
         cfg = self.config
-        x = self._initial(shape, generator, next(iter(params))).requires_grad_(True)
-        opt = torch.optim.Adam([x], lr=cfg.lr)
+        like = next(iter(params))
+        xs = [self._initial(shape, generator, like).requires_grad_(True) for _ in range(self.guesses)]
+        opt = torch.optim.Adam(xs, lr=cfg.lr)
         sched = step_decay(opt, cfg.max_iterations)
-        for _ in bar(range(cfg.max_iterations), desc="IG", force=cfg.progress):
+        for _ in bar(range(cfg.max_iterations), desc=type(self).__name__, force=cfg.progress):
             opt.zero_grad(set_to_none=True)
-            total = self.objective(model, params, target, labels, x)
-            (x_grad,) = torch.autograd.grad(total, [x])
-            x.grad = x_grad.sign() if cfg.signed_gradients else x_grad
+            total = self.objective(model, params, target, labels, xs[0])
+            for x in xs[1:]:
+                total = total + self.objective(model, params, target, labels, x)
+            total = total + self.group_term(xs)
+            for x, g in zip(xs, torch.autograd.grad(total, xs), strict=True):
+                x.grad = g.sign() if cfg.signed_gradients else g
             opt.step()
             sched.step()
             with torch.no_grad():
-                x.clamp_(0, 1)
-        x = x.detach()
-        return x.clone(), self.matching_loss(model, params, target, labels, x)
+                for x in xs:
+                    x.clamp_(0, 1)
+        final = [x.detach() for x in xs]
+        losses = [self.matching_loss(model, params, target, labels, x) for x in final]
+        best = min(range(len(final)), key=losses.__getitem__)
+        self.finished(final)
+        return final[best].clone(), losses[best]
+
+    def finished(self, guesses: list[torch.Tensor]) -> None:
+        """Called with the final guesses of a run (a subclass's statistics)."""
 
     def matching_loss(
         self,

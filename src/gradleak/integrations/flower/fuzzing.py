@@ -163,11 +163,20 @@ def m_int_range(rng: random.Random, w: Tensors, s: Tensors) -> tuple[Any, Any, d
 
 
 def m_large(rng: random.Random, w: Tensors, s: Tensors) -> tuple[Any, Any, dict[str, Any], bool]:
-    """Well-formed but large: accepted (clip_norm, not the checks, bounds these)."""
+    """Well-formed but large: accepted (clip_norm, not the checks, bounds these); a variance only grows."""
     w = _copy(w)
     for k in _floats(s):
-        w[k] = w[k] + rng.choice([1e3, -1e3, 50.0])
+        step = rng.choice([1e3, -1e3, 50.0])
+        w[k] = w[k] + (abs(step) if k.endswith("running_var") else step)
     return w, 4, {}, True
+
+
+def m_negative_variance(rng: random.Random, w: Tensors, s: Tensors) -> tuple[Any, Any, dict[str, Any], bool]:
+    """A BatchNorm running variance below zero: no batch has one (refused)."""
+    w = _copy(w)
+    k = rng.choice([k for k in _floats(s) if k.endswith("running_var")])
+    w[k] = w[k] - (w[k].abs().max() + rng.choice([1e-3, 1.0, 1e6]))
+    return w, 4, {}, False
 
 
 def m_count(rng: random.Random, w: Tensors, s: Tensors) -> tuple[Any, Any, dict[str, Any], bool]:
@@ -191,8 +200,9 @@ def m_metrics(rng: random.Random, w: Tensors, s: Tensors) -> tuple[Any, Any, dic
 
 MUTATIONS: dict[str, Mutation] = {
     "nonfinite": m_nonfinite, "dtype": m_dtype, "shape": m_shape, "missing_key": m_missing,
-    "extra_key": m_extra, "int_buffer_range": m_int_range, "large_but_finite": m_large, "count": m_count,
-    "count_whole_float": m_count_ok, "metrics": m_metrics,
+    "extra_key": m_extra, "int_buffer_range": m_int_range, "large_but_finite": m_large,
+    "negative_variance": m_negative_variance, "count": m_count, "count_whole_float": m_count_ok,
+    "metrics": m_metrics,
 }  # fmt: skip
 RECORD_MUTATIONS = ("no_arrays", "two_arrays", "no_metrics", "two_metrics", "undecodable", "error_reply")
 EXTRA_MUTATIONS = ("duplicate", "stranger")
