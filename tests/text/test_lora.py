@@ -49,7 +49,7 @@ def test_an_adapter_update_holds_exactly_the_trainable_parameters(build, task, t
     tm = build()
     family = FAMILIES.get(tm.family)
     layers = target_modules(tm.model, family, target)
-    config = AdapterConfig(r=4, alpha=8.0, target=target)
+    config = AdapterConfig(r=4, alpha=8, target=target)
     model = apply_adapter(tm.model, config, task, seed=0)
     trainable = trainable_of(model)
     # two matrices per adapted layer (A: r x in, B: out x r), and the head's copy where the task trains one
@@ -105,7 +105,7 @@ def test_fedavg_rounds_move_the_adapters_and_keep_the_base_bit_identical():
 @pytest.mark.parametrize(
     ("adapter", "message"),
     [({"r": 0}, "r must be an int >= 1"), ({"target": ["embedding"]}, "adapter target"),
-     ({"alpha": -1}, "alpha"), ({"kind": "prefix"}, "adapter kind"), ({"dropout": 1.0}, "dropout")],
+     ({"alpha": 0.5}, "alpha"), ({"kind": "prefix"}, "adapter kind"), ({"dropout": 1.0}, "dropout")],
 )  # fmt: skip
 def test_bad_adapters_are_refused_on_construction(adapter, message):
     from gradleak.cli.demo import demo_config_path
@@ -138,7 +138,7 @@ def _trained_adapter_update(r: int, task: str = "classification", train_b: bool 
     from gradleak.text.models import build_gpt2
 
     tm = build_gpt2("tiny", task, seed=0)
-    model = apply_adapter(tm.model, AdapterConfig(r=r, alpha=2.0 * r, target=["attention"]), task, seed=0)
+    model = apply_adapter(tm.model, AdapterConfig(r=r, alpha=2 * r, target=["attention"]), task, seed=0)
     if train_b:
         g = torch.Generator().manual_seed(5)
         with torch.no_grad():

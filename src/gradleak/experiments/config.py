@@ -390,7 +390,7 @@ def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
                 continue
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{sub} must be a table, got {type(value).__name__} {value!r}")
-            kwargs[key] = _build(inner[0], value, sub)
+            kwargs[key] = _build(typing.cast(type, inner[0]), value, sub)
         elif typing.get_origin(hint) is tuple:
             if not isinstance(value, list):
                 raise ConfigError(f"{sub}: expected an array of tables, got {type(value).__name__}")

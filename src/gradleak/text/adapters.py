@@ -18,7 +18,6 @@ In a config::
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ class AdapterConfig:
 
     kind: str = "lora"
     r: int = 16
-    alpha: float = 32.0
+    alpha: int = 32
     dropout: float = 0.0
     target: list[str] = field(default_factory=lambda: ["attention"])
     train_head: bool | None = None
@@ -53,8 +52,8 @@ class AdapterConfig:
             raise ValueError(f"adapter kind must be one of {sorted(ADAPTERS)}, got {self.kind!r}")
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise ValueError(f"adapter r must be an int >= 1, got {self.r!r}")
-        if not (isinstance(self.alpha, int | float) and math.isfinite(self.alpha) and self.alpha > 0):
-            raise ValueError(f"adapter alpha must be a finite number > 0, got {self.alpha!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int) or self.alpha < 1:
+            raise ValueError(f"adapter alpha must be an int >= 1 (peft's lora_alpha), got {self.alpha!r}")
         if not (isinstance(self.dropout, int | float) and 0 <= self.dropout < 1):
             raise ValueError(f"adapter dropout must be in [0, 1), got {self.dropout!r}")
         if (
@@ -112,7 +111,7 @@ ADAPTERS: dict[str, Callable[[nn.Module, TransformerFamily, AdapterConfig, str, 
 
 def apply_adapter(model: nn.Module, config: AdapterConfig, task: str, seed: int) -> nn.Module:
     """``model`` with the adapter of ``config`` (:data:`ADAPTERS`), its family read from its config."""
-    family = FAMILIES.get(str(model.config.model_type))
+    family = FAMILIES.get(str(getattr(model, "config").model_type))  # noqa: B009 (nn.Module's __getattr__)
     return ADAPTERS[config.kind](model, family, config, task, seed)
 
 

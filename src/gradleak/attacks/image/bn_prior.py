@@ -221,6 +221,7 @@ class GradInversion(BNPriorIG):
     or from a FedAvg reply's buffers (``readoff``)."""
 
     config: GradInversionConfig
+    label = "GradInversion"
 
     def __init__(self, config: GradInversionConfig | None = None) -> None:
         super().__init__(config or GradInversionConfig())

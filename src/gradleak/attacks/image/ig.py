@@ -162,6 +162,7 @@ class InvertingGradients:
         return self.distance(list(grads), target) + self.config.tv_weight * total_variation(x) + self.prior(x)
 
     guesses = 1  # dummy batches optimised together (GradInversion's group)
+    label = "IG"  # its progress bar's
 
     def group_term(self, xs: list[torch.Tensor]) -> torch.Tensor | float:
         """A term over all the guesses together (none: each guess is optimised on its own)."""
@@ -183,7 +184,7 @@ class InvertingGradients:
         xs = [self._initial(shape, generator, like).requires_grad_(True) for _ in range(self.guesses)]
         opt = torch.optim.Adam(xs, lr=cfg.lr)
         sched = step_decay(opt, cfg.max_iterations)
-        for _ in bar(range(cfg.max_iterations), desc=type(self).__name__, force=cfg.progress):
+        for _ in bar(range(cfg.max_iterations), desc=self.label, force=cfg.progress):
             opt.zero_grad(set_to_none=True)
             total = self.objective(model, params, target, labels, xs[0])
             for x in xs[1:]:
