@@ -172,15 +172,30 @@ def test_dager_lora_recovers_a_batch_from_the_adapters_a_gradients():
     assert null.token_ids == []
 
 
-def test_dager_lora_states_its_limits_fresh_b_and_rank():
+def test_dager_lora_reads_a_fresh_adapter_through_its_b_gradient():
+    """B = 0 (a fresh adapter's first step): dL/dA vanishes, and side B tests each candidate's projection
+    A z against the span of (dL/dB)^T in r = 16 dimensions: both sentences exactly, nothing from noise;
+    side A forced on it is refused, saying why."""
     from gradleak.attacks import create_attack
+    from gradleak.attacks.text.baseline import null_observation
     from gradleak.types import AttackInputError, Observation
 
-    model, update, _ = _trained_adapter_update(16, train_b=False)
-    with pytest.raises(AttackInputError, match="B is still zero"):
-        create_attack("dager_lora").reconstruct(
-            Observation(model, update, (12,), 2), generator=torch.Generator()
-        )
+    model, update, truth = _trained_adapter_update(16, train_b=False)
+    obs = Observation(model, update, (12,), 2)
+    rec = create_attack("dager_lora").reconstruct(obs, generator=torch.Generator().manual_seed(0))
+    assert rec.stats["side_b"] == 1.0 and sorted(rec.token_ids) == sorted(truth)
+    null = create_attack("dager_lora", side="B").reconstruct(
+        null_observation(obs, torch.Generator().manual_seed(1)), generator=torch.Generator().manual_seed(0)
+    )
+    assert null.token_ids == []
+    with pytest.raises(AttackInputError, match="side A with B still zero"):
+        create_attack("dager_lora", side="A").reconstruct(obs, generator=torch.Generator())
+
+
+def test_dager_lora_states_its_rank_limit():
+    from gradleak.attacks import create_attack
+    from gradleak.types import Observation
+
     model, update, _ = _trained_adapter_update(8)  # r below the 11 token positions: the span is capped at r
     rec = create_attack("dager_lora").reconstruct(
         Observation(model, update, (12,), 2), generator=torch.Generator()

@@ -18,7 +18,7 @@ target module and stops the forward pass there (:func:`capture_input`).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -117,6 +117,36 @@ class Span:
         z = z.to(torch.float64)
         proj = (z @ self.basis) @ self.basis.T
         return (z - proj).norm(dim=-1) / z.norm(dim=-1).clamp_min(1e-30)
+
+
+@dataclass(frozen=True)
+class ProjectedSpan(Span):
+    """A span in a projected space: ``z`` is tested as ``P z`` (``projection`` (k, d), e.g. a LoRA layer's
+    ``A``) against the orthonormal ``coords`` (k, r) of the span there. ``basis`` is ``P^T coords`` (d, r),
+    so ``z @ basis`` gives ``P z``'s span coordinates as for a plain :class:`Span`; the residuals are
+    measured in the projected space, relative to ``||P z||``."""
+
+    projection: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))
+    coords: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))
+
+    @classmethod
+    def of(cls, span: Span, projection: torch.Tensor) -> ProjectedSpan:
+        p = projection.to(torch.float64)
+        return cls(p.T @ span.basis, span.singular_values, p, span.basis)
+
+    @property
+    def full(self) -> bool:
+        return self.rank >= FULL_SPAN_FRACTION * self.coords.shape[0]
+
+    def residual_squared32(self, z: torch.Tensor) -> torch.Tensor:
+        pz = z.to(torch.float32) @ self.projection.T.to(torch.float32)
+        proj = (pz @ self.coords.to(torch.float32)).pow(2).sum(-1)
+        return 1 - proj / pz.pow(2).sum(-1).clamp_min(1e-30)
+
+    def residual(self, z: torch.Tensor) -> torch.Tensor:
+        pz = z.to(torch.float64) @ self.projection.T
+        inside = (pz @ self.coords) @ self.coords.T
+        return (pz - inside).norm(dim=-1) / pz.norm(dim=-1).clamp_min(1e-30)
 
 
 def estimate_span(
