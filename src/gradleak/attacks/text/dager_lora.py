@@ -93,8 +93,10 @@ class DagerLoRA(Dager):
                 name, _ = find_module(model, suffix.format(i=layer))
                 cols.append(update_tensor(obs, self._lora(obs, name, "A")).T)  # (d_in, r): spans the inputs
             return torch.cat(cols, dim=1)
-        # side B: the first projection of the block (its B gradient's columns span A x_t, in r dimensions)
-        name, _ = find_module(model, spec.attn_inputs[0].format(i=layer))
+        # side B: the block's last attention projection (GPT-2's fused c_attn, Llama's v_proj, BERT's value):
+        # its B gradient's columns span A x_t in r dimensions. Not the query: under causal attention the
+        # first token's query gets no gradient (a softmax over one key), so its span misses tokens.
+        name, _ = find_module(model, spec.attn_inputs[-1].format(i=layer))
         weight = dict(model.named_parameters())[self._lora(obs, name, "A")]
         self._projections[layer] = weight.detach().to(torch.float64)
         return update_tensor(obs, self._lora(obs, name, "B")).T  # (r, d_out)
