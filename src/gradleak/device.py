@@ -6,8 +6,8 @@ rounding:
 
 - **at rest on the CPU**: data sets, updates between client and server, reconstructions, records and stores
   (what crosses a process or a file is host memory);
-- **computed on the device**: the global model, a client's training (its batches move to the model's
-  device: :func:`to_model_device`), the defenses in its loop, an attack's optimisation and the model it
+- **computed on the device**: the global model, a client's training (``Task.loss`` moves each batch to the
+  model's device: :func:`module_device`), the defenses in its loop, an attack's optimisation and the model it
   differentiates (:meth:`gradleak.types.Observation.to`);
 - **drawn on the CPU**: every random draw comes from a CPU :class:`torch.Generator` and is moved to where it
   is used (:func:`normal`), so a seed gives the same draws on any device. (GPU kernels still round
@@ -61,15 +61,6 @@ def module_device(module: nn.Module) -> torch.device:
     for t in (*module.parameters(), *module.buffers()):
         return t.device
     return CPU
-
-
-def to_model_device(data: object, model: nn.Module) -> object:
-    """``data`` (anything with ``.to(device)``: a tensor, an image or token batch) on ``model``'s device;
-    itself when it is already there."""
-    to = getattr(data, "to", None)
-    if to is None:
-        raise TypeError(f"cannot move a {type(data).__name__} to a device")
-    return to(module_device(model))
 
 
 def generator_on(device: torch.device, base: torch.Generator) -> torch.Generator:

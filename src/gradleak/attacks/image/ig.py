@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -77,6 +78,16 @@ def cosine_distance(grads: list[torch.Tensor], target: list[torch.Tensor]) -> to
     return 1 - dot / (gn.sqrt() * tn.sqrt()).clamp_min(1e-12)  # type: ignore[union-attr]
 
 
+class Matching(NamedTuple):
+    """What one inversion matches: the attack's copy of the model, the parameters the update carries,
+    the update as a gradient direction (``target``) and the labels."""
+
+    model: nn.Module
+    params: list[nn.Parameter]
+    target: list[torch.Tensor]
+    labels: torch.Tensor
+
+
 class InvertingGradients:
     """Cosine gradient matching with a TV prior; see the module docstring."""
 
@@ -127,8 +138,9 @@ class InvertingGradients:
         params, target = self._target(obs, model)
         start = time.perf_counter()
         best: tuple[float, torch.Tensor] | None = None
+        match = Matching(model, params, target, labels)
         for _ in range(cfg.restarts):
-            x, loss = self._optimise(model, params, target, labels, (n, *obs.input_shape), generator)
+            x, loss = self._optimise(match, (n, *obs.input_shape), generator)
             if best is None or loss < best[0]:
                 best = (loss, x)
         assert best is not None
@@ -148,18 +160,19 @@ class InvertingGradients:
             return (0.5 + 0.25 * normal(shape, generator, like)).clamp(0, 1)
         return uniform(shape, generator, like)
 
-    def objective(
-        self,
-        model: nn.Module,
-        params: list[nn.Parameter],
-        target: list[torch.Tensor],
-        labels: torch.Tensor,
-        x: torch.Tensor,
-    ) -> torch.Tensor:
+    def gradients(self, match: Matching, x: torch.Tensor, *, create_graph: bool) -> list[torch.Tensor]:
+        """The parameter gradient of the cross-entropy of ``x`` (in the client's mode) at the labels."""
+        loss = F.cross_entropy(match.model(x), match.labels)
+        return list(torch.autograd.grad(loss, match.params, create_graph=create_graph))
+
+    def objective(self, match: Matching, x: torch.Tensor) -> torch.Tensor:
         """Eq. 4 at the dummy images ``x``: the matching term, TV, and the subclass's prior."""
-        loss = F.cross_entropy(model(x), labels)
-        grads = torch.autograd.grad(loss, params, create_graph=True)
-        return self.distance(list(grads), target) + self.config.tv_weight * total_variation(x) + self.prior(x)
+        grads = self.gradients(match, x, create_graph=True)
+        return self.distance(grads, match.target) + self.config.tv_weight * total_variation(x) + self.prior(x)
+
+    def matching_loss(self, match: Matching, x: torch.Tensor) -> float:
+        """The matching term at the final, projected images ``x``."""
+        return float(self.distance(self.gradients(match, x, create_graph=False), match.target))
 
     guesses = 1  # dummy batches optimised together (GradInversion's group)
     label = "IG"  # its progress bar's
@@ -168,27 +181,24 @@ class InvertingGradients:
         """A term over all the guesses together (none: each guess is optimised on its own)."""
         return 0.0
 
+    def finished(self, guesses: list[torch.Tensor]) -> None:
+        """Called with the final guesses of a run (a subclass's statistics)."""
+
     def _optimise(
-        self,
-        model: nn.Module,
-        params: list[nn.Parameter],
-        target: list[torch.Tensor],
-        labels: torch.Tensor,
-        shape: tuple[int, ...],
-        generator: torch.Generator,
+        self, match: Matching, shape: tuple[int, ...], generator: torch.Generator
     ) -> tuple[torch.Tensor, float]:
         """Adam on the signed gradient of Eq. 4 for each of the ``guesses`` (one for IG), plus the group
         term; the guess whose final matching term is lowest."""
         cfg = self.config
-        like = next(iter(params))
+        like = match.params[0]
         xs = [self._initial(shape, generator, like).requires_grad_(True) for _ in range(self.guesses)]
         opt = torch.optim.Adam(xs, lr=cfg.lr)
         sched = step_decay(opt, cfg.max_iterations)
         for _ in bar(range(cfg.max_iterations), desc=self.label, force=cfg.progress):
             opt.zero_grad(set_to_none=True)
-            total = self.objective(model, params, target, labels, xs[0])
+            total = self.objective(match, xs[0])
             for x in xs[1:]:
-                total = total + self.objective(model, params, target, labels, x)
+                total = total + self.objective(match, x)
             total = total + self.group_term(xs)
             for x, g in zip(xs, torch.autograd.grad(total, xs), strict=True):
                 x.grad = g.sign() if cfg.signed_gradients else g
@@ -198,25 +208,10 @@ class InvertingGradients:
                 for x in xs:
                     x.clamp_(0, 1)
         final = [x.detach() for x in xs]
-        losses = [self.matching_loss(model, params, target, labels, x) for x in final]
+        losses = [self.matching_loss(match, x) for x in final]
         best = min(range(len(final)), key=losses.__getitem__)
         self.finished(final)
         return final[best].clone(), losses[best]
-
-    def finished(self, guesses: list[torch.Tensor]) -> None:
-        """Called with the final guesses of a run (a subclass's statistics)."""
-
-    def matching_loss(
-        self,
-        model: nn.Module,
-        params: list[nn.Parameter],
-        target: list[torch.Tensor],
-        labels: torch.Tensor,
-        x: torch.Tensor,
-    ) -> float:
-        """The matching term at the final, projected images ``x``."""
-        final = F.cross_entropy(model(x), labels)
-        return float(self.distance(list(torch.autograd.grad(final, params)), target))
 
 
 def step_decay(opt: torch.optim.Optimizer, iterations: int) -> torch.optim.lr_scheduler.MultiStepLR:

@@ -16,7 +16,7 @@ offers two estimates (``prior``):
   prefers some classes whatever the input (a trained or biased model). In train mode the probes pass
   BatchNorm with their own batch statistics, not the client batch's: the estimate carries that error.
 
-The estimated counts are rounded as :func:`gradleak.attacks.image.labels._fill_greedily` does: every class
+The estimated counts are rounded as :func:`gradleak.attacks.image.labels.fill_greedily` does: every class
 whose bias gradient is negative (present, Zhao et al. 2020's sign rule) first, then the largest remaining
 estimates. A FedAvg delta is read as the mean gradient ``(w_0 - w_T) / (lr T)`` of its public recipe (one
 step: exact; several: the trajectory's average prediction stands in for ``p_bar``).
@@ -34,7 +34,7 @@ from typing import Literal
 import torch
 
 from gradleak.attacks.checks import require_image_input
-from gradleak.attacks.image.labels import _fill_greedily, last_linear, mean_output_bias_gradient
+from gradleak.attacks.image.labels import fill_greedily, last_linear, mean_output_bias_gradient
 from gradleak.attacks.image.surrogate import local_steps
 from gradleak.device import DEVICE_TYPES, module_device, uniform
 from gradleak.registry import ATTACKS
@@ -78,7 +78,7 @@ def count_labels(g_bias: torch.Tensor, p_bar: torch.Tensor, num_samples: int) ->
     g = g_bias.detach().double().cpu()
     est = (num_samples * (p_bar.double().cpu() - g)).clamp_min(0)
     present = [int(k) for k in torch.argsort(g).tolist() if g[k] < 0][:num_samples]
-    return _fill_greedily(present, est, num_samples)
+    return fill_greedily(present, est, num_samples)
 
 
 class LabelCounts:

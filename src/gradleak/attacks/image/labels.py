@@ -53,7 +53,7 @@ def recover_labels(obs: Observation, num_samples: int) -> torch.Tensor:
         neg = (-row).clamp_min(0)
         est = num_samples * neg / neg.sum().clamp_min(1e-12)
     labels: list[int] = [int(k) for k in torch.nonzero(row < 0).flatten().tolist()][:num_samples]
-    return _fill_greedily(labels, est, num_samples)
+    return fill_greedily(labels, est, num_samples)
 
 
 def mean_output_bias_gradient(obs: Observation, *, lr: float, steps: int) -> torch.Tensor:
@@ -91,10 +91,10 @@ def recover_label_counts(obs: Observation, num_samples: int, *, lr: float, steps
     est = num_samples * est / est.sum().clamp_min(1e-12)
     order = torch.argsort(g)  # most negative first
     labels: list[int] = [int(k) for k in order[: int(gaining.sum())].tolist()][:num_samples]
-    return _fill_greedily(labels, est, num_samples)
+    return fill_greedily(labels, est, num_samples)
 
 
-def _fill_greedily(labels: list[int], est: torch.Tensor, num_samples: int) -> torch.Tensor:
+def fill_greedily(labels: list[int], est: torch.Tensor, num_samples: int) -> torch.Tensor:
     """Complete ``labels`` to ``num_samples`` by repeatedly taking the class with the largest remaining
     estimated count ``est`` (each label already taken uses up one), sorted ascending."""
     remaining = est.clone()
