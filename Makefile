@@ -30,9 +30,13 @@ lock:
 demo: $(STAMP)
 	$(BIN)/gradleak demo
 
+# The suite on up to 4 cores (pytest-xdist; tests that start Ray or a SuperLink share one worker, tests/conftest.py).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
 test: $(STAMP)
 	-bash scripts/setup_wordnet.sh $(BIN)/python
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 # The fast suite again under other CPU kernel sets than the native one (torch's ATEN_CPU_CAPABILITY changes
 # the rounding): a test that passes natively but not here asserts a rounding margin, not correctness.
@@ -46,13 +50,15 @@ test-kernels: $(STAMP)
 	for cap in $(KERNELS); do \
 		if [ "$$cap" = "$$native" ]; then echo "== ATEN_CPU_CAPABILITY=$$cap is this CPU's native set: make test ran it"; continue; fi; \
 		echo "== ATEN_CPU_CAPABILITY=$$cap"; \
-		ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest -q -p no:cacheprovider || exit 1; \
+		ATEN_CPU_CAPABILITY=$$cap $(PYTEST) -p no:cacheprovider || exit 1; \
 	done
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
+	$(BIN)/mypy tests/test_registry_types.py
+	$(BIN)/lint-imports
 
 # The Flower example app under Flower's own CLI (examples/flower/README.md): 10 simulated SuperNodes on Ray,
 # gradleak's audit in ~/.flwr/gradleak-flower.sqlite (FLWR_HOME), then the audit's table.

@@ -37,15 +37,16 @@ import torch
 from torch import nn
 
 from gradleak.data import ImageDataset
-from gradleak.defenses.aegis_cache import CacheConfig
-from gradleak.defenses.aegis_synthetic import AegisConfig, cache_from_data
+from gradleak.defenses.aegis.cache import CacheConfig
+from gradleak.defenses.aegis.defense import AegisConfig, cache_from_data
+from gradleak.defenses.aegis.generators import GaussianGeneratorConfig, PublicSplit
+from gradleak.defenses.aegis.generators.diffusion import DiffusionGeneratorConfig, DiffusionTrainingConfig
+from gradleak.defenses.aegis.generators.oracle import OracleGeneratorConfig
 from gradleak.experiments.config import load_config
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
 from gradleak.experiments.runner import build_simulation
-from gradleak.fl import derive_seed, evaluate
-from gradleak.generators import GaussianGeneratorConfig, PublicSplit
-from gradleak.generators.diffusion import DiffusionGeneratorConfig, DiffusionTrainingConfig
-from gradleak.generators.oracle import OracleGeneratorConfig
+from gradleak.federation import derive_seed
+from gradleak.metrics.utility import top1_accuracy
 
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
@@ -120,7 +121,7 @@ def run(seed: int, clients: int, aegis: AegisConfig) -> dict[str, Any]:
         }
         steps = EPOCHS * -(-n // 64)
         acc = {
-            arm: evaluate(
+            arm: top1_accuracy(
                 train(init, x, y, steps, derive_seed(seed, cid)), test.images[mask], test.labels[mask]
             )
             for arm, (x, y) in data.items()

@@ -1,7 +1,7 @@
 """Build and store the Aegis caches a benchmark's clients will ask for, client by client, ahead of its run.
 
 An Aegis arm with a cache ``store`` keeps each client's built cache there (named by content:
-:func:`gradleak.defenses.aegis_synthetic.cache_from_data`), and its run reloads it. A federation whose
+:func:`gradleak.defenses.aegis.defense.cache_from_data`), and its run reloads it. A federation whose
 clients each sample their own cache from the public diffusion generator needs about 100 of them for the
 60-round protocol, about 2 minutes each on 2 cores: longer than one sitting. This script builds them for
 every client of every seed (or ``--clients``), skipping the ones already stored, so the work survives an
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gradleak.data import ImageDataset
-from gradleak.defenses.aegis_synthetic import AegisConfig, cache_from_data
+from gradleak.defenses.aegis.defense import AegisConfig, cache_from_data
 from gradleak.experiments.benchmark import load_benchmark
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, timed, write_result
 from gradleak.experiments.runner import build_simulation

@@ -37,12 +37,12 @@ from typing import Any
 
 import torch
 
+from gradleak.data.text import TextBatch, encode, load_text_dataset, sample
 from gradleak.defenses import DefenseChain
 from gradleak.defenses.in_loop import build_defenses
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
+from gradleak.models.text import TextModel, build_text_model
 from gradleak.tasks import text_loss
-from gradleak.text.data import TextBatch, encode, load_text_dataset, sample
-from gradleak.text.models import TextModel, build_text_model
 from gradleak.types import Update
 
 HERE = Path(__file__).resolve().parent

@@ -5,7 +5,8 @@ steps. Paper 002 fine-tunes for up to 8 epochs or 12,000 steps with early stoppi
 (test perplexity at or below the undefended baseline) is made there.
 This script follows that protocol on one client:
 
-* the client's own loop (:class:`gradleak.text.client.LocalTrainer`): AEGIS ``setup`` freezes attention before
+* the client's own loop (:class:`gradleak.tasks.text_client.LocalTrainer`): AEGIS ``setup`` freezes attention
+before
   the optimiser is built, every step floods the gradient and AdamW steps on it (paper 002, Algorithm 1);
 * AdamW lr 5e-5, weight decay 0.01, linear warm-up over the first 10 % of the planned steps then linear decay,
   batch 8, dropout on (train mode), as the paper's transformers training;
@@ -38,19 +39,20 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from gradleak.data.text import TextBatch, TextDataset, encode, load_text_dataset, split
 from gradleak.defenses.in_loop import build_defenses
-from gradleak.defenses.presets import PRESETS
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
-from gradleak.registry import DEFENSES
-from gradleak.text.client import LocalTrainer
-from gradleak.text.data import TextBatch, TextDataset, encode, load_text_dataset, split
-from gradleak.text.metrics import accuracy, macro_f1, perplexity
-from gradleak.text.models import TextModel, build_text_model
+from gradleak.metrics.utility import accuracy, macro_f1, perplexity
+from gradleak.models.text import TextModel, build_text_model
+from gradleak.registry import DEFENSES, PRESETS
+from gradleak.tasks.text_client import LocalTrainer
 
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
 # the text defenses at their defaults and the presets (Soteria needs the model's layers: not offered here)
-SETTINGS = sorted({*(e.name for e in DEFENSES if e.modality != "image" and e.name != "soteria"), *PRESETS})
+SETTINGS = sorted(
+    {*(e.name for e in DEFENSES if e.modality != "image" and e.name != "soteria"), *PRESETS.names()}
+)
 
 
 def encode_batches(data: TextDataset, size: int, tm: TextModel, max_tokens: int) -> list[TextBatch]:

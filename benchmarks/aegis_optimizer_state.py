@@ -41,9 +41,10 @@ from gradleak.defenses.in_loop import build_defenses
 from gradleak.experiments.benchmark import load_benchmark
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
 from gradleak.experiments.runner import build_simulation
-from gradleak.fl import derive_seed
-from gradleak.fl.client import train_client
-from gradleak.fl.server import apply_update, evaluate, weighted_mean
+from gradleak.federation import derive_seed
+from gradleak.federation.server import apply_update, weighted_mean
+from gradleak.metrics.utility import top1_accuracy
+from gradleak.tasks.client import train_client
 
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
@@ -109,7 +110,7 @@ def one_round(sim: Any, cids: list[int], training: Any, arm: dict[str, Any] | No
     model = copy.deepcopy(sim.model)
     apply_update(model, weighted_mean(updates))  # FedAvg, weights n_i
     return {
-        "accuracy": evaluate(model, *test),
+        "accuracy": top1_accuracy(model, *test),
         "adam_sqrt_v_by_epoch": np.nanmean(np.array(sqrt_v), axis=0).tolist(),
         "real_ms_per_image": 1000 * sum(real_s) / max(real_n, 1),
         "synthetic_ms_per_image": (
@@ -134,7 +135,7 @@ def run(seed: int, scale: Scale) -> dict[str, Any]:
             continue
         rng = np.random.default_rng(derive_seed(seed, 0x57A7E, r))
         cids = sorted(rng.choice(len(sim.clients), scale.clients, replace=False).tolist())
-        base = evaluate(sim.model, *test)
+        base = top1_accuracy(sim.model, *test)
         row: dict[str, Any] = {"after_round": r + 1, "clients": cids, "accuracy_before": base, "arms": {}}
         for name, arm in ARMS.items():
             row["arms"][name] = one_round(sim, cids, training, arm, aegis, test)

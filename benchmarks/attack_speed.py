@@ -34,8 +34,8 @@ from torch.nn import functional as F
 from gradleak.attacks import create_attack
 from gradleak.data import ImageDataset, load_dataset
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, summarize, write_result
-from gradleak.fl.client import train_client
 from gradleak.models import build_model
+from gradleak.tasks.client import train_client
 from gradleak.types import LocalTraining, Observation
 
 HERE = Path(__file__).resolve().parent

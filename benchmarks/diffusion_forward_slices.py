@@ -2,7 +2,8 @@
 
 The sampler draws and steps ``sampling.batch_size`` images together (256 by default); on the CPU the UNet
 evaluates them in slices of ``DiffusionGenerator.cpu_forward_images``
-(:data:`gradleak.generators.diffusion.CPU_FORWARD_IMAGES`). This script samples the same labels from the
+(:data:`gradleak.defenses.aegis.generators.diffusion.CPU_FORWARD_IMAGES`). This script samples the same
+labels from the
 same noise with the batch in one forward and in slices of 128, 64, 32 and 16 images, interleaved over
 ``repeats`` rounds so that a slow spell of the machine hits every variant, and reports the median seconds,
 the ratio to one forward, and the largest difference of the samples from one forward's (GroupNorm
@@ -26,8 +27,8 @@ from pathlib import Path
 
 import torch
 
+from gradleak.defenses.aegis.generators.diffusion import fit_diffusion
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
-from gradleak.generators.diffusion import fit_diffusion
 from gradleak.progress import bar
 from public_generators import public_arms
 

@@ -32,7 +32,7 @@ from torch.nn import functional as F
 
 from gradleak.data import ImageDataset, load_dataset, partition
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, summarize, write_result
-from gradleak.fl import FederatedSimulation, FLConfig, derive_seed
+from gradleak.federation import FederatedSimulation, FLConfig, derive_seed
 from gradleak.models import build_model
 from gradleak.types import LocalTraining
 

@@ -1,7 +1,8 @@
 """Aegis' generators side by side (issue 22): the quality gate, the cache build and the cost of each.
 
 Paper 000's federation (``configs/base/paper000_setting.toml``: OrganAMNIST, 100 label-skew clients, <= 5
-classes). Generators, each scored by :mod:`gradleak.generators.quality` (a reference ``aegis_cnn`` trained
+classes). Generators, each scored by :mod:`gradleak.defenses.aegis.generators.quality` (a reference
+``aegis_cnn`` trained
 on real training images; held-out real test images; memorisation against the images the generator was fit
 on):
 
@@ -36,15 +37,15 @@ from typing import Any
 import torch
 
 from gradleak.data import ImageDataset, load_dataset
-from gradleak.defenses.aegis_cache import CacheConfig, build_cache
+from gradleak.defenses.aegis.cache import CacheConfig, build_cache
+from gradleak.defenses.aegis.generators.base import ConditionalGenerator, PublicSplit
+from gradleak.defenses.aegis.generators.diffusion import DiffusionGeneratorConfig, fit_diffusion
+from gradleak.defenses.aegis.generators.gaussian import ClassGaussianGenerator
+from gradleak.defenses.aegis.generators.oracle import RealImageGenerator
+from gradleak.defenses.aegis.generators.quality import QualityConfig, Reference
 from gradleak.experiments.config import load_config
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, timed, write_result
 from gradleak.experiments.runner import build_simulation
-from gradleak.generators.base import ConditionalGenerator, PublicSplit
-from gradleak.generators.diffusion import DiffusionGeneratorConfig, fit_diffusion
-from gradleak.generators.gaussian import ClassGaussianGenerator
-from gradleak.generators.oracle import RealImageGenerator
-from gradleak.generators.quality import QualityConfig, Reference
 from gradleak.options import build_dataclass
 
 HERE = Path(__file__).resolve().parent

@@ -22,7 +22,7 @@ from typing import Any
 
 from generator_steps import BENCHMARK, SCALES, aegis_columns, column_name, measure, reference_for, save
 from gradleak.data import ImageDataset
-from gradleak.defenses.aegis_synthetic import AegisConfig
+from gradleak.defenses.aegis.defense import AegisConfig
 from gradleak.experiments.benchmark import load_benchmark
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args
 from gradleak.experiments.runner import build_simulation

@@ -8,10 +8,11 @@ the own-share diffusion generator at each training length it lists), and for eac
 
 - the generator's training CPU time (a stored generator keeps the time it was trained in: the benchmark's
   own training, reloaded bit-identically by content),
-- the quality gate (:mod:`gradleak.generators.quality`): a reference ``aegis_cnn`` trained on the *other*
+- the quality gate (:mod:`gradleak.defenses.aegis.generators.quality`): a reference ``aegis_cnn`` trained on
+the *other*
   clients' images, scored on the 206 held-out images; memorisation judged against the client's own share,
 - for the first ``cost_clients`` clients, Aegis' cache build exactly as the defense runs it
-  (:func:`~gradleak.defenses.aegis_synthetic.cache_from_data`: M accepted images), wall and CPU seconds
+  (:func:`~gradleak.defenses.aegis.defense.cache_from_data`: M accepted images), wall and CPU seconds
   timed in this process,
 
 and the cost per client (training + cache build, CPU-minutes summed over torch's threads).
@@ -27,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from gradleak.data import ImageDataset
-from gradleak.defenses.aegis_synthetic import AegisConfig, cache_from_data
+from gradleak.defenses.aegis.defense import AegisConfig, cache_from_data
+from gradleak.defenses.aegis.generators.quality import QualityConfig, Reference
 from gradleak.experiments.benchmark import load_benchmark
 from gradleak.experiments.config import ExperimentConfig
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, timed, write_result
 from gradleak.experiments.runner import build_simulation
-from gradleak.generators.quality import QualityConfig, Reference
 from gradleak.registry import DEFENSES, GENERATORS
 
 HERE = Path(__file__).resolve().parent

@@ -2,7 +2,8 @@
 
 A benchmark whose Aegis arms use ``generator = "diffusion"`` with ``train_on = "public"`` and a ``pool``
 trains that generator and samples its pool in the first run that needs them, then reuses both from the
-store (files named by content and options, not by device: :mod:`gradleak.generators.diffusion`). This
+store (files named by content and options, not by device:
+:mod:`gradleak.defenses.aegis.generators.diffusion`). This
 script does that step alone, for every such arm of ``--config`` at ``--scale``, so that a GPU can do once
 what a CPU run would spend most of an hour on (OrganAMNIST val, 6,000 steps: about 43 minutes on 2 cores;
 its 22,528-image pool about 20 more); the benchmark run that follows, anywhere, reloads them. Writes the
@@ -21,9 +22,13 @@ from typing import Any
 
 import torch
 
+from gradleak.defenses.aegis.generators.diffusion import (
+    DiffusionGeneratorConfig,
+    diffusion_source,
+    fit_diffusion,
+)
 from gradleak.experiments.benchmark import load_benchmark
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, timed, write_result
-from gradleak.generators.diffusion import DiffusionGeneratorConfig, diffusion_source, fit_diffusion
 from gradleak.registry import DEFENSES
 
 HERE = Path(__file__).resolve().parent

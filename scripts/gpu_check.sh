@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 55's GPU check: one call of the session's `device` tool on a lent GPU machine (docs/reproducing.md).
-#   1. the device tests with the GPU added (tests/fl/test_device.py, GRADLEAK_TEST_DEVICES=cuda): client
+#   1. the device tests with the GPU added (tests/federation/test_device.py, GRADLEAK_TEST_DEVICES=cuda): client
 #      training, the defenses and every device-ready attack on the GPU against the CPU, and a whole run;
 #   2. one cell of the image map at paper scale on the GPU (CELL, default resnet18_train-b8-fedsgd:
 #      ResNet-18 at width 64, batch 8, IG and GradInversion at their default 2,000 iterations; 2 audited
@@ -27,7 +27,7 @@ mkdir -p "$OUT"
 command -v nvidia-smi >/dev/null && nvidia-smi -L | tee "$OUT/gpu.txt"
 extra=()
 [ "$DEVICE" = cpu ] || extra=(GRADLEAK_TEST_DEVICES="$DEVICE")
-env "${extra[@]}" timeout 240 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/fl/test_device.py 2>&1 \
+env "${extra[@]}" timeout 240 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/federation/test_device.py 2>&1 \
     | tee "$OUT/device_tests.log" | tail -n 15
 tests=${PIPESTATUS[0]}
 iters=()

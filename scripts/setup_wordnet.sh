@@ -3,7 +3,7 @@
 # 1. If Debian's dict files are missing and we are root, `apt-get install -y wordnet-base`
 #    (and wordnet-sense-index when available; optional).
 # 2. Build the NLTK data folder (<venv>/nltk_data/corpora/wordnet) from the dict files plus
-#    ../shared/data/wordnet/lexnames, via gradleak.text.wordnet.ensure_wordnet.
+#    ../shared/data/wordnet/lexnames, via gradleak.data.wordnet.ensure_wordnet.
 # Usage: scripts/setup_wordnet.sh [PYTHON]   (default .venv/bin/python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,4 +18,4 @@ if [ ! -f "$DICT/data.noun" ]; then
     exit 1
   fi
 fi
-"$PY" -c "from gradleak.text.wordnet import ensure_wordnet; print('WordNet for NLTK:', ensure_wordnet())"
+"$PY" -c "from gradleak.data.wordnet import ensure_wordnet; print('WordNet for NLTK:', ensure_wordnet())"

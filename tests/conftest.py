@@ -16,3 +16,19 @@ torch.set_num_threads(1)
 @pytest.fixture
 def tiny_data() -> ImageDataset:
     return synthetic_dataset()
+
+
+# Tests that start a Ray cluster or a Flower SuperLink share one pytest-xdist worker (``make test`` runs
+# ``--dist loadgroup``): two local Ray clusters at once on 2 cores made both miss their round timeouts.
+_ONE_AT_A_TIME = ("run_simulation", "FlowerRunner", '"flwr"', "flwr run")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    sources: dict[str, bool] = {}
+    for item in items:
+        path = str(item.path)
+        if path not in sources:
+            text = item.path.read_text(encoding="utf-8") if item.path.suffix == ".py" else ""
+            sources[path] = any(marker in text for marker in _ONE_AT_A_TIME)
+        if sources[path]:
+            item.add_marker(pytest.mark.xdist_group("ray"))

@@ -10,7 +10,7 @@ import torch
 from gradleak import progress
 from gradleak.attacks import create_attack
 from gradleak.cli import main
-from gradleak.fl import train_client
+from gradleak.federation import train_client
 from gradleak.models import build_model
 from gradleak.types import LocalTraining, Observation
 from synthetic import synthetic_dataset

@@ -15,20 +15,32 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # what each registry builds (type checking only: the registries sit below them all)
+    import numpy as np
+    import torch
     from torch import nn
 
     from gradleak.data.base import ImageDataset
+    from gradleak.data.text import TextDataset
+    from gradleak.defenses.aegis.generators.base import ConditionalGenerator
+    from gradleak.defenses.base import Defense
+    from gradleak.defenses.presets import Preset
+    from gradleak.federation.engines import EngineRunner
+    from gradleak.models.text import TextModel
+    from gradleak.tasks.base import Task
+    from gradleak.types import Attack
 
 from gradleak.device import DEVICE_TYPES
 from gradleak.options import OptionError, build_dataclass
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 MODALITIES = (None, "image", "text")
 
 
@@ -94,14 +106,14 @@ class UnknownNameError(KeyError):
 
 
 @dataclass(frozen=True)
-class Entry(Generic[T]):
+class Entry(Generic[T]):  # T: what the factory builds
     """One registered thing: a factory, its optional config dataclass, a one-line summary, the modality
     it works on (``"image"``, ``"text"``; ``None``: any), checked against the task before any work, and the
     device types it computes on (an attack: ``("cpu", "cuda")`` when it runs where the observation's model
     is; ``("cpu",)``, the default, runs on a CPU copy of the observation, :mod:`gradleak.device`)."""
 
     name: str
-    factory: T
+    factory: Callable[..., T]
     config_cls: type | None
     summary: str
     modality: str | None = None
@@ -109,7 +121,8 @@ class Entry(Generic[T]):
 
 
 class Registry(Generic[T]):
-    """A named collection of factories of one kind ("dataset", "model", "attack", "defense")."""
+    """A named collection of factories of one kind ("dataset", "model", "attack", "defense", ...), each
+    building a ``T``: ``ATTACKS.create("ig")`` is an :class:`~gradleak.types.Attack` to the type checker."""
 
     def __init__(
         self, kind: str, package: str | None = None, check: Callable[[str, object], None] | None = None
@@ -118,15 +131,25 @@ class Registry(Generic[T]):
         self.package = package  # imported on first lookup: its modules register the built-in entries
         self.check = check  # of each factory, when it is registered
         self._entries: dict[str, Entry[T]] = {}
-        self._renamed: dict[str, tuple[str, str]] = {}  # old name -> (new name, why)
-        self._populated = package is None
+        self._renamed: dict[str, tuple[str, str]] = {}  # old name -> (new name, why): an error
+        self._aliases: dict[str, tuple[str, str]] = {}  # old name -> (new name, why): a warning
+        self._populated = self._builtins_imported = package is None
+
+    def _import_builtins(self) -> None:
+        """The built-in package, whose modules register the built-in entries (a no-op while it is being
+        imported: its own ``register`` calls come from there)."""
+        if not self._builtins_imported:
+            self._builtins_imported = True
+            importlib.import_module(self.package)  # type: ignore[arg-type]
 
     def _populate(self) -> None:
-        """Complete on first use: ``ATTACKS.create("sme")`` works without importing gradleak.attacks, and
-        the installed plugins' entry points are loaded."""
+        """Complete on first lookup: ``ATTACKS.create("sme")`` works without importing gradleak.attacks, and
+        the installed plugins' entry points are loaded. Registering loads the built-ins only: a built-in
+        module registers while it is imported, when a plugin that needs another package half imported
+        must not run yet."""
+        self._import_builtins()
         if not self._populated:
             self._populated = True
-            importlib.import_module(self.package)  # type: ignore[arg-type]
             from gradleak import plugins
 
             plugins.load_entry_points()
@@ -134,14 +157,14 @@ class Registry(Generic[T]):
     def register(
         self,
         name: str,
-        factory: T,
+        factory: Callable[..., T],
         *,
         config_cls: type | None = None,
         summary: str = "",
         modality: str | None = None,
         devices: tuple[str, ...] = ("cpu",),
-    ) -> T:
-        self._populate()  # the built-ins first: a plugin that reuses a built-in name is told so
+    ) -> Callable[..., T]:
+        self._import_builtins()  # the built-ins first: a plugin that reuses a built-in name is told so
         key = name.lower()
         if modality not in MODALITIES:
             raise ValueError(
@@ -167,8 +190,27 @@ class Registry(Generic[T]):
             raise ValueError(f"{self.kind} {new!r} is not registered")
         self._renamed[old.lower()] = (new.lower(), why)
 
-    def entry(self, name: str) -> Entry[T]:
+    def alias(self, old: str, new: str, why: str) -> None:
+        """``old`` is now ``new``: looking ``old`` up still works and logs a warning that says why, so that
+        existing configs run while their authors are told."""
+        if new.lower() not in self._entries:
+            raise ValueError(f"{self.kind} {new!r} is not registered")
+        if old.lower() in self._entries:
+            raise ValueError(f"{self.kind} {old!r} is registered: it cannot also be an alias")
+        self._aliases[old.lower()] = (new.lower(), why)
+
+    def canonical(self, name: str) -> str:
+        """The registered name ``name`` stands for (itself, or the new name of an alias, with its warning)."""
         self._populate()
+        key = name.lower()
+        if key in self._aliases and key not in self._entries:
+            new, why = self._aliases[key]
+            log.warning("%s %r is now called %r (%s); the old name still works", self.kind, name, new, why)
+            return new
+        return key
+
+    def entry(self, name: str) -> Entry[T]:
+        name = self.canonical(name)
         try:
             return self._entries[name.lower()]
         except KeyError:
@@ -178,7 +220,7 @@ class Registry(Generic[T]):
             known = ", ".join(sorted(self._entries)) or "(none)"
             raise UnknownNameError(f"unknown {self.kind} {name!r}; known {self.kind}s: {known}") from None
 
-    def get(self, name: str) -> T:
+    def get(self, name: str) -> Callable[..., T]:
         return self.entry(name).factory
 
     def names(self) -> list[str]:
@@ -187,7 +229,7 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: object) -> bool:
         self._populate()
-        return isinstance(name, str) and name.lower() in self._entries
+        return isinstance(name, str) and (name.lower() in self._entries or name.lower() in self._aliases)
 
     def __iter__(self) -> Iterator[Entry[T]]:
         self._populate()
@@ -202,20 +244,31 @@ class Registry(Generic[T]):
             return None
         return build_dataclass(entry.config_cls, overrides or {}, where=f"{self.kind} {name!r}")
 
-    def create(self, name: str, **overrides: Any) -> Any:
+    def create(self, name: str, **overrides: Any) -> T:
         """``factory(config)`` for entries with a config class, else ``factory(**overrides)``."""
         entry = self.entry(name)
-        factory: Callable[..., Any] = entry.factory  # type: ignore[assignment]
         if entry.config_cls is None:
-            return factory(**overrides)
-        return factory(self.make_config(name, overrides))
+            return entry.factory(**overrides)
+        return entry.factory(self.make_config(name, overrides))
 
 
-DATASETS: Registry[Callable[..., Any]] = Registry("dataset", "gradleak.data", check=check_loader)
-MODELS: Registry[Callable[..., Any]] = Registry("model", "gradleak.models", check=check_model)
-ATTACKS: Registry[Callable[..., Any]] = Registry("attack", "gradleak.attacks")
-DEFENSES: Registry[Callable[..., Any]] = Registry("defense", "gradleak.defenses")
-ENGINES: Registry[Callable[..., Any]] = Registry("engine", "gradleak.fl.engines")
+DATASETS: Registry[ImageDataset | TextDataset] = Registry("dataset", "gradleak.data", check=check_loader)
+MODELS: Registry[nn.Module | TextModel] = Registry("model", "gradleak.models", check=check_model)
+ATTACKS: Registry[Attack] = Registry("attack", "gradleak.attacks")
+DEFENSES: Registry[Defense] = Registry("defense", "gradleak.defenses")
+# A defense at the settings a paper or a table names (``dp_sgd_eps8``, ``prune_90``): ``factory()`` -> Preset
+PRESETS: Registry[Preset] = Registry("defense preset", "gradleak.defenses.presets")
+ENGINES: Registry[EngineRunner] = Registry("engine", "gradleak.federation.engines")
 # Conditional image generators for Aegis' synthetic cache: ``factory(data, config, *, generator)`` fits one
-# on a client's (or a sanctioned public) data set and returns a ConditionalGenerator
-GENERATORS: Registry[Callable[..., Any]] = Registry("generator", "gradleak.generators")
+# on a client's (or a sanctioned public) data set
+GENERATORS: Registry[ConditionalGenerator] = Registry("generator", "gradleak.defenses.aegis.generators")
+# Learning tasks: ``factory(**fields)`` (a frozen dataclass; ``mode`` train|eval), rebuilt by name on a node
+TASKS: Registry[Task] = Registry("task", "gradleak.tasks")
+# How a data set is split among clients: ``factory(dataset, num_clients, rng, **options)`` -> index arrays
+PARTITIONERS: Registry[list[np.ndarray]] = Registry("partitioner", "gradleak.data.partition")
+# A client's local optimiser: ``factory(params, lr=..., weight_decay=...)`` (LocalTraining.optimizer)
+OPTIMIZERS: Registry[torch.optim.Optimizer] = Registry("optimizer", "gradleak.tasks.client")
+# The server's adaptive FedOpt optimiser (fl.server_optimizer; "sgd" is FedAvg's plain step, no optimiser)
+SERVER_OPTIMIZERS: Registry[torch.optim.Optimizer] = Registry(
+    "server optimizer", "gradleak.federation.server"
+)

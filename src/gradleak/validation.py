@@ -1,8 +1,9 @@
 """The one validation point for untrusted updates: names, shapes, dtypes and finiteness against the model.
 
 Every update passes :func:`check_update` before it is aggregated or attacked: the client checks what it is
-about to send (:func:`gradleak.fl.client.train_client`), the server screens what it received
-(:func:`gradleak.fl.server.screen`), and an :class:`~gradleak.types.Observation` checks what an attack reads
+about to send (:func:`gradleak.tasks.client.train_client`), the server screens what it received
+(:func:`gradleak.federation.server.screen`), and an :class:`~gradleak.types.Observation` checks what an
+attack reads
 (the Python API). An update loaded from a file (:mod:`gradleak.update_io`) passes the same check.
 
 Weights a party sends back whole (a Flower train reply: ``w_T``, BatchNorm buffers included) pass
@@ -19,14 +20,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from gradleak.types import Update
-
+from gradleak.update import Update
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=-]{0,199}")
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=-]{0,254}")
@@ -56,7 +54,7 @@ def reference_of(model: nn.Module) -> dict[str, torch.Tensor]:
 def trainable_of(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's trainable parameters (``requires_grad``): what a complete update carries. Every parameter
     of a model trained whole; the adapters (and a trained head) of a LoRA model, whose base weights are
-    frozen when it is broadcast (:mod:`gradleak.text.adapters`)."""
+    frozen when it is broadcast (:mod:`gradleak.models.adapters`)."""
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
@@ -188,8 +186,6 @@ def check_update(
 ) -> None:
     """Raise :class:`InvalidUpdateError` unless ``update`` is a valid :class:`~gradleak.types.Update` for the
     model (or parameter mapping) ``reference``: its type, its sample count, then :func:`check_tensors`."""
-    from gradleak.types import Update
-
     if not isinstance(update, Update):
         raise InvalidUpdateError(f"{source}: expected an Update, got {type(update).__name__}")
     n = update.num_samples

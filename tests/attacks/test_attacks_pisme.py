@@ -15,9 +15,9 @@ from gradleak.attacks.image.ig import cosine_distance
 from gradleak.attacks.image.labels import recover_label_counts
 from gradleak.attacks.image.surrogate import bezier, gauss_legendre, weighted_sum
 from gradleak.data import load_dataset
-from gradleak.fl.client import train_client
 from gradleak.metrics import score_images
 from gradleak.models import build_model
+from gradleak.tasks.client import train_client
 from gradleak.types import AttackInputError, LocalTraining, Observation, Update
 
 

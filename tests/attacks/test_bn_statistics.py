@@ -10,9 +10,9 @@ from torch import nn
 
 from gradleak.attacks import create_attack
 from gradleak.attacks.image.bn_prior import batchnorm_layers, read_batch_statistics
-from gradleak.fl.client import train_client
-from gradleak.fl.simulation import FederatedSimulation, FLConfig
+from gradleak.federation.simulation import FederatedSimulation, FLConfig
 from gradleak.models import build_model
+from gradleak.tasks.client import train_client
 from gradleak.types import AttackInputError, LocalTraining, Observation
 from synthetic import synthetic_dataset
 
@@ -118,8 +118,8 @@ def test_the_server_averages_the_clients_statistics_by_sample_count():
 
 
 def test_the_server_rejects_statistics_that_do_not_fit_the_model():
-    from gradleak.fl.client import ClientResult
-    from gradleak.fl.server import screen
+    from gradleak.federation.server import screen
+    from gradleak.tasks.client import ClientResult
 
     net = model()
     update = train(net, synthetic_dataset(n=4, shape=SHAPE, classes=CLASSES, seed=4), epochs=1)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradleak.attacks import create_attack
-from gradleak.fl import train_client
+from gradleak.federation import train_client
 from gradleak.types import MODE, AttackInputError, LocalTraining, Observation
 from synthetic import synthetic_dataset
 

@@ -14,8 +14,8 @@ from gradleak.attacks.image.label_counts import count_labels
 from gradleak.attacks.image.labels import output_layer_gradient
 from gradleak.data import load_dataset
 from gradleak.data.base import ImageDataset
-from gradleak.fl.client import train_client
 from gradleak.models import build_model
+from gradleak.tasks.client import train_client
 from gradleak.types import AttackInputError, LocalTraining, Observation, Update
 
 LABELS = [0, 0, 0, 1, 1, 2, 5, 5]

@@ -8,11 +8,11 @@ import torch
 from gradleak.attacks import create_attack
 from gradleak.attacks.linear.loki import Loki, LokiConfig
 from gradleak.data.base import ImageDataset
-from gradleak.fl import secure_sum, server_view
-from gradleak.fl.client import train_client
+from gradleak.federation import secure_sum, server_view
 from gradleak.metrics import score_images
 from gradleak.models import build_model
 from gradleak.models.malicious import CLOSED_BIAS, ImprintBlock
+from gradleak.tasks.client import train_client
 from gradleak.types import AttackInputError, LocalTraining, Observation
 from synthetic import synthetic_dataset
 

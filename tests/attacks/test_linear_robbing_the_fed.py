@@ -12,11 +12,11 @@ from torch import nn
 from gradleak.attacks import create_attack
 from gradleak.attacks.linear.robbing_the_fed import RobbingTheFed, RobbingTheFedConfig
 from gradleak.data.base import ImageDataset
-from gradleak.fl import server_view
-from gradleak.fl.client import ClientResult, train_client
+from gradleak.federation import server_view
 from gradleak.metrics import psnr, score_images
 from gradleak.models import build_model
 from gradleak.models.malicious import MaliciousModel
+from gradleak.tasks.client import ClientResult, train_client
 from gradleak.types import AttackInputError, LocalTraining, ModelModifyingAttack, Observation, Update
 from synthetic import synthetic_dataset
 

@@ -11,10 +11,10 @@ import torch
 from gradleak.attacks import create_attack
 from gradleak.attacks.linear.scale_mia import ScaleMIA, ScaleMIAConfig
 from gradleak.data.base import ImageDataset
-from gradleak.fl import server_view
-from gradleak.fl.client import train_client
+from gradleak.federation import server_view
 from gradleak.metrics import psnr, score_images
 from gradleak.models import build_model
+from gradleak.tasks.client import train_client
 from gradleak.types import AttackInputError, LocalTraining
 from synthetic import synthetic_dataset
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from gradleak.data.base import ImageDataset
-from gradleak.defenses import aegis_synthetic
-from gradleak.defenses.aegis_cache import CacheConfig
-from gradleak.defenses.aegis_synthetic import AegisConfig, _stored_key, cache_from_data, clear_cache_memo
-from gradleak.generators.base import PublicSplit, fingerprint
-from gradleak.generators.diffusion import DiffusionGeneratorConfig, DiffusionTrainingConfig
+from gradleak.defenses.aegis import defense as aegis_synthetic
+from gradleak.defenses.aegis.cache import CacheConfig
+from gradleak.defenses.aegis.defense import AegisConfig, _stored_key, cache_from_data, clear_cache_memo
+from gradleak.defenses.aegis.generators.base import PublicSplit, fingerprint
+from gradleak.defenses.aegis.generators.diffusion import DiffusionGeneratorConfig, DiffusionTrainingConfig
 from gradleak.update_io import read_tensors, write_tensors
 
 SHAPE = (1, 8, 8)

@@ -12,20 +12,20 @@ from torch.nn import functional as F
 
 from gradleak.attacks import create_attack
 from gradleak.data import ImageDataset, load_dataset
-from gradleak.defenses.aegis_cache import CacheConfig, CacheError, SyntheticCache, build_cache
-from gradleak.defenses.aegis_synthetic import (
+from gradleak.defenses.aegis.cache import CacheConfig, CacheError, SyntheticCache, build_cache
+from gradleak.defenses.aegis.defense import (
     AegisConfig,
     AegisSynthetic,
     accumulate_mean_gradient,
     aegis_for_client,
 )
+from gradleak.defenses.aegis.generators import ClassGaussianGenerator
 from gradleak.defenses.base import DefenseChain, DefenseFailure
-from gradleak.fl import server_view
-from gradleak.fl.client import train_client
-from gradleak.generators import ClassGaussianGenerator
+from gradleak.federation import server_view
 from gradleak.metrics import score_images
 from gradleak.models import build_model
 from gradleak.registry import DEFENSES
+from gradleak.tasks.client import train_client
 from gradleak.types import LocalTraining
 from synthetic import synthetic_dataset
 

@@ -14,8 +14,8 @@ from torch import nn
 import gradleak.experiments.runner as runner
 from gradleak.data import load_dataset
 from gradleak.data.base import ImageDataset
-from gradleak.defenses.aegis_cache import CacheConfig, SyntheticCache
-from gradleak.defenses.aegis_synthetic import (
+from gradleak.defenses.aegis.cache import CacheConfig, SyntheticCache
+from gradleak.defenses.aegis.defense import (
     AegisConfig,
     AegisSynthetic,
     cache_from_data,
@@ -24,9 +24,9 @@ from gradleak.defenses.aegis_synthetic import (
 )
 from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure, accepts_data
 from gradleak.experiments import load_config, run_experiment
-from gradleak.fl.client import train_client
 from gradleak.models import build_model
 from gradleak.registry import DEFENSES
+from gradleak.tasks.client import train_client
 from gradleak.types import LocalTraining
 from synthetic import synthetic_dataset
 

@@ -14,9 +14,9 @@ from gradleak.defenses.baselines import (
     Soteria,
     SoteriaConfig,
 )
-from gradleak.fl.client import train_client
 from gradleak.models import build_model
 from gradleak.registry import DEFENSES
+from gradleak.tasks.client import train_client
 from gradleak.types import LocalTraining, Update
 from synthetic import synthetic_dataset
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from gradleak.defenses.aegis_cache import SyntheticCache
-from gradleak.defenses.aegis_synthetic import aegis_for_client
+from gradleak.defenses.aegis.cache import SyntheticCache
+from gradleak.defenses.aegis.defense import aegis_for_client
 from gradleak.defenses.base import Defense
-from gradleak.fl.client import train_client
 from gradleak.models import build_model
 from gradleak.registry import DEFENSES
+from gradleak.tasks.client import train_client
 from gradleak.types import LocalTraining
 from synthetic import synthetic_dataset
 
@@ -111,10 +111,10 @@ TEXT_TRIALS = {"aegis_llm": TRIALS, "compression": 25, "batch_noise": 25, "pruni
 @pytest.mark.parametrize("name", sorted(TEXT_TRIALS))
 def test_a_fault_in_any_hook_of_a_text_client_lets_no_update_out(name):
     """The text client's loops (FedSGD gradient, FedAvg with LocalTrainer) raise instead of sending."""
+    from gradleak.data.text import encode
     from gradleak.defenses.base import DefenseFailure
-    from gradleak.text.client import fedavg_text_update, fedsgd_text_update
-    from gradleak.text.data import encode
-    from gradleak.text.models import build_gpt2
+    from gradleak.models.text import build_gpt2
+    from gradleak.tasks.text_client import fedavg_text_update, fedsgd_text_update
     from gradleak.validation import InvalidUpdateError
 
     tm = build_gpt2("tiny", "classification", seed=0)

@@ -8,8 +8,8 @@ import torch
 from torch.nn import functional as F
 
 from gradleak.data import load_dataset
-from gradleak.defenses.aegis_cache import AcceptanceFilter, CacheConfig, CacheError, build_cache
-from gradleak.generators import ClassGaussianGenerator, ConditionalGenerator, align_images
+from gradleak.defenses.aegis.cache import AcceptanceFilter, CacheConfig, CacheError, build_cache
+from gradleak.defenses.aegis.generators import ClassGaussianGenerator, ConditionalGenerator, align_images
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from gradleak.defenses.aegis_cache import SyntheticCache
-from gradleak.defenses.aegis_synthetic import aegis_for_client
+from gradleak.defenses.aegis.cache import SyntheticCache
+from gradleak.defenses.aegis.defense import aegis_for_client
 from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure
 from gradleak.defenses.in_loop import build_defenses, defend
 from gradleak.models import build_model
@@ -122,7 +122,7 @@ def test_a_failure_is_sticky_so_no_update_can_leave_after_it():
 
 
 def test_the_optimizer_is_built_after_setup_over_the_parameters_left_trainable():
-    from gradleak.text.models import build_gpt2
+    from gradleak.models.text import build_gpt2
 
     gpt2 = build_gpt2("tiny", "classification", seed=0)
     loop = defend(gpt2.model, lambda ps: torch.optim.AdamW(ps, lr=1e-4), ["aegis_llm"], copy_model=True)

@@ -15,16 +15,20 @@ import torch
 from torch.nn import functional as F
 
 from gradleak.data.base import ImageDataset
-from gradleak.defenses.aegis_synthetic import clear_cache_memo
+from gradleak.defenses.aegis.defense import clear_cache_memo
+from gradleak.defenses.aegis.generators import diffusion as diffusion_mod
+from gradleak.defenses.aegis.generators.base import PublicSplit, fingerprint
+from gradleak.defenses.aegis.generators.diffusion import (
+    DiffusionGenerator,
+    DiffusionGeneratorConfig,
+    fit_diffusion,
+)
+from gradleak.defenses.aegis.generators.oracle import OracleGeneratorConfig
 from gradleak.device import DeviceError
-from gradleak.fl.client import train_client
-from gradleak.generators import diffusion as diffusion_mod
-from gradleak.generators.base import PublicSplit, fingerprint
-from gradleak.generators.diffusion import DiffusionGenerator, DiffusionGeneratorConfig, fit_diffusion
-from gradleak.generators.oracle import OracleGeneratorConfig
 from gradleak.models import build_model
 from gradleak.options import OptionError, build_dataclass
 from gradleak.registry import DEFENSES, GENERATORS
+from gradleak.tasks.client import train_client
 from gradleak.types import LocalTraining
 
 pytest.importorskip(

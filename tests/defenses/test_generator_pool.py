@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import load_file
 
 from gradleak.data.base import ImageDataset
-from gradleak.defenses.aegis_synthetic import AegisConfig, cache_from_data, clear_cache_memo
-from gradleak.fl.client import train_client
-from gradleak.generators.base import PublicSplit
-from gradleak.generators.diffusion import DiffusionGeneratorConfig, diffusion_source
-from gradleak.generators.pool import PoolDraws, PoolExhausted, SamplePool
+from gradleak.defenses.aegis.defense import AegisConfig, cache_from_data, clear_cache_memo
+from gradleak.defenses.aegis.generators.base import PublicSplit
+from gradleak.defenses.aegis.generators.diffusion import DiffusionGeneratorConfig, diffusion_source
+from gradleak.defenses.aegis.generators.pool import PoolDraws, PoolExhausted, SamplePool
 from gradleak.models import build_model
 from gradleak.options import OptionError, build_dataclass
 from gradleak.registry import DEFENSES
+from gradleak.tasks.client import train_client
 from gradleak.types import LocalTraining
 from gradleak.update_io import read_tensors, write_tensors
 

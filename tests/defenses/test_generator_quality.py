@@ -8,8 +8,13 @@ import pytest
 import torch
 
 from gradleak.data import load_dataset
-from gradleak.generators.oracle import RealImageGenerator
-from gradleak.generators.quality import QualityConfig, Reference, frechet_distance, nearest_distance
+from gradleak.defenses.aegis.generators.oracle import RealImageGenerator
+from gradleak.defenses.aegis.generators.quality import (
+    QualityConfig,
+    Reference,
+    frechet_distance,
+    nearest_distance,
+)
 
 
 def test_frechet_distance_matches_the_closed_form() -> None:

@@ -18,7 +18,7 @@ from gradleak.defenses.guard import (
     guard_model,
     near_parallel,
 )
-from gradleak.fl.simulation import FederatedSimulation, FLConfig
+from gradleak.federation.simulation import FederatedSimulation, FLConfig
 from gradleak.models import build_model
 from gradleak.types import LocalTraining
 from synthetic import synthetic_dataset

@@ -37,7 +37,7 @@ def test_override_values_are_typed():
         ({"fl": {"rounds": "two"}}, r"config.fl.rounds: expected int, got str 'two'"),
         ({"fl": {"rounds": 2.5}}, r"config.fl.rounds: expected int"),
         ({"fl": {"fraction": 2.0}}, r"fraction must be in \(0, 1\]"),
-        ({"fl": {"training": {"optimizer": "rmsprop"}}}, r"must be one of \['sgd', 'adam', 'adamw'\]"),
+        ({"fl": {"training": {"optimizer": "rmsprop"}}}, r"must be one of \['adam', 'adamw', 'sgd'\]"),
         ({"data": {"dataset": "mnist"}}, r"unknown dataset 'mnist'; known datasets: cifar10"),
         ({"model": {"name": "resnet"}}, r"unknown model 'resnet'"),
         ({"audit": {"attacks": [{"name": "magic"}]}}, r"unknown attack 'magic'"),
@@ -73,9 +73,31 @@ def test_invalid_toml(tmp_path):
         load_config(p)
 
 
+def test_a_renamed_preset_still_runs_with_a_warning_and_presets_resolve_once_everywhere(caplog):
+    """The dp_* presets were batch_noise, which states no epsilon, under a DP name (issue 51 defect): they are
+    batch_noise_* now; the old names still resolve, to the same defense and options, with a warning that
+    says why, in a config, in defend() and as a (name, options) pair (a pair was not resolved before)."""
+    import logging
+
+    from gradleak.defenses.in_loop import build_defenses
+    from gradleak.defenses.presets import resolve
+    from gradleak.registry import PRESETS
+
+    new = PRESETS.create("batch_noise_0.01")
+    assert (new.defense, dict(new.options)) == ("batch_noise", {"clip": 1.0, "sigma": 0.01, "batch_size": 1})
+    with caplog.at_level(logging.WARNING, logger="gradleak.registry"):
+        old = resolve("dp_0.01")
+    assert (old.name, dict(old.options), old.label) == ("batch_noise", dict(new.options), "dp_0.01")
+    assert "'dp_0.01' is now called 'batch_noise_0.01'" in caplog.text and "no epsilon" in caplog.text
+    built = build_defenses(["batch_noise_0.1", ("dp_0.001", {"clip": 2.0})])
+    got = [(d.name, d.config.sigma, d.config.clip) for d in built]
+    assert got == [("batch_noise", 0.1, 1.0), ("batch_noise", 0.001, 2.0)]
+    assert "dp_0.01" not in PRESETS.names() and "batch_noise_0.01" in PRESETS.names()
+
+
 def test_a_defense_preset_stands_for_its_defense_and_options_and_labels_its_cell():
-    from gradleak.defenses.presets import PRESETS
     from gradleak.experiments.config import cell_label, defenses_label, load_config
+    from gradleak.registry import PRESETS
 
     text = {"data": {"dataset": "rotten_tomatoes", "train_split": "all", "test_split": "all"},
             "model": {"name": "gpt2_tiny"}, "audit": {"attacks": ["dager"]},
@@ -84,7 +106,10 @@ def test_a_defense_preset_stands_for_its_defense_and_options_and_labels_its_cell
     single = load_config({**text, "grid": {}, "defenses": ["prune_90"]})
     none, two, dp = cfg.grid.defenses
     assert (two.name, dict(two.options), cell_label(two)) == ("aegis_llm", {"flood_mlp": False}, "aegis_2ch")
-    assert dp.name == "batch_noise" and dict(dp.options) == {**PRESETS["dp_0.01"].options, "clip": 0.5}
+    assert dp.name == "batch_noise" and dict(dp.options) == {
+        **PRESETS.create("batch_noise_0.01").options,
+        "clip": 0.5,
+    }
     assert cell_label(dp) == "dp_0.01(clip=0.5)" and cell_label(none) == "none"
     assert defenses_label(single.defenses) == "prune_90" and single.defenses[0].options == {"ratio": 0.9}
     assert load_config(cfg.to_dict()) == cfg  # the stored form reads back as the same config

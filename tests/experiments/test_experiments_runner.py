@@ -95,7 +95,7 @@ def test_a_run_failing_between_fl_rounds_resumes_from_its_checkpoint(tmp_path, m
     """Killed after round 0 of 3: the resumed run restores the model and the sampler from the stored
     checkpoint and gives the rounds and the audit of an uninterrupted run."""
     from gradleak.experiments import runner
-    from gradleak.fl.simulation import FederatedSimulation
+    from gradleak.federation.simulation import FederatedSimulation
 
     monkeypatch.setattr(runner, "CHECKPOINT_OVERHEAD", 0.0)  # a checkpoint after every round
     cfg = demo_cfg(["fl.rounds=3"])
@@ -130,7 +130,7 @@ def test_rounds_wait_for_a_slow_checkpoint_and_a_kill_before_it_redoes_them(tmp_
     lost with it; the rerun, resumed after round 0, trains rounds 1-3 again and gives the uninterrupted
     run's records."""
     from gradleak.experiments import runner
-    from gradleak.fl.simulation import FederatedSimulation
+    from gradleak.federation.simulation import FederatedSimulation
 
     cfg = demo_cfg(["fl.rounds=4", "audit.clients=0"])
     reference = run_experiment(cfg, store=ResultStore(tmp_path / "ref.sqlite"))

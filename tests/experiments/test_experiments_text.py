@@ -13,8 +13,8 @@ from gradleak.experiments import ResultStore, load_config, run_experiment
 from gradleak.experiments.config import ConfigError
 from gradleak.experiments.grid import run_grid
 from gradleak.experiments.setup import build_setup
-from gradleak.fl import derive_seed
-from gradleak.text.metrics import decode
+from gradleak.federation import derive_seed
+from gradleak.metrics.text import decode
 
 ROOT = Path(__file__).resolve().parents[2]
 WIKI = ROOT / "examples" / "wikitext2_gpt2_dager.toml"

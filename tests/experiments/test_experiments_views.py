@@ -140,7 +140,7 @@ def test_dp_sgd_views_compose_with_the_accountant_that_stated_them():
 
 def test_a_repeat_that_failed_closed_is_left_out_and_the_record_says_how_many_views_there_were():
     from gradleak.experiments.runner import with_views
-    from gradleak.fl.client import ClientResult
+    from gradleak.tasks.client import ClientResult
 
     (obs, _), _ = audited_updates(cfg())
     cid = obs.update.metadata["client_id"]

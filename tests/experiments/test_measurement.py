@@ -16,7 +16,7 @@ import torch
 
 from gradleak.data.base import ImageDataset
 from gradleak.experiments import measurement
-from gradleak.fl import FederatedSimulation, FLConfig
+from gradleak.federation import FederatedSimulation, FLConfig
 from gradleak.models import build_model
 from gradleak.types import LocalTraining
 
@@ -188,8 +188,8 @@ def test_timed_separates_wall_from_cpu_seconds() -> None:
 def test_the_sampling_cost_variants_change_only_how_the_shortest_column_samples(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gradleak.defenses.aegis_synthetic import AegisConfig
-    from gradleak.generators.diffusion import stored_name
+    from gradleak.defenses.aegis.defense import AegisConfig
+    from gradleak.defenses.aegis.generators.diffusion import stored_name
     from gradleak.options import build_dataclass
 
     monkeypatch.syspath_prepend(str(BENCH))  # it imports generator_steps beside it

@@ -22,7 +22,7 @@ from gradleak.attacks import create_attack  # noqa: E402
 from gradleak.audit import audit_generators, score_reconstruction  # noqa: E402
 from gradleak.defenses.in_loop import defend  # noqa: E402
 from gradleak.experiments.store import ResultStore  # noqa: E402
-from gradleak.fl.simulation import derive_seed  # noqa: E402
+from gradleak.federation.simulation import derive_seed  # noqa: E402
 from gradleak.integrations.flower import AuditStrategy  # noqa: E402
 from gradleak.models import build_model  # noqa: E402
 from gradleak.types import Observation, Update  # noqa: E402

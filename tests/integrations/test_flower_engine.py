@@ -21,9 +21,9 @@ from gradleak.attacks import create_attack  # noqa: E402
 from gradleak.data.base import ImageDataset  # noqa: E402
 from gradleak.defenses.in_loop import build_defenses  # noqa: E402
 from gradleak.experiments import load_config, run_experiment  # noqa: E402
-from gradleak.fl import FederatedSimulation, FLConfig, InProcessEngine, sample_clients  # noqa: E402
-from gradleak.fl.engines import FlowerEngineConfig  # noqa: E402
-from gradleak.fl.simulation import derive_seed  # noqa: E402
+from gradleak.federation import FederatedSimulation, FLConfig, InProcessEngine, sample_clients  # noqa: E402
+from gradleak.federation.simulation import derive_seed  # noqa: E402
+from gradleak.integrations.flower.config import FlowerEngineConfig  # noqa: E402
 from gradleak.integrations.flower.engine import FlowerRunner  # noqa: E402
 from gradleak.models import build_model  # noqa: E402
 from gradleak.types import LocalTraining  # noqa: E402

@@ -25,14 +25,14 @@ from gradleak.attacks import create_attack  # noqa: E402
 from gradleak.audit import audit_generators, score_reconstruction  # noqa: E402
 from gradleak.data.base import ImageDataset  # noqa: E402
 from gradleak.experiments.store import ResultStore  # noqa: E402
-from gradleak.fl.engines import SecAggPlusConfig  # noqa: E402
-from gradleak.fl.simulation import ClientTask  # noqa: E402
+from gradleak.federation.simulation import ClientTask  # noqa: E402
 from gradleak.integrations.flower import LegacyAuditStrategy  # noqa: E402
 from gradleak.integrations.flower.apps import (  # noqa: E402
     SECAGG_STATE,
     check_secagg_range,
     named_arrays,
 )
+from gradleak.integrations.flower.config import SecAggPlusConfig  # noqa: E402
 from gradleak.integrations.flower.engine import (  # noqa: E402
     SecureGridEngine,
     _SecureTasks,

@@ -28,8 +28,8 @@ from gradleak.audit import (
 )
 from gradleak.defenses.guard import GuardConfig  # noqa: E402
 from gradleak.experiments.store import ResultStore  # noqa: E402
-from gradleak.fl import train_client  # noqa: E402
-from gradleak.fl.simulation import derive_seed  # noqa: E402
+from gradleak.federation import train_client  # noqa: E402
+from gradleak.federation.simulation import derive_seed  # noqa: E402
 from gradleak.integrations.flower import AuditStrategy  # noqa: E402
 from gradleak.integrations.flower.apps import client_app  # noqa: E402
 from gradleak.models import build_model  # noqa: E402

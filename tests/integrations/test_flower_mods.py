@@ -23,7 +23,7 @@ from flwr.clientapp.mod import fixedclipping_mod  # noqa: E402
 
 import flowergrid  # noqa: E402
 from gradleak.defenses.base import Defense  # noqa: E402
-from gradleak.fl.simulation import derive_seed  # noqa: E402
+from gradleak.federation.simulation import derive_seed  # noqa: E402
 from gradleak.integrations.flower import DefenseMod, UnsupportedModError, is_update_level  # noqa: E402
 from gradleak.models import build_model  # noqa: E402
 from gradleak.registry import DEFENSES  # noqa: E402

@@ -18,8 +18,8 @@ from flwr.simulation import run_simulation  # noqa: E402
 
 from gradleak.data.base import ImageDataset  # noqa: E402
 from gradleak.experiments.store import ResultStore  # noqa: E402
-from gradleak.fl import train_client  # noqa: E402
-from gradleak.fl.simulation import derive_seed  # noqa: E402
+from gradleak.federation import train_client  # noqa: E402
+from gradleak.federation.simulation import derive_seed  # noqa: E402
 from gradleak.integrations.flower import AuditStrategy  # noqa: E402
 from gradleak.integrations.flower.apps import client_app  # noqa: E402
 from gradleak.models import build_model  # noqa: E402

@@ -28,9 +28,9 @@ from flwr.simulation import run_simulation  # noqa: E402
 from gradleak.attacks import create_attack  # noqa: E402
 from gradleak.audit import audit_generators  # noqa: E402
 from gradleak.experiments.store import ResultStore  # noqa: E402
-from gradleak.fl import train_client  # noqa: E402
-from gradleak.fl.server import weighted_mean  # noqa: E402
-from gradleak.fl.simulation import derive_seed  # noqa: E402
+from gradleak.federation import train_client  # noqa: E402
+from gradleak.federation.server import weighted_mean  # noqa: E402
+from gradleak.federation.simulation import derive_seed  # noqa: E402
 from gradleak.integrations.flower import DefenseMod, LegacyAuditStrategy  # noqa: E402
 from gradleak.integrations.flower.apps import client_app  # noqa: E402
 from gradleak.models import build_model  # noqa: E402

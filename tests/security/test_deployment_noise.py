@@ -29,11 +29,11 @@ from flwr.app import (
 
 from gradleak.defenses.dp_sgd import DPSGDConfig  # noqa: E402
 from gradleak.defenses.in_loop import build_defenses, defend  # noqa: E402
-from gradleak.fl.client import train_client  # noqa: E402
-from gradleak.fl.simulation import derive_seed  # noqa: E402
+from gradleak.federation.simulation import derive_seed  # noqa: E402
 from gradleak.integrations.flower import DefenseMod  # noqa: E402
 from gradleak.integrations.flower.apps import client_app  # noqa: E402
 from gradleak.models import build_model  # noqa: E402
+from gradleak.tasks.client import train_client  # noqa: E402
 from gradleak.types import LocalTraining  # noqa: E402
 from synthetic import synthetic_dataset  # noqa: E402
 

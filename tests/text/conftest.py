@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import pytest
 
-from gradleak.text.data import TextBatch, encode
-from gradleak.text.models import TextModel, build_bert_tiny, build_gpt2
+from gradleak.data.text import TextBatch, encode
+from gradleak.models.text import TextModel, build_bert_tiny, build_gpt2
 
 SENTENCES = ("the movie was surprisingly good", "a dull and lifeless film .")
 

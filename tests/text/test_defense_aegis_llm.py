@@ -9,9 +9,9 @@ from torch import nn
 import gradleak.attacks  # noqa: F401  (registers the attacks)
 from gradleak.defenses import Defense, DefenseFailure
 from gradleak.defenses.aegis_llm import AegisLLM, AegisLLMConfig, flood, row_norms
+from gradleak.metrics.text import score_token_set
 from gradleak.registry import ATTACKS, DEFENSES
-from gradleak.text.client import fedavg_text_update, fedsgd_text_update
-from gradleak.text.metrics import score_token_set
+from gradleak.tasks.text_client import fedavg_text_update, fedsgd_text_update
 from gradleak.types import AttackInputError, Observation
 
 ATTN = {

@@ -14,9 +14,9 @@ from gradleak.defenses.dp_sgd import DPSGD, DPSGDConfig
 def test_text_models_per_sample_clipping_matches_the_loop(request, make_batch, fixture):
     """Transformers models in eval mode (no dropout): position ids looked up once for the batch are
     split per sample, GPT-2's Conv1D goes through Opacus' functorch path."""
+    from gradleak.data.text import TextBatch
     from gradleak.tasks import text_loss
-    from gradleak.text.client import fedsgd_text_update
-    from gradleak.text.data import TextBatch
+    from gradleak.tasks.text_client import fedsgd_text_update
 
     tm = request.getfixturevalue(fixture)
     batch = make_batch(tm)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gradleak.defenses.baselines import Soteria, SoteriaConfig
-from gradleak.text.client import fedsgd_text_update
+from gradleak.tasks.text_client import fedsgd_text_update
 
 
 def test_soteria_ratios_match_exact_jacobian_and_prune_columns(gpt2_cls, make_batch):

@@ -1,4 +1,5 @@
-"""LoRA adapters through the one engine (gradleak/text/adapters.py, issue 52 item 1): an adapter update holds
+"""LoRA adapters through the one engine (gradleak/models/adapters.py, issue 52 item 1): an adapter update
+holds
 exactly the trainable parameters, peft's zero-initialised B makes the first gradient of A vanish, the base
 stays bit-identical through FedAvg rounds while the adapters move, and bad adapter configs are refused."""
 
@@ -10,14 +11,14 @@ import re
 import pytest
 import torch
 
+from gradleak.data.text import TextDataset, TokenDataset
 from gradleak.experiments import load_config, run_experiment
 from gradleak.experiments.config import ConfigError
-from gradleak.fl.client import train_client
+from gradleak.models.adapters import AdapterConfig, apply_adapter, target_modules
+from gradleak.models.families import FAMILIES
+from gradleak.models.text import build_bert_tiny, build_gpt2
 from gradleak.tasks import CausalLM, TextClassification
-from gradleak.text.adapters import AdapterConfig, apply_adapter, target_modules
-from gradleak.text.data import TextDataset, TokenDataset
-from gradleak.text.families import FAMILIES
-from gradleak.text.models import build_bert_tiny, build_gpt2
+from gradleak.tasks.client import train_client
 from gradleak.types import LocalTraining
 from gradleak.validation import trainable_of
 
@@ -47,7 +48,7 @@ def tokens(tm) -> TokenDataset:
 )
 def test_an_adapter_update_holds_exactly_the_trainable_parameters(build, task, target, head):
     tm = build()
-    family = FAMILIES.get(tm.family)
+    family = FAMILIES.create(tm.family)
     layers = target_modules(tm.model, family, target)
     config = AdapterConfig(r=4, alpha=8, target=target)
     model = apply_adapter(tm.model, config, task, seed=0)
@@ -135,7 +136,7 @@ def test_the_flower_engine_refuses_an_adapter_model_before_any_work():
 # ------------------------------------------------------------------------------------ DAGER on LoRA updates
 def _trained_adapter_update(r: int, task: str = "classification", train_b: bool = True):
     """A FedSGD update of a GPT-2 arch adapter whose B has trained (random small entries: a later round)."""
-    from gradleak.text.models import build_gpt2
+    from gradleak.models.text import build_gpt2
 
     tm = build_gpt2("tiny", task, seed=0)
     model = apply_adapter(tm.model, AdapterConfig(r=r, alpha=2 * r, target=["attention"]), task, seed=0)

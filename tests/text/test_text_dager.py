@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from gradleak.attacks.text.baseline import null_observation
-from gradleak.attacks.text.dager import Dager, DagerConfig, DecoderSearch, EncoderSearch
-from gradleak.attacks.text.search import PolishConfig
+from gradleak.attacks.text.dager.core import Dager, DagerConfig, DecoderSearch, EncoderSearch
+from gradleak.attacks.text.dager.search import PolishConfig
 from gradleak.registry import ATTACKS
-from gradleak.text.client import fedavg_text_update, fedsgd_text_update
+from gradleak.tasks.text_client import fedavg_text_update, fedsgd_text_update
 from gradleak.types import AttackInputError, Observation
 
 
@@ -111,7 +111,7 @@ def _tiny_llama_observation(seqs: list[list[int]]):
     """A 2-block random-init Llama (rotary, tied head) and the causal-LM FedSGD gradient of ``seqs``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gradleak.text.data import TextBatch
+    from gradleak.data.text import TextBatch
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -147,8 +147,8 @@ def test_dager_encoder_paths_recover_bert_batch(bert_cls, make_batch, encoder):
 
 
 def test_encoder_repair_fixes_a_wrong_and_a_missing_token(bert_cls, make_batch):
+    from gradleak.attacks.text.dager.search import L2Search
     from gradleak.attacks.text.family import estimate_span, family_of, find_module, input_side_gradient
-    from gradleak.attacks.text.search import L2Search
 
     batch = make_batch(bert_cls)
     obs = _observe(bert_cls, batch, "classification")
@@ -167,8 +167,8 @@ def test_encoder_repair_fixes_a_wrong_and_a_missing_token(bert_cls, make_batch):
 
 
 def test_encoder_fast_path_matches_full_forward(bert_cls, make_batch):
+    from gradleak.attacks.text.dager.search import L2Search
     from gradleak.attacks.text.family import estimate_span, family_of, find_module, input_side_gradient
-    from gradleak.attacks.text.search import L2Search
 
     batch = make_batch(bert_cls)
     obs = _observe(bert_cls, batch, "classification")
@@ -187,7 +187,7 @@ def test_last_token_refinement_fixes_tied_head_cosine_errors(gpt2_lm):
     # last tokens drawn from a small pool also occur as inputs: under a tied head their rows carry the
     # input-embedding gradient too and the cosine read-off picks wrong tokens; the joint check does not
     from gradleak.attacks.text.lm_completion import complete_last_tokens
-    from gradleak.text.data import TextBatch
+    from gradleak.data.text import TextBatch
 
     g = torch.Generator().manual_seed(1)
     wrong_cos = wrong_joint = 0
@@ -205,8 +205,8 @@ def test_last_token_refinement_fixes_tied_head_cosine_errors(gpt2_lm):
 
 
 def _l2_search(tm, obs):
+    from gradleak.attacks.text.dager.search import L2Search
     from gradleak.attacks.text.family import estimate_span, family_of, find_module, input_side_gradient
-    from gradleak.attacks.text.search import L2Search
 
     model, spec = tm.model, family_of(tm.model)
     span2 = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 1), spec.rank_tol)
@@ -251,7 +251,7 @@ def test_encoder_polish_recovers_a_batch_of_sentences_with_a_shared_first_word(b
     # both sentences start with "long": each beam round leaves out the first words of the sentences it
     # already holds, so the second one is only reachable from a rejected closure that the polish repairs
     # (how often the plain beam alone gets there depends on rounding: that comparison is not a test)
-    from gradleak.text.data import encode
+    from gradleak.data.text import encode
 
     sents = ["long good film surprisingly was .", "long surprisingly it not . dull long"]
     batch = encode(sents, bert_cls.tokenizer, labels=[1, 0])
@@ -272,7 +272,7 @@ def test_encoder_polish_recovers_a_batch_of_sentences_with_a_shared_first_word(b
     ],
 )
 def test_dager_causal_lm_returns_prefix_and_repeated_sentences(gpt2_lm, sentences):
-    from gradleak.text.data import encode
+    from gradleak.data.text import encode
 
     batch = encode(list(sentences), gpt2_lm.tokenizer, labels=[0, 0, 0])
     obs = _observe(gpt2_lm, batch, "causal_lm")
@@ -299,7 +299,7 @@ def test_prefix_sentences_adds_nothing_that_does_not_explain_the_head_gradient(g
 
 
 def test_similar_is_relative_to_the_longer_sequence_and_held_ngrams():
-    from gradleak.attacks.text.search import held_ngrams, similar
+    from gradleak.attacks.text.dager.search import held_ngrams, similar
 
     long = [101, 5, 6, 7, 8, 9, 10, 11, 12, 102]
     short = [101, 5, 6, 102]  # all its tokens occur in ``long``: not a variant of it
@@ -311,7 +311,7 @@ def test_similar_is_relative_to_the_longer_sequence_and_held_ngrams():
 
 
 def test_encoder_beam_grows_no_ngram_of_a_held_sentence(bert_cls, make_batch):
-    from gradleak.attacks.text.search import held_ngrams
+    from gradleak.attacks.text.dager.search import held_ngrams
 
     batch = make_batch(bert_cls)
     seqs = batch.sequences()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradleak.attacks.text.dager import Dager
-from gradleak.attacks.text.dager_masked import (
+from gradleak.attacks.text.dager.core import Dager
+from gradleak.attacks.text.dager.masked import (
     DagerMasked,
     DagerMaskedConfig,
     complete,
@@ -16,7 +16,7 @@ from gradleak.attacks.text.dager_masked import (
 from gradleak.attacks.text.family import FULL_SPAN_FRACTION, family_of, input_side_gradient
 from gradleak.defenses.pruning import Pruning, PruningConfig
 from gradleak.registry import ATTACKS
-from gradleak.text.client import fedsgd_text_update
+from gradleak.tasks.text_client import fedsgd_text_update
 from gradleak.types import Observation
 
 
@@ -129,7 +129,7 @@ def test_a_completion_that_cannot_be_computed_does_not_fit_rather_than_raise(mon
     """A least-squares system that cannot be solved (the GPT-2 small run at 99 % pruning once hit a singular
     one) means the rank does not fit (fit inf), and the factors are the last good ones; so does a matrix
     that is all zeros. Nothing raises."""
-    import gradleak.attacks.text.dager_masked as dm
+    import gradleak.attacks.text.dager.masked as dm
 
     t = torch.randn(20, 30, generator=_gen(2), dtype=torch.float64)
     start = dm.svd_start(torch.linalg.svd(dm.normalised(t), full_matrices=False), 3)

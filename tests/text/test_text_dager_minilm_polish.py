@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradleak.attacks.text.dager.search import L2Search, PolishConfig
 from gradleak.attacks.text.family import estimate_span, family_of, find_module, input_side_gradient
-from gradleak.attacks.text.search import L2Search, PolishConfig
-from gradleak.text.client import fedsgd_text_update
-from gradleak.text.data import encode, load_text_dataset, sample
-from gradleak.text.models import build_text_model
+from gradleak.data.text import encode, load_text_dataset, sample
+from gradleak.models.text import build_text_model
+from gradleak.tasks.text_client import fedsgd_text_update
 from gradleak.types import Observation
 
 

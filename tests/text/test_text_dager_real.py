@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradleak.attacks.text.dager import Dager, DagerConfig, EncoderSearch
+from gradleak.attacks.text.dager.core import Dager, DagerConfig, EncoderSearch
 from gradleak.attacks.text.family import (
     estimate_span,
     family_of,
@@ -18,9 +18,9 @@ from gradleak.attacks.text.family import (
     layer_inputs,
     vocab_size,
 )
-from gradleak.text.client import fedsgd_text_update
-from gradleak.text.data import encode, load_text_dataset, sample
-from gradleak.text.models import build_text_model
+from gradleak.data.text import encode, load_text_dataset, sample
+from gradleak.models.text import build_text_model
+from gradleak.tasks.text_client import fedsgd_text_update
 from gradleak.types import Observation
 
 pytestmark = pytest.mark.slow

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from gradleak.attacks.text.dager import Dager
-from gradleak.attacks.text.dager_spectral import DagerSpectral, DagerSpectralConfig, bulk_edge
+from gradleak.attacks.text.dager.core import Dager
+from gradleak.attacks.text.dager.spectral import DagerSpectral, DagerSpectralConfig, bulk_edge
 from gradleak.attacks.text.family import family_of, input_side_gradient
 from gradleak.defenses.baselines import BatchNoise, BatchNoiseConfig
 from gradleak.registry import ATTACKS
-from gradleak.text.client import fedsgd_text_update
+from gradleak.tasks.text_client import fedsgd_text_update
 from gradleak.types import AttackInputError, Observation, Update
 
 # the batch's sentences have at most 6 tokens: 8 positions keep the scans short (the vocabulary's outliers
@@ -109,7 +109,7 @@ def test_the_outlier_rule_passes_an_input_far_below_the_reference_that_its_bound
     bound (about 0.002 here) but lies far below random vectors' residuals (~0.97 +- 0.02): it scores below
     1 (passes); a random vector scores about 1 / (1 - 5 sd / mean) > 1 (fails); with a bound above its
     residual the bound alone passes it."""
-    from gradleak.attacks.text.dager_spectral import NoisySpan, outlier_scores
+    from gradleak.attacks.text.dager.spectral import NoisySpan, outlier_scores
 
     g = _gen(3)
     basis, _ = torch.linalg.qr(torch.randn(64, 4, generator=g, dtype=torch.float64))

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gradleak.data.root import DataFileMissingError
-from gradleak.registry import DATASETS
-from gradleak.text.data import (
+from gradleak.data.text import (
     MAX_TOKENS,
     encode,
     load_emotion,
@@ -17,6 +16,7 @@ from gradleak.text.data import (
     sample,
     split,
 )
+from gradleak.registry import DATASETS
 
 
 def test_loaders_read_the_real_files():

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from gradleak.text import wordnet
-from gradleak.text.metrics import accuracy, macro_f1, match, meteor, perplexity, rouge, score_texts
+from gradleak.data import wordnet
+from gradleak.metrics.text import match, meteor, rouge, score_texts
+from gradleak.metrics.utility import accuracy, macro_f1, perplexity
 
 # nltk's documented example (nltk/translate/meteor_score.py docstring): round(meteor_score(...), 4) == 0.6944
 HYP1 = "It is a guide to action which ensures that the military always obeys the commands of the party"

@@ -11,9 +11,9 @@ import torch
 from gradleak.attacks.noise import robust_noise_std
 from gradleak.defenses.aegis_llm import AegisLLM, AegisLLMConfig
 from gradleak.defenses.baselines import BatchNoise, BatchNoiseConfig
+from gradleak.metrics.text import score_token_set
 from gradleak.registry import ATTACKS
-from gradleak.text.client import fedsgd_text_update
-from gradleak.text.metrics import score_token_set
+from gradleak.tasks.text_client import fedsgd_text_update
 from gradleak.types import Observation
 
 
@@ -84,9 +84,9 @@ def test_the_aegis_light_preset_leaves_the_spectral_probe_nothing(gpt2_cls, make
     signal than on GPT-2 small or MiniLM (aegis_mlp_channel.toml: block-1 SNR 1.02 / 0.94 there): the probe's
     top direction sits just above the edge (measured snr_max 1.24, against 0.8 for pure noise and 2.8 at
     lambda_fc 0.1) and reads a token that is not in the batch (R-1 0)."""
-    from gradleak.defenses.presets import PRESETS
+    from gradleak.registry import PRESETS
 
-    preset = PRESETS["aegis_light"]
+    preset = PRESETS.create("aegis_light")
     assert preset.defense == "aegis_llm" and dict(preset.options) == {"rho_fc": 1.0, "lam_fc": 0.3}
     batch = make_batch(gpt2_cls)
     obs = _observe(gpt2_cls, batch, [AegisLLM(AegisLLMConfig(**preset.options))])

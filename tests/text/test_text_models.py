@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from gradleak.attacks import create_attack
+from gradleak.data.text import encode
+from gradleak.models import text as models
 from gradleak.registry import MODELS
-from gradleak.text import models
-from gradleak.text.client import fedavg_text_update, fedsgd_text_update
-from gradleak.text.data import encode
+from gradleak.tasks.text_client import fedavg_text_update, fedsgd_text_update
 from gradleak.types import Observation
 
 SENTENCES = ["the movie was surprisingly good", "a dull and lifeless film ."]

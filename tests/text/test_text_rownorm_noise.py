@@ -12,7 +12,7 @@ from gradleak.attacks.text.rownorm import NoisyRowNormConfig, noise_edge
 from gradleak.defenses.aegis_llm import AegisLLM, AegisLLMConfig
 from gradleak.defenses.baselines import BatchNoise, BatchNoiseConfig
 from gradleak.registry import ATTACKS
-from gradleak.text.client import fedsgd_text_update
+from gradleak.tasks.text_client import fedsgd_text_update
 from gradleak.types import Observation
 
 
@@ -81,8 +81,8 @@ def test_aegis_flood_leaves_the_rows_at_pure_noise_and_the_probe_says_so(request
 def test_a_clean_gradient_gives_the_exact_rows():
     """Without noise the estimated scale of a table whose other rows are exactly zero is 0: the edge is 0 and
     the probe returns exactly the nonzero rows, as the plain rule does."""
-    from gradleak.text.data import encode
-    from gradleak.text.models import build_gpt2
+    from gradleak.data.text import encode
+    from gradleak.models.text import build_gpt2
 
     tm = build_gpt2("tiny", "classification", seed=0)
     batch = encode(["the movie was surprisingly good"], tm.tokenizer, labels=[1])

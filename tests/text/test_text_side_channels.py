@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from gradleak.attacks.text.baseline import is_blocked, is_valid, null_observation
+from gradleak.metrics.text import score_token_set
 from gradleak.registry import ATTACKS
-from gradleak.text.client import fedsgd_text_update
-from gradleak.text.metrics import score_token_set
+from gradleak.tasks.text_client import fedsgd_text_update
 from gradleak.types import AttackInputError, Observation
 
 

@@ -1,4 +1,4 @@
-"""The text tasks through the one client loop (gradleak.fl.client.train_client), against the text stack's
+"""The text tasks through the one client loop (gradleak.tasks.client.train_client), against the text stack's
 own FedSGD/FedAvg implementations and obvious references (same batches, same seeds)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from gradleak.fl.client import train_client
+from gradleak.data.text import TextDataset, TokenDataset
+from gradleak.metrics.utility import perplexity
 from gradleak.tasks import CausalLM, TextClassification, task_from_spec, task_spec
-from gradleak.text.client import fedsgd_text_update
-from gradleak.text.data import TextDataset, TokenDataset
-from gradleak.text.metrics import perplexity
+from gradleak.tasks.client import train_client
+from gradleak.tasks.text_client import fedsgd_text_update
 from gradleak.types import LocalTraining
 
 TEXTS = ("the movie was surprisingly good", "a dull and lifeless film .", "an honest , moving story",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gradleak.defenses.aegis_llm import AegisLLM
-from gradleak.text.client import LocalTrainer, text_loss
+from gradleak.tasks.text_client import LocalTrainer, text_loss
 
 
 def test_warmup_then_linear_decay_matches_the_formula(gpt2_cls):
@@ -23,11 +23,32 @@ def test_warmup_then_linear_decay_matches_the_formula(gpt2_cls):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"optimizer": "adam"}, {"lr": 0.0}, {"weight_decay": -1.0}, {"warmup_steps": 5, "total_steps": 5}],
+    [{"optimizer": "rmsprop"}, {"lr": 0.0}, {"weight_decay": -1.0}, {"warmup_steps": 5, "total_steps": 5}],
 )
 def test_bad_settings_are_refused(gpt2_cls, kwargs):
     with pytest.raises(ValueError):
         LocalTrainer(copy.deepcopy(gpt2_cls.model), "classification", **kwargs)
+
+
+def test_adam_steps_as_torchs_adam_the_optimiser_local_training_allows(gpt2_cls, make_batch):
+    """Adam, which LocalTraining allows, is no longer refused by the text trainer (issue 51 defect): three
+    constant-lr steps equal torch's Adam driven by hand on the same batch."""
+    batch = make_batch(gpt2_cls)
+    model = copy.deepcopy(gpt2_cls.model)
+    trainer = LocalTrainer(model, "classification", lr=1e-3, optimizer="adam", weight_decay=0.01)
+    ref = copy.deepcopy(gpt2_cls.model).eval()
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    for _ in range(3):
+        trainer.step(batch)
+        opt.zero_grad(set_to_none=True)
+        text_loss(ref, batch, "classification").backward()
+        opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
+    assert (
+        max((p - q).abs().max() for p, q in zip(model.parameters(), gpt2_cls.model.parameters(), strict=True))
+        > 1e-4
+    )
 
 
 def test_adamw_steps_equal_a_hand_written_loop_on_the_defended_gradient(gpt2_cls, make_batch):

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from gradleak.fl import FederatedSimulation, FLConfig, screen, train_client
-from gradleak.fl.client import ClientResult
+from gradleak.federation import FederatedSimulation, FLConfig, screen, train_client
+from gradleak.tasks.client import ClientResult
 from gradleak.types import AttackInputError, LocalTraining, Observation, Update
 from gradleak.update_io import load_update, save_update
 from gradleak.validation import InvalidUpdateError, check_update
@@ -150,7 +150,7 @@ def test_a_client_without_defenses_withholds_a_diverged_update(tiny_data):
 
 
 def test_a_round_with_an_update_corrupted_in_transit_aggregates_the_others(tiny_data):
-    from gradleak.fl import InProcessEngine
+    from gradleak.federation import InProcessEngine
     from gradleak.models import build_model
 
     class Corrupting(InProcessEngine):

@@ -31,7 +31,7 @@ from gradleak.audit.indicator import fit_margin
 from gradleak.audit.scoring import Scorer
 from gradleak.defenses.base import claims
 from gradleak.device import CPU, module_device
-from gradleak.fl.simulation import derive_seed
+from gradleak.federation.simulation import derive_seed
 from gradleak.registry import ATTACKS
 from gradleak.spec import ComponentSpec
 from gradleak.types import Attack, AttackInputError, Observation, Reconstruction

@@ -21,10 +21,10 @@ import torch
 
 from gradleak.attacks.text.baseline import is_valid, null_observation
 from gradleak.data.base import ImageDataset
+from gradleak.data.text import TokenDataset
 from gradleak.metrics import score_images
 from gradleak.metrics.floors import beyond_floor, null_floors
-from gradleak.text.data import TokenDataset
-from gradleak.text.metrics import decode, score_texts, score_token_set
+from gradleak.metrics.text import decode, score_texts, score_token_set
 from gradleak.types import Attack, AttackInputError, Observation, Reconstruction
 
 SHOWN_TEXTS = 16  # reconstructed and true texts kept in a record (for the report)

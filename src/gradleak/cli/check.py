@@ -23,9 +23,9 @@ from gradleak.defenses.base import DefenseFailure
 from gradleak.defenses.in_loop import DefendedLoop
 from gradleak.experiments import load_config
 from gradleak.experiments.runner import build_simulation, preflight
-from gradleak.fl.client import make_optimizer
-from gradleak.fl.simulation import FederatedSimulation
+from gradleak.federation.simulation import FederatedSimulation
 from gradleak.plugins import load_plugins
+from gradleak.tasks.client import make_optimizer
 
 
 def add_parser(sub: Any) -> None:
@@ -42,7 +42,7 @@ def add_parser(sub: Any) -> None:
 
 
 def dry_run_defenses(sim: FederatedSimulation, seed: int) -> str | None:
-    """Set the simulation's defenses up on client 0 as :func:`~gradleak.fl.client.train_client` does
+    """Set the simulation's defenses up on client 0 as :func:`~gradleak.tasks.client.train_client` does
     before its first step; the failure's reason, or None."""
     model = copy.deepcopy(sim.model).train()
     try:

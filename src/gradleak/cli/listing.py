@@ -10,10 +10,8 @@ import gradleak.data  # noqa: F401
 import gradleak.defenses  # noqa: F401
 import gradleak.models  # noqa: F401
 from gradleak.cli.run import add_plugin_arg
-from gradleak.data.partition import PARTITIONERS
-from gradleak.defenses.presets import PRESETS
 from gradleak.plugins import load_plugins
-from gradleak.registry import ATTACKS, DATASETS, DEFENSES, ENGINES, GENERATORS, MODELS
+from gradleak.registry import ATTACKS, DATASETS, DEFENSES, ENGINES, GENERATORS, MODELS, PARTITIONERS, PRESETS
 
 
 def add_parser(sub: Any) -> None:
@@ -37,10 +35,11 @@ def handle(args: argparse.Namespace) -> int:
             tag = f"[{e.modality}] " if e.modality else ""
             print(f"  {e.name:<16} {tag}{e.summary}")
     print("defense presets (a defense at named settings; options beside the name override them):")
-    for name, preset in PRESETS.items():
+    for entry in PRESETS:
+        preset = entry.factory()
         options = ", ".join(f"{k}={v}" for k, v in preset.options.items())
-        print(f"  {name:<16} {preset.defense}({options}): {preset.summary}")
+        print(f"  {entry.name:<16} {preset.defense}({options}): {preset.summary}")
     print("partitioners:")
-    for name in sorted(PARTITIONERS):
+    for name in PARTITIONERS.names():
         print(f"  {name}")
     return 0

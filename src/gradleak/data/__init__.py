@@ -15,7 +15,6 @@ from typing import Any
 from gradleak.data import cifar, femnist, medmnist, text  # noqa: F401  (registers the loaders)
 from gradleak.data.base import ImageDataset
 from gradleak.data.partition import (
-    PARTITIONERS,
     as_rng,
     dirichlet,
     iid,
@@ -28,7 +27,6 @@ from gradleak.data.root import DataFileMissingError, require_file, resolve_data_
 from gradleak.registry import DATASETS
 
 __all__ = [
-    "PARTITIONERS",
     "DataFileMissingError",
     "ImageDataset",
     "as_rng",

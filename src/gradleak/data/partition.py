@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from gradleak.data.base import ImageDataset
+from gradleak.registry import PARTITIONERS, UnknownNameError
 
 logger = logging.getLogger(__name__)
 
@@ -252,12 +253,13 @@ def _run_natural(
     return natural(dataset.groups, num_clients, rng, pick=pick, min_size=min_size)
 
 
-PARTITIONERS: dict[str, Callable[..., list[np.ndarray]]] = {
-    "iid": _run_iid,
-    "label_skew": _run_label_skew,
-    "dirichlet": _run_dirichlet,
-    "natural": _run_natural,
-}
+for _name, _run, _summary in (
+    ("iid", _run_iid, "uniform random shares"),
+    ("label_skew", _run_label_skew, "each client holds a few classes (paper 000's non-IID split)"),
+    ("dirichlet", _run_dirichlet, "class shares drawn from Dirichlet(alpha)"),
+    ("natural", _run_natural, "the data set's own groups (FEMNIST's writers)"),
+):
+    PARTITIONERS.register(_name, _run, summary=_summary)
 
 
 def partition_options(name: str) -> dict[str, Any]:
@@ -269,9 +271,9 @@ def partition_options(name: str) -> dict[str, Any]:
 
 def _lookup(name: str) -> Callable[..., list[np.ndarray]]:
     try:
-        return PARTITIONERS[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown partitioner {name!r}; known: {sorted(PARTITIONERS)}") from None
+        return PARTITIONERS.get(name)
+    except UnknownNameError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def partition(

@@ -44,7 +44,7 @@ the surrounding prose, Sec. IV-C/D, Theorem 2's proof and the Marchenko-Pastur r
   and 4 -> 1 in its numbers); gradleak multiplies them by ``bf16_scale = 0.5`` when a gradient is bf16.
 * Steps whose total gradient norm is non-finite are skipped: every gradient is set to ``None`` (optimisers
   skip parameters without a gradient) and the count is logged; a FedSGD client then has nothing to send and
-  fails closed (:func:`gradleak.text.client.fedsgd_text_update`).
+  fails closed (:func:`gradleak.tasks.text_client.fedsgd_text_update`).
 
 Other embedding tables (GPT-2's learned positions, BERT's positions and token types) are flooded with the
 embedding rule when ``flood_other_embeddings`` is set (default): their row norms would otherwise reveal the
@@ -67,8 +67,8 @@ from torch import nn
 
 from gradleak.defenses.base import Defense
 from gradleak.device import generator_on
+from gradleak.models.families import FAMILIES, TransformerFamily
 from gradleak.registry import DEFENSES
-from gradleak.text.families import FAMILIES, TransformerFamily
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class AegisLLM(Defense):
         self.generator = generator
         self.device_generators = {generator.device: generator}
         self.skipped_steps = 0
-        parts = FAMILIES.get(model_type)
+        parts = FAMILIES.create(model_type)
         self.frozen = self._freeze(model, parts) if self.config.freeze_attention else []
         self.rules = self._rules(model, parts)
         log.info(

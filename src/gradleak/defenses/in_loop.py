@@ -20,7 +20,7 @@ update cannot leave by catching the first error and carrying on. Inside a Flower
 reply with :meth:`DefendedLoop.weights` (``w_0`` + the defended update), never the raw ``state_dict()``.
 Not supported (refused): ``optimizer.step(closure)`` (the closure recomputes the gradient after the
 defenses ran) and fused optimizers (they step on AMP-scaled gradients). gradleak's own clients
-(:func:`gradleak.fl.client.train_client`, the text :class:`~gradleak.text.client.LocalTrainer`) train
+(:func:`gradleak.tasks.client.train_client`, the text :class:`~gradleak.tasks.text_client.LocalTrainer`) train
 through it.
 """
 
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure, check_statistics, statistics_note
-from gradleak.defenses.presets import preset_of
+from gradleak.defenses.presets import resolve
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
 from gradleak.validation import InvalidUpdateError, check_update, trainable_of
@@ -55,14 +55,14 @@ def build_defenses(specs: Sequence[DefenseSpec]) -> list[Defense]:
     for spec in specs:
         if isinstance(spec, Defense):
             out.append(spec)
-        elif isinstance(spec, str) and (preset := preset_of(spec)) is not None:
-            out.append(DEFENSES.create(preset.defense, **dict(preset.options)))
-        elif isinstance(spec, str):
-            out.append(DEFENSES.create(spec))
-        elif isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str):
-            out.append(DEFENSES.create(spec[0], **dict(spec[1])))
-        else:
-            raise TypeError(f"a defense is a Defense, a registered name or (name, options), got {spec!r}")
+            continue
+        try:
+            component = resolve(spec)
+        except TypeError:
+            raise TypeError(
+                f"a defense is a Defense, a registered name or (name, options), got {spec!r}"
+            ) from None
+        out.append(DEFENSES.create(component.name, **dict(component.options)))
     return out
 
 

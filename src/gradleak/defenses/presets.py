@@ -1,17 +1,19 @@
 """Named defense presets: a defense at the settings a paper or a table names, usable wherever a config
-names a defense (``defenses = ["aegis_2ch"]``, ``[grid] defenses = ["none", "dp_0.01", "prune_90"]``).
+names a defense (``defenses = ["aegis_2ch"]``, ``[grid] defenses = ["none", "dp_sgd_eps8", "prune_90"]``).
 
 A preset is a registered defense plus options; the grid labels its cell with the preset's name, and options
-given beside the name override the preset's (``{ name = "dp_0.01", clip = 0.5 }``).
+given beside the name override the preset's (``{ name = "prune_90", ratio = 0.5 }``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
-from gradleak.registry import DEFENSES
+from gradleak.registry import DEFENSES, PRESETS
+from gradleak.spec import ComponentSpec, as_spec
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,7 @@ class Preset:
 _NO_FLOODS = {"flood_embedding": False, "flood_mlp": False, "flood_layernorm": False, "flood_lm_head": False,
               "flood_other_embeddings": False}  # fmt: skip
 
-PRESETS: dict[str, Preset] = {
+_PRESETS: dict[str, Preset] = {
     "aegis_freeze": Preset(
         "aegis_llm", _NO_FLOODS, "AEGIS Channel 1 alone: attention frozen, no flood (paper 002 Table II)"
     ),
@@ -46,9 +48,10 @@ PRESETS: dict[str, Preset] = {
         "MiniLM, AEGIS 9.8 (aegis_mlp_utility.toml); the margin depends on the model",
     ),
     **{
-        f"dp_{s:g}": Preset(
+        f"batch_noise_{s:g}": Preset(
             "batch_noise", {"clip": 1.0, "sigma": s, "batch_size": 1},
-            f"the batch gradient clipped to norm 1 plus N(0, {s:g}^2) per entry (paper 002 Figs. 3/4)",
+            f"the batch gradient clipped to norm 1 plus N(0, {s:g}^2) per entry, no epsilon "
+            f"(paper 002 Figs. 3/4 call it DP {s:g})",
         )
         for s in (0.001, 0.01, 0.1)
     },
@@ -77,6 +80,23 @@ PRESETS: dict[str, Preset] = {
 }  # fmt: skip
 
 
-def preset_of(name: str) -> Preset | None:
-    """The preset ``name`` stands for; None for a registered defense's name (which wins) or an unknown one."""
-    return None if name in DEFENSES else PRESETS.get(name)
+for _name, _preset in _PRESETS.items():
+    PRESETS.register(
+        _name, partial(Preset, _preset.defense, _preset.options, _preset.summary), summary=_preset.summary
+    )
+for _s in (0.001, 0.01, 0.1):  # paper 002's "DP" settings are batch_noise, which states no epsilon
+    PRESETS.alias(f"dp_{_s:g}", f"batch_noise_{_s:g}", "batch_noise is not differential privacy: no epsilon")
+
+
+def resolve(value: object, *, presets: bool = True) -> ComponentSpec:
+    """A defense named in any of its forms as one :class:`ComponentSpec` of a registered defense: a
+    registered name (which wins over a preset of the same name), a preset's name (its defense and options,
+    options beside it overriding the preset's; labelled with the name as written), a ``(name, options)``
+    pair or a ComponentSpec. The one place presets are resolved (configs, ``defend``, the Flower mods)."""
+    spec = as_spec(value)
+    if not presets or spec.name in DEFENSES or spec.name not in PRESETS:
+        return spec
+    preset = PRESETS.create(spec.name)
+    extra = ", ".join(f"{k}={v}" for k, v in sorted(spec.options.items()))
+    label = spec.label or (f"{spec.name}({extra})" if spec.options else spec.name)
+    return ComponentSpec(preset.defense, {**preset.options, **spec.options}, label)

@@ -28,17 +28,17 @@ from typing import Any
 
 from gradleak.attacks import model_modifying
 from gradleak.data.partition import partition_options
-from gradleak.defenses.presets import preset_of
+from gradleak.defenses.presets import resolve
 from gradleak.device import DeviceError, parse_device
-from gradleak.fl.engines import FederationCheck
-from gradleak.fl.server import clients_per_round, update_kind
-from gradleak.fl.simulation import PICKS, FLConfig
+from gradleak.federation.engines import FederationCheck
+from gradleak.federation.server import clients_per_round, update_kind
+from gradleak.federation.simulation import PICKS, FLConfig
+from gradleak.models.adapters import AdapterConfig
+from gradleak.models.text import TASKS as TEXT_TASKS
 from gradleak.options import OptionError, check_value
 from gradleak.plugins import PluginError, is_plugin_file, load_plugins
 from gradleak.registry import ATTACKS, DATASETS, DEFENSES, ENGINES, MODELS, Registry
 from gradleak.spec import ComponentSpec
-from gradleak.text.adapters import AdapterConfig
-from gradleak.text.models import TASKS as TEXT_TASKS
 from gradleak.types import MODES, AttackNeeds, LocalTraining
 from gradleak.validation import safe_name
 
@@ -122,7 +122,7 @@ class ModelSection:
     clients train in, ``"train"`` (BatchNorm normalises with the batch's statistics and updates its running
     ones; dropout on) or ``"eval"`` (running statistics, no dropout); by default the task's (images
     ``"train"``, as a PyTorch loop trains; text ``"eval"``, paper 002's fine-tuning). ``adapter`` (text
-    models): train LoRA adapters instead of the whole model (:mod:`gradleak.text.adapters`)."""
+    models): train LoRA adapters instead of the whole model (:mod:`gradleak.models.adapters`)."""
 
     name: str = "aegis_cnn"
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -140,7 +140,7 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class EngineSection:
-    """Where the clients train (:mod:`gradleak.fl.engines`); the results do not depend on it."""
+    """Where the clients train (:mod:`gradleak.federation.engines`); the results do not depend on it."""
 
     name: str = "inprocess"
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -435,11 +435,7 @@ def _spec(value: Any, where: str, presets: bool = False) -> ComponentSpec:
     opts = {k: v for k, v in value.items() if k != "name"}
     if isinstance(opts.get("options"), Mapping) and set(opts) <= {"options", "label"}:
         return ComponentSpec(name, dict(opts["options"]), opts.get("label"))  # a spec written by to_dict
-    preset = preset_of(name) if presets else None
-    if preset is not None:
-        extra = ", ".join(f"{k}={v}" for k, v in sorted(opts.items()))
-        return ComponentSpec(preset.defense, {**preset.options, **opts}, f"{name}({extra})" if opts else name)
-    return ComponentSpec(name, opts)
+    return resolve(ComponentSpec(name, opts), presets=presets)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -27,7 +27,7 @@ from gradleak.data import load_dataset
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.in_loop import build_defenses
 from gradleak.experiments.guard_trials import clopper_pearson
-from gradleak.fl.simulation import derive_seed
+from gradleak.federation.simulation import derive_seed
 from gradleak.models import build_model
 from gradleak.spec import ComponentSpec
 from gradleak.types import Update

@@ -1,7 +1,7 @@
 """Measuring the client's guard (:mod:`gradleak.defenses.guard`): false alarms and detection.
 
 One trial is one federation (a data set, a model, a seed) trained by real FedAvg
-(:class:`~gradleak.fl.simulation.FederatedSimulation`, every client every round, Dirichlet non-IID
+(:class:`~gradleak.federation.simulation.FederatedSimulation`, every client every round, Dirichlet non-IID
 partition). Before each round every client's guard checks the global model the server broadcasts, on a
 probe of the client's own data, and remembers what it accepted (the ``drift`` reference): an alarm on an
 honest model is a false alarm. At the checkpoints (the initial model, mid-training, the end) a malicious
@@ -34,10 +34,10 @@ from gradleak.data import load_dataset
 from gradleak.data.base import ImageDataset
 from gradleak.data.partition import partition
 from gradleak.defenses.guard import GuardConfig, GuardVerdict, ModelGuard, relative_change
-from gradleak.fl.client import train_client
-from gradleak.fl.simulation import FederatedSimulation, FLConfig, derive_seed
+from gradleak.federation.simulation import FederatedSimulation, FLConfig, derive_seed
 from gradleak.metrics.image import match_reconstructions, pairwise_psnr
 from gradleak.models import build_model
+from gradleak.tasks.client import train_client
 from gradleak.types import AttackInputError, ClientCustomizingAttack, LocalTraining, Observation
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from gradleak.attacks import create_attack
 from gradleak.audit.pipeline import attack_update
 from gradleak.audit.scoring import ImageScorer
 from gradleak.experiments.gate_trials import GateItem, LabelledSets
-from gradleak.fl.simulation import derive_seed
+from gradleak.federation.simulation import derive_seed
 from gradleak.metrics.floors import LEAKS_ABOVE_DB
 from gradleak.spec import ComponentSpec
 from gradleak.types import Observation

@@ -3,8 +3,10 @@
 Everything that can be checked without training is checked before work starts. Each finished unit (an FL
 round, an attacked update, the summary) is committed to the store as one transaction, so a killed run
 loses at most the unit in progress and the same command resumes it (:mod:`gradleak.experiments.store`).
-Attacks receive only Observations built by :func:`gradleak.fl.server_view` (each client's update) or, under
-secure aggregation, :func:`gradleak.fl.simulation.secure_observation` (the aggregate the engine's secure
+Attacks receive only Observations built by :func:`gradleak.federation.server_view` (each client's update) or,
+under
+secure aggregation, :func:`gradleak.federation.simulation.secure_observation` (the aggregate the engine's
+secure
 round returns); ground truth meets the reconstructions only in the setup's ``score``
 (:mod:`gradleak.experiments.setup`, one per data modality).
 """
@@ -46,15 +48,15 @@ from gradleak.experiments.measurement import git_info
 from gradleak.experiments.resources import ResourceError, check_resources
 from gradleak.experiments.setup import build_setup, concat
 from gradleak.experiments.store import Checkpoint, ResultStore, RunRow, normalise
-from gradleak.fl import FederatedSimulation, derive_seed, server_view
-from gradleak.fl.client import ClientResult
-from gradleak.fl.engines import EngineRunner
-from gradleak.fl.server import update_kind
-from gradleak.fl.simulation import Engine, RoundResult, secure_observation
+from gradleak.federation import FederatedSimulation, derive_seed, server_view
+from gradleak.federation.engines import EngineRunner
+from gradleak.federation.server import update_kind
+from gradleak.federation.simulation import Engine, RoundResult, secure_observation
 from gradleak.plugins import loaded_sources as plugin_sources
 from gradleak.progress import enabled as bars_on
 from gradleak.registry import ENGINES
 from gradleak.tasks import Dataset
+from gradleak.tasks.client import ClientResult
 from gradleak.types import (
     ClientCustomizingAttack,
     ModelModifyingAttack,

@@ -28,20 +28,20 @@ from torch import nn
 from gradleak.audit.scoring import ImageScorer, Scorer, TextScorer
 from gradleak.data import load_dataset, resolve_data_root
 from gradleak.data.base import ImageDataset
+from gradleak.data.text import TextDataset, TokenDataset
 from gradleak.experiments.config import ConfigError, ExperimentConfig
-from gradleak.fl import derive_seed
+from gradleak.federation import derive_seed
 from gradleak.models import build_model
-from gradleak.registry import DATASETS, MODELS
+from gradleak.models.adapters import apply_adapter
+from gradleak.models.text import TextModel
+from gradleak.registry import DATASETS, MODELS, TASKS
 from gradleak.tasks import (
     IMAGE_CLASSIFICATION,
-    TASKS,
     TEXT_TASK_OF_MODEL,
     Dataset,
     ImageClassification,
     Task,
 )
-from gradleak.text.adapters import apply_adapter
-from gradleak.text.data import TextDataset, TokenDataset
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +198,10 @@ def text_setup(cfg: ExperimentConfig) -> TextSetup:
                            **cfg.model.options)  # fmt: skip
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"model {cfg.model.name!r} ({task_name}): {exc}") from None
+    if not isinstance(tm, TextModel):
+        raise ConfigError(
+            f"model {cfg.model.name!r} is no text model (its factory gave a {type(tm).__name__})"
+        )
     model = tm.model
     if cfg.model.adapter is not None:  # LoRA: only the adapters (and a trained head) train and travel
         if entry.modality != "text":
@@ -209,7 +213,7 @@ def text_setup(cfg: ExperimentConfig) -> TextSetup:
     train = TokenDataset.from_texts(raw_train, tm.tokenizer, max_tokens=max_tokens)
     test = TokenDataset.from_texts(raw_test, tm.tokenizer, max_tokens=max_tokens)
     mode = {} if cfg.model.mode is None else {"mode": cfg.model.mode}
-    task: Task = TASKS[TEXT_TASK_OF_MODEL[task_name]](**mode)
+    task: Task = TASKS.create(TEXT_TASK_OF_MODEL[task_name], **mode)
     return TextSetup(train, test, model, task, tm.tokenizer)
 
 

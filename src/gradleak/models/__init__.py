@@ -25,7 +25,7 @@ def build_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            model = factory(tuple(input_shape), num_classes, **options)
+            model: Any = factory(tuple(input_shape), num_classes, **options)  # a text factory: TextModel
         except TypeError as exc:
             raise ValueError(f"bad options {sorted(options)} for model {name!r}: {exc}") from None
     spec = RegisteredModel(

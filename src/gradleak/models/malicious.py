@@ -16,7 +16,7 @@ for all bins sample ``n`` activates; that is what makes differences of consecuti
 With a small ``beta * h`` the classifier sees (almost) its usual input, so local training stays stable.
 
 :func:`insert_imprint` wraps any registered classifier without touching its parameters; the wrapped model is
-an ordinary ``nn.Module`` the client trains unchanged (:func:`gradleak.fl.client.train_client`).
+an ordinary ``nn.Module`` the client trains unchanged (:func:`gradleak.tasks.client.train_client`).
 """
 
 from __future__ import annotations

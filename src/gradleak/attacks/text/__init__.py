@@ -9,10 +9,7 @@ AEGIS's MLP flood and DP noise), ``lm_head_probe`` (untied heads). For text, ``O
 size (causal LM); the attacks read neither.
 """
 
-from gradleak.attacks.text import dager as _dager  # noqa: F401  (registers)
-from gradleak.attacks.text import dager_lora as _dager_lora  # noqa: F401
-from gradleak.attacks.text import dager_masked as _dager_masked  # noqa: F401
-from gradleak.attacks.text import dager_spectral as _dager_spectral  # noqa: F401
+from gradleak.attacks.text import dager as _dager  # noqa: F401  (registers DAGER and its adaptive variants)
 from gradleak.attacks.text import embedding_norm as _embedding_norm  # noqa: F401
 from gradleak.attacks.text import lm_head as _lm_head  # noqa: F401
 from gradleak.attacks.text import mlp_spectral as _mlp_spectral  # noqa: F401

@@ -6,7 +6,7 @@ n < d its input-side space is spanned by the layer's inputs. An SVD of the gradi
 span (rank = the number of singular values above ``rank_tol`` times the largest), and a candidate input z
 belongs to the batch iff its relative residual ||z - P z|| / ||z|| is ~0.
 
-The family map (:mod:`gradleak.text.families`, one per HF ``model_type``, shared with the defenses) says
+The family map (:mod:`gradleak.models.families`, one per HF ``model_type``, shared with the defenses) says
 which modules of block ``i`` feed on the block input (attention Q/K/V projections, the first MLP
 projection), whether weights are stored (in, out) (HF ``Conv1D`` in GPT-2) or (out, in) (``nn.Linear``),
 how positions enter the first block (learned: the layer-1 input depends on the position; rotary: it does
@@ -24,13 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradleak.text.families import FAMILIES, TransformerFamily
+from gradleak.models.families import FAMILIES, TransformerFamily
 from gradleak.types import AttackInputError, Observation
 
 FULL_SPAN_FRACTION = 0.95
 
 
-FamilySpec = TransformerFamily  # the attacks' name for a family's map (gradleak.text.families)
+FamilySpec = TransformerFamily  # the attacks' name for a family's map (gradleak.models.families)
 
 
 def family_of(model: nn.Module) -> FamilySpec:
@@ -40,7 +40,7 @@ def family_of(model: nn.Module) -> FamilySpec:
         raise AttackInputError(
             f"no transformer family spec for model_type {model_type!r}; known: {FAMILIES.names()}"
         )
-    return FAMILIES.get(model_type)
+    return FAMILIES.create(model_type)
 
 
 def with_thresholds(spec: FamilySpec, **overrides: float | None) -> FamilySpec:

@@ -8,7 +8,7 @@ estimates s from the matrix itself: a row of the retained signal, of norm about 
 over k entries against noise lambda_fc m_bar in each, so nearly every entry is noise and the normal
 median absolute deviation, median |g_ij| / 0.6745, estimates s (a robust scale, Hampel 1974).
 
-Then, as :mod:`gradleak.attacks.text.dager_spectral` does for attention: the top singular vectors of
+Then, as :mod:`gradleak.attacks.text.dager.spectral` does for attention: the top singular vectors of
 block 1's MLP-expansion gradient above the bulk edge e = s (sqrt(d) + sqrt(k) + ``tail``) (pure noise
 passes it with probability at most exp(-tail^2 / 2)) are the span, and the vocabulary tokens whose
 context-free MLP input lies closest to it are returned, as many as the span's rank (MLP-SVD's rule,
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from gradleak.attacks.noise import check_noise_options, entry_noise_std
-from gradleak.attacks.text.dager_spectral import bulk_edge
+from gradleak.attacks.text.dager.spectral import bulk_edge
 from gradleak.attacks.text.family import Span, family_of, input_side_gradient
 from gradleak.attacks.text.mlp_svd import MLPSVD, MLPSVDConfig
 from gradleak.registry import ATTACKS

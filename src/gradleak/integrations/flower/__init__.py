@@ -8,22 +8,42 @@
   (under SecAgg+ only the unmasked aggregate is attacked).
 """
 
-from gradleak.integrations.flower.audit import AuditStrategy
-from gradleak.integrations.flower.legacy import LegacyAuditStrategy
-from gradleak.integrations.flower.mods import (
-    DefenseMod,
-    GateMod,
-    GuardMod,
-    UnsupportedModError,
-    is_update_level,
-)
+from __future__ import annotations
 
-__all__ = [
-    "AuditStrategy",
-    "LegacyAuditStrategy",
-    "DefenseMod",
-    "GateMod",
-    "GuardMod",
-    "UnsupportedModError",
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# imported on first use: loading gradleak's ``flower`` engine plugin (:mod:`.plugin`) must not import Flower
+_EXPORTS = {
+    "AuditStrategy": "gradleak.integrations.flower.audit",
+    "LegacyAuditStrategy": "gradleak.integrations.flower.legacy",
+    "DefenseMod": "gradleak.integrations.flower.mods",
+    "GateMod": "gradleak.integrations.flower.mods",
+    "GuardMod": "gradleak.integrations.flower.mods",
+    "UnsupportedModError": "gradleak.integrations.flower.mods",
+    "is_update_level": "gradleak.integrations.flower.mods",
+}
+__all__ = [  # the names of _EXPORTS (a test keeps the two equal)
+    "AuditStrategy", "LegacyAuditStrategy", "DefenseMod", "GateMod", "GuardMod", "UnsupportedModError",
     "is_update_level",
-]
+]  # fmt: skip
+
+if TYPE_CHECKING:
+    from gradleak.integrations.flower.audit import AuditStrategy
+    from gradleak.integrations.flower.legacy import LegacyAuditStrategy
+    from gradleak.integrations.flower.mods import (
+        DefenseMod,
+        GateMod,
+        GuardMod,
+        UnsupportedModError,
+        is_update_level,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,7 +1,7 @@
 """A Flower ClientApp that trains like gradleak's in-process clients, for Flower's simulation engine (Ray).
 
 ``client_app(clients, ...)`` serves node ``partition-id = k`` (Flower's simulation sets it in each node's
-``node_config``) with ``clients[k]``, and trains it with :func:`gradleak.fl.client.train_client` seeded
+``node_config``) with ``clients[k]``, and trains it with :func:`gradleak.tasks.client.train_client` seeded
 ``derive_seed(seed, round - 1, k)``: the update a node sends in Flower round ``r`` is the one the in-process
 simulation's client ``k`` computes in its round ``r - 1`` (Flower counts rounds from 1). A client whose
 defense fails closed, or whose training raises, sends no arrays: Flower turns the exception into an error
@@ -175,8 +175,8 @@ def client_app(
 
     @app.train()
     def train(msg: Message, ctx: Context) -> Message:
-        from gradleak.fl.client import train_client
-        from gradleak.fl.simulation import derive_seed
+        from gradleak.federation.simulation import derive_seed
+        from gradleak.tasks.client import train_client
 
         k = int(ctx.node_config[PARTITION_ID])
         model = sent_model(msg, build_model, accept_architecture, limits, k)

@@ -45,7 +45,7 @@ from gradleak.attacks import create_attack
 from gradleak.audit import Scorer
 from gradleak.data.base import ImageDataset
 from gradleak.experiments.store import ResultStore
-from gradleak.fl.simulation import derive_seed
+from gradleak.federation.simulation import derive_seed
 from gradleak.integrations.flower.apps import ARCHITECTURE, PARTITION_ID
 from gradleak.integrations.flower.auditing import AttackSpec, Auditing
 from gradleak.integrations.flower.replies import (

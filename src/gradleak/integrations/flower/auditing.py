@@ -32,7 +32,7 @@ from gradleak.data.base import ImageDataset
 from gradleak.experiments.figures import matched_figure, save_reconstruction_grid
 from gradleak.experiments.runner import environment
 from gradleak.experiments.store import ResultStore, RunRow
-from gradleak.fl.server import secure_sum
+from gradleak.federation.server import secure_sum
 from gradleak.integrations.flower.replies import CheckedReply, ReplyPolicy
 from gradleak.spec import ComponentSpec, as_spec
 from gradleak.types import LocalTraining, Observation, Update

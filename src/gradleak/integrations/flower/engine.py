@@ -5,7 +5,8 @@ served by the ``k``-th node id in sorted order) and runs gradleak's server loop 
 round and audit, :class:`GridEngine` sends each sampled client's task to its node as a Flower ``Message``
 through the
 ServerApp's ``Grid`` and waits (``timeout``) for the replies; the ClientApp (:func:`task_client_app`) trains
-with :func:`gradleak.fl.client.train_client` exactly as :class:`~gradleak.fl.simulation.InProcessEngine`
+with :func:`gradleak.tasks.client.train_client` exactly as
+:class:`~gradleak.federation.simulation.InProcessEngine`
 does, with the same per-task seed, so the two engines give the same updates (float rounding apart: the Ray
 workers run torch with their own thread count) and the same attack results.
 
@@ -70,13 +71,13 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid, ServerApp
 from torch import nn
 
-from gradleak.fl.client import ClientResult, reported_samples, train_client
-from gradleak.fl.engines import MODULUS_RANGE, FlowerEngineConfig, SecAggPlusConfig
-from gradleak.fl.server import update_kind
-from gradleak.fl.simulation import ClientTask, DefenseFactory, Engine, SecureRound
+from gradleak.federation.server import update_kind
+from gradleak.federation.simulation import ClientTask, DefenseFactory, Engine, SecureRound
 from gradleak.integrations.flower.apps import LEGACY_PARAMETERS, named_arrays
+from gradleak.integrations.flower.config import MODULUS_RANGE, FlowerEngineConfig, SecAggPlusConfig
 from gradleak.models.architecture import build, describe
 from gradleak.tasks import Dataset, task_from_spec, task_spec
+from gradleak.tasks.client import ClientResult, reported_samples, train_client
 from gradleak.types import LocalTraining, Update
 from gradleak.validation import reference_of
 
@@ -311,7 +312,8 @@ class _SecureTasks(Strategy):
 
 
 class GridEngine:
-    """An :class:`~gradleak.fl.simulation.Engine` that trains each task on its client's Flower node."""
+    """An :class:`~gradleak.federation.simulation.Engine` that trains each task on its client's Flower
+    node."""
 
     name = "flower"
 

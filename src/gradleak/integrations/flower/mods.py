@@ -40,7 +40,7 @@ from gradleak.defenses.base import (
 )
 from gradleak.defenses.guard import GuardConfig, ModelGuard
 from gradleak.defenses.in_loop import DefenseSpec, build_defenses, private_generator
-from gradleak.fl.simulation import derive_seed
+from gradleak.federation.simulation import derive_seed
 from gradleak.integrations.flower.replies import NUM_EXAMPLES, whole_number
 from gradleak.types import LocalTraining, Update
 from gradleak.validation import InvalidUpdateError, check_update

@@ -1,0 +1,122 @@
+"""DAGER on LoRA adapter updates: the span test on the adapters' ``A`` gradients.
+
+A LoRA layer computes ``W x + s B A x`` (``s = alpha / r``; :mod:`gradleak.models.adapters`) with ``W``
+frozen, so a client's update carries only ``dL/dA`` and ``dL/dB``. For the tokens ``x_t`` entering a block's
+attention projection with output gradients ``delta_t``,
+
+    dL/dA = s sum_t (B^T delta_t) x_t^T,        dL/dB = s sum_t delta_t (A x_t)^T,
+
+so the rows of ``dL/dA`` lie in the span of the block's inputs ``x_t`` (side ``"A"``), and the columns of
+``(dL/dB)^T`` in the span of their projections ``A x_t`` (side ``"B"``: a candidate input ``z`` is tested as
+``A z``, :class:`~gradleak.attacks.text.family.ProjectedSpan`, in ``r`` dimensions; the one side that reads a
+fresh adapter, whose ``B`` is zero). On side A, ``(dL/dA)^T`` plays the part of
+DAGER's attention weight gradient (Petrov et al., "DAGER: Exact Gradient Inversion for Large Language Models",
+NeurIPS 2024, Sec. 4; its LoRA section), and the rest of DAGER (the layer-1 token test, the layer-2 search)
+runs unchanged on the frozen model. What it needs, stated as its threat model: an honest-but-curious server
+that sees one client's adapter update (FedSGD, or a FedAvg delta read as DAGER's FedAvg variant reads it);
+
+- side A needs ``B != 0``: peft starts ``B`` at zero, so ``dL/dA = 0`` on a fresh adapter's first step;
+  ``side = "auto"`` (the default) reads side B then, side A once ``B`` has trained;
+- ``r`` at least the batch's distinct (token, position) count, and the ``B^T delta_t`` independent: the
+  span of ``dL/dA`` has rank at most ``r`` (DAGER's official LoRA runs use r = 256); below it the span
+  is a subspace of the inputs' and the test rejects true tokens (the record's ``rank_l1`` says which);
+- the attention projections of blocks 1 and 2 adapted (``target`` includes ``attention``).
+
+A causal LM's last token is out of reach: DAGER reads it off the LM head's (embedding's) gradient, which a
+LoRA update does not carry, so the decoder's last-token completion is off by default
+(:class:`DagerLoRAConfig`); the recovered sequences lack their last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from gradleak.attacks.text.dager.core import Dager, DagerConfig, DecoderSearch
+from gradleak.attacks.text.family import FamilySpec, ProjectedSpan, Span, find_module, update_tensor
+from gradleak.registry import ATTACKS
+from gradleak.types import AttackInputError, Observation
+
+
+@dataclass(frozen=True)
+class DagerLoRAConfig(DagerConfig):
+    """DAGER's options; the decoder's last-token completion and prefix sentences off (they read the LM
+    head's gradient, which a LoRA update does not carry)."""
+
+    decoder: DecoderSearch = field(
+        default_factory=lambda: DecoderSearch(complete_last_token=False, prefix_sentences=False)
+    )
+    side: str = "auto"  # "A", "B", or "auto": B when A's gradient is zero (a fresh adapter), else A
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.side not in ("auto", "A", "B"):
+            raise ValueError(f"side must be 'auto', 'A' or 'B', got {self.side!r}")
+
+
+class DagerLoRA(Dager):
+    """DAGER whose spans come from the adapters' ``A`` gradients (module docstring)."""
+
+    zero_gradient = (
+        "the first block's LoRA gradient on this side is zero (side A with B still zero, a fresh adapter: "
+        "dL/dA = B^T delta x^T vanishes; read side B, or an update from a later round)"
+    )
+
+    config: DagerLoRAConfig
+
+    def _lora(self, obs: Observation, name: str, which: str) -> str:
+        prefix = f"{name}.lora_{which}."
+        keys = [k for k in obs.update.tensors if k.startswith(prefix) and k.endswith(".weight")]
+        if len(keys) != 1:
+            raise AttackInputError(
+                f"the update carries no single LoRA {which} of {name!r} ({keys}): is the attention adapted?"
+            )
+        return keys[0]
+
+    def side(self, obs: Observation, model: nn.Module, spec: FamilySpec) -> str:
+        """The side to read (module docstring): B where block 1's A gradient is zero (a fresh adapter)."""
+        if self.config.side != "auto":
+            return self.config.side
+        name, _ = find_module(model, spec.attn_inputs[0].format(i=0))
+        return "B" if float(update_tensor(obs, self._lora(obs, name, "A")).abs().max()) == 0.0 else "A"
+
+    def input_gradient(
+        self, obs: Observation, model: nn.Module, spec: FamilySpec, layer: int
+    ) -> torch.Tensor:
+        if layer == 0:
+            self._side, self._projections = self.side(obs, model, spec), {}
+        if self._side == "A":
+            cols = []
+            for suffix in spec.attn_inputs:
+                name, _ = find_module(model, suffix.format(i=layer))
+                cols.append(update_tensor(obs, self._lora(obs, name, "A")).T)  # (d_in, r): spans the inputs
+            return torch.cat(cols, dim=1)
+        # side B: the block's last attention projection (GPT-2's fused c_attn, Llama's v_proj, BERT's value):
+        # its B gradient's columns span A x_t in r dimensions. Not the query: under causal attention the
+        # first token's query gets no gradient (a softmax over one key), so its span misses tokens.
+        name, _ = find_module(model, spec.attn_inputs[-1].format(i=layer))
+        weight = dict(model.named_parameters())[self._lora(obs, name, "A")]
+        self._projections[layer] = weight.detach().to(torch.float64)
+        return update_tensor(obs, self._lora(obs, name, "B")).T  # (r, d_out)
+
+    def spans(
+        self, obs: Observation, spec: FamilySpec, grad1: torch.Tensor, grad2: torch.Tensor
+    ) -> tuple[Span, Span, FamilySpec, dict[str, float]]:
+        span1, span2, spec, stats = super().spans(obs, spec, grad1, grad2)
+        if self._side == "B":
+            span1 = ProjectedSpan.of(span1, self._projections[0])
+            span2 = ProjectedSpan.of(span2, self._projections[1])
+        return span1, span2, spec, {**stats, "side_b": float(self._side == "B")}
+
+
+ATTACKS.register(
+    "dager_lora",
+    DagerLoRA,
+    config_cls=DagerLoRAConfig,
+    summary="DAGER on LoRA adapter updates: spans from the adapters' A gradients (needs B != 0, r >= tokens)",
+    modality="text",
+)
+
+__all__ = ["DagerLoRA", "DagerLoRAConfig"]

@@ -1,0 +1,238 @@
+"""A quality gate for Aegis' generators that a user can read: is the synthetic cache in distribution, of the
+right class, and not a copy of the private images?
+
+Per class, for any :class:`~gradleak.defenses.aegis.generators.ConditionalGenerator`:
+
+- **class fidelity**: the share of the generated images of class ``y`` that a classifier trained on real
+  images labels ``y`` (chance is ``1 / K``); the classifier's accuracy on held-out real images is the
+  ceiling;
+- **Frechet distance** (the FID formula of Heusel et al. 2017, eq. 6:
+  ``||mu_r - mu_g||^2 + Tr(S_r + S_g - 2 (S_r S_g)^(1/2))``) between the generated and held-out real images
+  in that classifier's penultimate feature space (no Inception weights offline, and 28 x 28 medical images
+  are not ImageNet's), projected on the ``feature_dims`` principal directions of the held-out features so
+  that a few hundred samples per class estimate the covariances (the value still grows as samples shrink:
+  compare generators at the same ``samples_per_class``);
+- **memorisation**: each generated image's distance to its nearest training image (pixel RMS) against the
+  same distance for held-out real images. An image closer to the training set than the ``copy_quantile``
+  of the held-out images' distances counts as a copy; a generator whose copy rate exceeds ``max_copy_rate``
+  is flagged: copying private images into the cache would defeat the defense (paper 000, Limitations).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from scipy import linalg
+from torch import nn
+from torch.nn import functional as F
+
+from gradleak.data.base import ImageDataset
+from gradleak.defenses.aegis.generators.base import ConditionalGenerator
+from gradleak.progress import bar
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QualityConfig:
+    """``samples_per_class`` generated images per class; the reference classifier: the registered model
+    ``classifier`` trained ``classifier_epochs`` epochs (Adam, ``lr``, batch 64) on the training images;
+    memorisation: ``copy_quantile`` of the held-out images' nearest-training distances, flag above
+    ``max_copy_rate``; ``seed`` for the classifier and the samples."""
+
+    samples_per_class: int = 200
+    classifier: str = "aegis_cnn"
+    classifier_epochs: int = 5
+    lr: float = 1e-3
+    copy_quantile: float = 0.01
+    max_copy_rate: float = 0.05
+    feature_dims: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("samples_per_class", "classifier_epochs", "feature_dims"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{key} must be an int >= 1, got {v!r}")
+        if not 0 < self.copy_quantile < 1 or not 0 <= self.max_copy_rate <= 1:
+            raise ValueError("copy_quantile must be in (0, 1) and max_copy_rate in [0, 1]")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class ClassQuality:
+    label: int
+    samples: int
+    accuracy: float  # share classified as the requested class
+    frechet: float  # to held-out real images of the class, classifier features
+    nn_distance: float  # median distance to the nearest training image (pixel RMS)
+    copy_rate: float  # share closer to the training set than the copy threshold
+
+
+@dataclass(frozen=True)
+class QualityReport:
+    """One generator's gate: per class and overall (means over classes, weighted equally)."""
+
+    name: str
+    classes: tuple[ClassQuality, ...]
+    accuracy: float
+    frechet: float
+    nn_distance: float
+    copy_rate: float
+    copy_threshold: float
+    memorised: bool  # copy_rate > max_copy_rate
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class Reference:
+    """What every generator is scored against: a classifier trained on real images (``classifier_data``)
+    and the held-out real images' features per class. Memorisation is checked against the images each
+    generator was fit on (``private`` in :meth:`score`)."""
+
+    def __init__(self, classifier_data: ImageDataset, heldout: ImageDataset, config: QualityConfig) -> None:
+        if (
+            classifier_data.input_shape != heldout.input_shape
+            or classifier_data.num_classes != heldout.num_classes
+        ):
+            raise ValueError(
+                "the classifier's training images and the held-out images must share shape and classes"
+            )
+        self.config, self.heldout = config, heldout
+        self.classifier = train_classifier(classifier_data, config)
+        self.real_accuracy = float((self.predict(heldout.images) == heldout.labels).float().mean())
+        self._penultimate = _Penultimate(self.classifier)
+        raw = self._penultimate(heldout.images)
+        self._center = raw.mean(0)
+        self._basis = torch.linalg.svd(raw - self._center, full_matrices=False)[2][: config.feature_dims].T
+        feats = self.features(heldout.images)
+        self.real = {int(y): feats[heldout.labels == y] for y in heldout.labels.unique()}
+        log.info("quality reference: classifier accuracy %.3f on held-out real images", self.real_accuracy)
+
+    @torch.no_grad()
+    def predict(self, images: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.classifier(x).argmax(1) for x in images.split(512)])
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        """Penultimate features on the held-out images' top ``feature_dims`` principal directions."""
+        return (self._penultimate(images) - self._center) @ self._basis
+
+    def copy_threshold(self, private: ImageDataset) -> float:
+        """The ``copy_quantile`` of the held-out real images' distances to their nearest ``private`` image."""
+        return float(
+            torch.quantile(nearest_distance(self.heldout.images, private.images), self.config.copy_quantile)
+        )
+
+    def score(
+        self,
+        name: str,
+        source: ConditionalGenerator,
+        private: ImageDataset,
+        *,
+        classes: list[int] | None = None,
+    ) -> QualityReport:
+        """Generate ``samples_per_class`` images of each class (default: the classes of ``private``, the
+        images the generator was fit on) and score them; copies are judged against ``private``."""
+        cfg = self.config
+        threshold = self.copy_threshold(private)
+        g = torch.Generator().manual_seed(cfg.seed)
+        rows = []
+        chosen = classes if classes is not None else sorted(int(v) for v in private.labels.unique())
+        for y in bar(chosen, desc=f"quality {name}"):
+            labels = torch.full((cfg.samples_per_class,), y, dtype=torch.int64)
+            rows.append(self._class_row(y, source.sample(labels, generator=g), private, threshold))
+        mean = lambda key: float(np.nanmean([getattr(r, key) for r in rows]))  # noqa: E731
+        copy_rate = mean("copy_rate")
+        return QualityReport(
+            name,
+            tuple(rows),
+            mean("accuracy"),
+            mean("frechet"),
+            mean("nn_distance"),
+            copy_rate,
+            threshold,
+            copy_rate > cfg.max_copy_rate,
+        )
+
+    def _class_row(
+        self, y: int, images: torch.Tensor, private: ImageDataset, threshold: float
+    ) -> ClassQuality:
+        n = len(images)  # rates as exact counts over n (a float32 mean put 5 copies of 100 above 5 %)
+        accuracy = int((self.predict(images) == y).sum()) / n
+        real = self.real.get(y)
+        frechet = (
+            frechet_distance(self.features(images), real) if real is not None and len(real) > 1 else math.nan
+        )
+        nn_dist = nearest_distance(images, private.images)
+        return ClassQuality(
+            y,
+            len(images),
+            accuracy,
+            frechet,
+            float(nn_dist.median()),
+            int((nn_dist < threshold).sum()) / n,
+        )
+
+
+def train_classifier(data: ImageDataset, config: QualityConfig) -> nn.Module:
+    """The reference classifier: the registered model trained on real images (seeded, shuffled batches)."""
+    from gradleak.models import build_model
+
+    model = build_model(config.classifier, data.input_shape, data.num_classes, seed=config.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    g = torch.Generator().manual_seed(config.seed)
+    model.train()
+    for _ in bar(range(config.classifier_epochs), desc="quality classifier"):
+        for idx in torch.randperm(len(data), generator=g).split(64):
+            loss = F.cross_entropy(model(data.images[idx]), data.labels[idx])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    return model.eval().requires_grad_(False)
+
+
+class _Penultimate:
+    """The input of the model's last linear layer (its penultimate features)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        if not linears:
+            raise ValueError("the reference classifier has no linear layer to read features before")
+        self.model, self.last = model, linears[-1]
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        out: list[torch.Tensor] = []
+        handle = self.last.register_forward_pre_hook(lambda _m, args: out.append(args[0].flatten(1)))
+        try:
+            for x in images.split(512):
+                self.model(x)
+        finally:
+            handle.remove()
+        return torch.cat(out).to(torch.float64)
+
+
+def frechet_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||mu_a - mu_b||^2 + Tr(S_a + S_b - 2 (S_a S_b)^(1/2))`` of two feature sets ``(N, D)``."""
+    a64, b64 = a.to(torch.float64).numpy(), b.to(torch.float64).numpy()
+    mu_a, mu_b = a64.mean(0), b64.mean(0)
+    s_a, s_b = np.atleast_2d(np.cov(a64, rowvar=False)), np.atleast_2d(np.cov(b64, rowvar=False))
+    with warnings.catch_warnings():  # a singular covariance (few samples) is expected and still defined
+        warnings.simplefilter("ignore", linalg.LinAlgWarning)
+        root = np.real(linalg.sqrtm(s_a @ s_b))  # imaginary parts are rounding (a product of PSD matrices)
+    return float(((mu_a - mu_b) ** 2).sum() + np.trace(s_a + s_b - 2 * root))
+
+
+def nearest_distance(images: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
+    """Each image's distance to its nearest training image, pixel RMS (``||x - t|| / sqrt(C H W)``)."""
+    t = train.flatten(1).to(torch.float64)
+    dims = t.shape[1]
+    out = [torch.cdist(x.flatten(1).to(torch.float64), t).min(1).values for x in images.split(256)]
+    return torch.cat(out) / math.sqrt(dims)
