@@ -81,8 +81,8 @@ def test_a_grid_run_writes_a_self_contained_report_with_one_row_per_cell_and_att
     header, *rows = page.rows
     assert header[:4] == ["defense", "attack", "updates", "PSNR over floor"]
     assert [(r[0], r[1], r[2]) for r in rows] == [
-        ("none", "ig(lr=0.1, max_iterations=4)", "2"),
-        ("pruning(ratio=0.9)", "ig(lr=0.1, max_iterations=4)", "2"),
+        ("none", "ig(lr=0.1, max_iterations=4, tv_weight=0.0001)", "2"),
+        ("pruning(ratio=0.9)", "ig(lr=0.1, max_iterations=4, tv_weight=0.0001)", "2"),
     ]  # fmt: skip
     store = ResultStore(out / "results.sqlite")
     runs = {r.name: r for r in store.runs()}
