@@ -39,6 +39,7 @@ import torch
 
 from gradleak.data.text import TextBatch, encode, load_text_dataset, sample
 from gradleak.defenses import DefenseChain
+from gradleak.defenses.base import SetupContext
 from gradleak.defenses.in_loop import build_defenses
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
 from gradleak.models.text import TextModel, build_text_model
@@ -77,7 +78,7 @@ class Trainer:
     def __init__(self, tm: TextModel, setting: str, seed: int, *, private_copy: bool = True) -> None:
         self.model = copy.deepcopy(tm.model) if private_copy else tm.model
         self.chain = DefenseChain(build_defenses([setting]))
-        self.chain.setup(self.model, generator=torch.Generator().manual_seed(seed))
+        self.chain.setup(self.model, SetupContext(torch.Generator().manual_seed(seed)))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=5e-5, weight_decay=0.0)
         self.task = TASK.get(tm.name, "classification")

@@ -9,6 +9,7 @@ from torch.nn import functional as F
 from gradleak.attacks import create_attack
 from gradleak.attacks.image.labels import recover_labels
 from gradleak.data import load_dataset
+from gradleak.defenses.base import SetupContext
 from gradleak.metrics import psnr
 from gradleak.models import build_model
 from gradleak.registry import UnknownNameError
@@ -146,7 +147,7 @@ def test_masked_ig_recovers_under_soteria_an_image_plain_ig_does_not(cifar):
         model = build_model("lenet", (3, 32, 32), 10, seed=0)
         img, lab = cifar.images[i : i + 1], cifar.labels[i : i + 1]
         soteria = Soteria(SoteriaConfig(consumer="classifier.1", percent=80.0))
-        soteria.setup(model, generator=torch.Generator().manual_seed(0))
+        soteria.setup(model, SetupContext(torch.Generator().manual_seed(0)))
         F.cross_entropy(model(img), lab).backward()
         soteria.on_gradients(model, 0)
         sent = Update({n: p.grad.detach().clone() for n, p in model.named_parameters()}, 1, kind="gradient")

@@ -13,6 +13,7 @@ from torch.nn import functional as F
 from gradleak.attacks import create_attack
 from gradleak.attacks.image.ig_noise import NoiseAwareIGConfig, NoiseBalance
 from gradleak.data import load_dataset
+from gradleak.defenses.base import SetupContext
 from gradleak.defenses.in_loop import build_defenses
 from gradleak.metrics import psnr
 from gradleak.models import build_model
@@ -30,7 +31,7 @@ def noised_observation(model, image, label, sigma: float, seed: int) -> Observat
     model.zero_grad()
     F.cross_entropy(model(image), label).backward()
     (noise,) = build_defenses([("batch_noise", {"clip": 1.0, "sigma": sigma, "batch_size": 1})])
-    noise.setup(model, generator=torch.Generator().manual_seed(seed))
+    noise.setup(model, SetupContext(torch.Generator().manual_seed(seed)))
     noise.on_gradients(model, 0)
     sent = {n: p.grad.clone() for n, p in model.named_parameters()}
     update = noise.on_update(Update(sent, 1, kind="gradient"))

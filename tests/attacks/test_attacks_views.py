@@ -14,6 +14,7 @@ from gradleak.attacks import create_attack
 from gradleak.attacks.noise import VIEWS, mean_of_views, noise_scale
 from gradleak.attacks.text.baseline import null_observation
 from gradleak.data import load_dataset
+from gradleak.defenses.base import SetupContext
 from gradleak.defenses.in_loop import build_defenses
 from gradleak.metrics import psnr
 from gradleak.models import build_model
@@ -97,7 +98,7 @@ def _batch_noise_view(model, image, label, sigma: float, seed: int) -> Update:
     model.zero_grad()
     F.cross_entropy(model(image), label).backward()
     (noise,) = build_defenses([("batch_noise", {"clip": 1.0, "sigma": sigma, "batch_size": 1})])
-    noise.setup(model, generator=torch.Generator().manual_seed(seed))
+    noise.setup(model, SetupContext(torch.Generator().manual_seed(seed)))
     noise.on_gradients(model, 0)
     return noise.on_update(Update({n: p.grad.clone() for n, p in model.named_parameters()}, 1, "gradient"))
 

@@ -103,7 +103,7 @@ class Marked:
 def test_the_generators_fingerprint_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     clear_cache_memo()
     monkeypatch.setattr(
-        aegis_synthetic.GENERATORS, "get", lambda name: lambda data, options, generator: Marked()
+        aegis_synthetic.GENERATORS, "get", lambda name: lambda data, options, generator, root: Marked()
     )
     first = cache_from_data(client(0), config(tmp_path))
     cache_from_data(client(0), config(tmp_path))

@@ -20,7 +20,7 @@ from gradleak.defenses.aegis.defense import (
     aegis_for_client,
 )
 from gradleak.defenses.aegis.generators import ClassGaussianGenerator
-from gradleak.defenses.base import DefenseChain, DefenseFailure
+from gradleak.defenses.base import DefenseChain, DefenseFailure, SetupContext
 from gradleak.federation import server_view
 from gradleak.metrics import score_images
 from gradleak.models import build_model
@@ -63,7 +63,7 @@ def test_one_step_per_epoch_with_the_configured_weight(normalization: str, weigh
     F.cross_entropy(model(cache.images), cache.labels).backward()
     grad = {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
     aegis = AegisSynthetic(cfg, cache)
-    aegis.setup(model, generator=torch.Generator())
+    aegis.setup(model, SetupContext(torch.Generator()))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     aegis.on_epoch_end(model, opt)
     assert aegis.steps == 1
@@ -85,7 +85,7 @@ def test_separate_optimizer_state_leaves_the_real_adam_state_alone() -> None:
             cache=CacheConfig(size=40), micro_batch=16, real_batch_size=8, optimizer_state=state
         )
         aegis = AegisSynthetic(cfg, cache)
-        aegis.setup(model, generator=torch.Generator())
+        aegis.setup(model, SetupContext(torch.Generator()))
         for _ in range(2):  # two real steps: the real Adam state holds moments
             opt.zero_grad()
             F.cross_entropy(model(real.images), real.labels).backward()
@@ -156,7 +156,7 @@ def test_fails_closed_without_a_usable_cache() -> None:
     training = LocalTraining("fedavg", epochs=1, batch_size=8)
     unbound = DEFENSES.create("aegis", cache={"size": 8})  # no cache bound and no client data: fail closed
     with pytest.raises(DefenseFailure, match="no synthetic cache"):
-        DefenseChain([unbound]).setup(model, generator=torch.Generator())
+        DefenseChain([unbound]).setup(model, SetupContext(torch.Generator()))
     res = train_client(0, model, data, training, [unbound], torch.Generator())  # builds from the data
     assert res.update is not None and unbound.active_cache is not None and unbound.cache is None
     wrong = SyntheticCache(torch.rand(8, 1, 10, 10), torch.zeros(8, dtype=torch.int64))

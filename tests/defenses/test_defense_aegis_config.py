@@ -1,4 +1,4 @@
-"""Aegis from a config: the client's data reaches data-aware defenses through ``setup`` (and only them),
+"""Aegis from a config: the client's data and data root reach defenses through ``setup``'s context,
 Aegis builds and memoises its cache from it, failures while doing so fail closed, and through the runner
 the update carries no cache and Robbing the Fed's reconstruction rate falls against no defense."""
 
@@ -14,15 +14,15 @@ from torch import nn
 import gradleak.experiments.runner as runner
 from gradleak.data import load_dataset
 from gradleak.data.base import ImageDataset
+from gradleak.data.root import resolve_data_root
 from gradleak.defenses.aegis.cache import CacheConfig, SyntheticCache
 from gradleak.defenses.aegis.defense import (
     AegisConfig,
-    AegisSynthetic,
     cache_from_data,
     clear_cache_memo,
     memoised_caches,
 )
-from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure, accepts_data
+from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure, SetupContext
 from gradleak.experiments import load_config, run_experiment
 from gradleak.models import build_model
 from gradleak.registry import DEFENSES
@@ -33,29 +33,17 @@ from synthetic import synthetic_dataset
 SHAPE = (1, 12, 12)
 
 
-class Legacy(Defense):
-    """A defense written before ``data`` existed: its setup takes the model and the generator only."""
-
-    name = "legacy"
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def setup(self, model: nn.Module, *, generator: torch.Generator) -> None:
-        self.calls += 1
-
-
 class DataAware(Defense):
+    """Records the context of every setup."""
+
     name = "data-aware"
 
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
-        self.seen: list[ImageDataset | None] = []
+        self.seen: list[SetupContext] = []
 
-    def setup(
-        self, model: nn.Module, *, generator: torch.Generator, data: ImageDataset | None = None
-    ) -> None:
-        self.seen.append(data)
+    def setup(self, model: nn.Module, context: SetupContext) -> None:
+        self.seen.append(context)
         if self.fail:
             raise ValueError("cannot use this client's data")
 
@@ -65,30 +53,72 @@ def organ_share(n: int = 300, offset: int = 0) -> ImageDataset:
     return pool.subset(np.flatnonzero(pool.labels.numpy() < 4)[offset : offset + n])
 
 
-def test_chain_passes_data_only_to_defenses_that_take_it() -> None:
+def test_every_defense_of_a_chain_gets_the_one_setup_context() -> None:
+    """The context replaces signature inspection: every defense gets the generator, the client's private
+    data, what training draws from (the data when not given) and the data root; train_client passes its
+    share (or the whole share behind an audit's subset) and the engine's data root."""
     model = build_model("lenet", SHAPE, 3, seed=0)
     data = synthetic_dataset(n=10, shape=SHAPE)
-    legacy, aware = Legacy(), DataAware()
-    assert not accepts_data(legacy) and accepts_data(aware) and accepts_data(AegisSynthetic())
-    chain = DefenseChain([legacy, aware])
-    chain.setup(model, generator=torch.Generator(), data=data)
-    chain.setup(model, generator=torch.Generator())  # the old call still works
-    assert legacy.calls == 2 and aware.seen == [data, None]
-    res = train_client(0, model, data, LocalTraining(epochs=1, batch_size=5), [Legacy(), aware],
-                       torch.Generator())  # fmt: skip
-    assert res.update is not None and aware.seen[-1] is data
+    first, second = DataAware(), DataAware()
+    gen = torch.Generator()
+    DefenseChain([first, second]).setup(model, SetupContext(gen, data, data_root="/elsewhere"))
+    assert first.seen == second.seen and first.seen[0].generator is gen
+    assert first.seen[0].data is data and first.seen[0].train_data is data
+    assert first.seen[0].data_root == "/elsewhere"
+    with pytest.raises(TypeError, match="needs a torch.Generator"):
+        SetupContext(0)  # type: ignore[arg-type]
+    aware = DataAware()
     whole = synthetic_dataset(n=30, shape=SHAPE, seed=3)
     res = train_client(0, model, data, LocalTraining(epochs=1, batch_size=5), [aware], torch.Generator(),
-                       private=whole)  # fmt: skip
-    assert res.update is not None and aware.seen[-1] is whole and res.update.num_samples == len(data)
+                       private=whole, data_root="/r")  # fmt: skip
+    context = aware.seen[-1]
+    assert res.update is not None and res.update.num_samples == len(data)
+    assert context.data is whole and context.train_data is data and context.data_root == "/r"
+
+
+def test_the_experiments_data_root_reaches_aegis_public_split(tmp_path, monkeypatch) -> None:
+    """Issue 51 defect: ``experiment.data_root`` did not reach Aegis' public split, which read the default
+    root, so an audit whose data lives under its own root lost every Aegis client in setup. Here the
+    default root is empty and the experiment's root holds OrganAMNIST: the oracle generator's public split
+    loads from the experiment's root, through the runner, and the audited update is defended."""
+    root = tmp_path / "root"
+    (root / "medmnist").mkdir(parents=True)
+    shared = resolve_data_root(None)
+    (root / "medmnist" / "organamnist.npz").symlink_to(shared / "medmnist" / "organamnist.npz")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("GRADLEAK_DATA", str(empty))
+    aegis = {"name": "aegis", "cache": {"size": 64}, "micro_batch": 64, "real_batch_size": 8,
+             "generator": "oracle", "oracle": {"public": {"dataset": "organamnist", "split": "test",
+                                                          "limit": 600}}}  # fmt: skip
+    raw = {
+        "experiment": {"name": "root", "seed": 0, "data_root": str(root)},
+        "data": {"dataset": "organamnist", "train_limit": 300, "test_limit": 50, "num_clients": 3,
+                 "partition": "iid"},
+        "model": {"name": "aegis_cnn"},
+        "fl": {"rounds": 1, "fraction": 1.0, "training": {"protocol": "fedavg", "batch_size": 8}},
+        "audit": {"clients": 1, "attacks": [{"name": "ig", "max_iterations": 2}],
+                  "training": {"protocol": "fedavg", "batch_size": 8}},
+        "defenses": [aegis],
+    }  # fmt: skip
+    outcome = run_experiment(load_config(raw))
+    assert outcome.of_kind("client_error") == []  # before the fix: "public split ... file not found"
+    assert len(outcome.of_kind("attack")) == 1  # the audited client's defended update was attacked
+    # the same defense without the root (the default one is empty) fails closed, naming the missing file
+    model = build_model("aegis_cnn", (1, 28, 28), 11, seed=0)
+    share = load_dataset("organamnist", "train", root=root, limit=64)
+    res = train_client(0, model, share, LocalTraining(epochs=1, batch_size=8),
+                       [DEFENSES.create("aegis", **{k: v for k, v in aegis.items() if k != "name"})],
+                       torch.Generator())  # fmt: skip
+    assert res.update is None and "organamnist" in (res.error or "")
 
 
 def test_a_defense_failing_in_setup_with_data_fails_closed() -> None:
     model = build_model("lenet", SHAPE, 3, seed=0)
     data = synthetic_dataset(n=10, shape=SHAPE)
     with pytest.raises(DefenseFailure, match="data-aware.*setup.*this client's data"):
-        DefenseChain([DataAware(fail=True)]).setup(model, generator=torch.Generator(), data=data)
-    chain = [Legacy(), DataAware(fail=True)]
+        DefenseChain([DataAware(fail=True)]).setup(model, SetupContext(torch.Generator(), data))
+    chain = [DataAware(), DataAware(fail=True)]
     res = train_client(3, model, data, LocalTraining(epochs=1, batch_size=5), chain, torch.Generator())
     assert res.update is None and res.truth is None and "this client's data" in (res.error or "")
     # Aegis whose cache cannot be built from the client's data (one image per class: no generator fit)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from gradleak.defenses.base import SetupContext
 from gradleak.defenses.baselines import (
     BatchNoise,
     BatchNoiseConfig,
@@ -34,7 +35,7 @@ def model_with_grads(seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Te
 def test_compression_keeps_top_k_and_feeds_back_the_rest() -> None:
     model, grads, _ = model_with_grads()
     comp = Compression(CompressionConfig(ratio=0.1))
-    comp.setup(model, generator=torch.Generator())
+    comp.setup(model, SetupContext(torch.Generator()))
     comp.on_gradients(model, 0)
     for n, p in model.named_parameters():
         kept = int((p.grad != 0).sum())  # type: ignore[union-attr]
@@ -45,7 +46,7 @@ def test_compression_keeps_top_k_and_feeds_back_the_rest() -> None:
 def test_batch_noise_clips_and_adds_seeded_noise() -> None:
     model, _, _ = model_with_grads()
     dp = BatchNoise(BatchNoiseConfig(clip=1e-3, sigma=0.0))
-    dp.setup(model, generator=torch.Generator())
+    dp.setup(model, SetupContext(torch.Generator()))
     dp.on_gradients(model, 0)
     norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))  # type: ignore[union-attr]
     assert float(norm) == pytest.approx(1e-3, rel=1e-4)
@@ -53,14 +54,14 @@ def test_batch_noise_clips_and_adds_seeded_noise() -> None:
     for seed in (0, 0, 1):
         model, _, _ = model_with_grads()
         dp = BatchNoise(BatchNoiseConfig(sigma=1.0))
-        dp.setup(model, generator=torch.Generator().manual_seed(seed))
+        dp.setup(model, SetupContext(torch.Generator().manual_seed(seed)))
         dp.on_gradients(model, 0)
         outs.append(torch.cat([p.grad.flatten() for p in model.parameters()]))  # type: ignore[union-attr]
     assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
     # the sent update states the noise scale sigma C / B only for a gradient of one noised step
     grads = {n: p.grad for n, p in model.named_parameters()}
     noise = BatchNoise(BatchNoiseConfig(clip=2.0, sigma=0.5, batch_size=4))
-    noise.setup(model, generator=torch.Generator())
+    noise.setup(model, SetupContext(torch.Generator()))
     noise.on_gradients(model, 0)
     assert noise.on_update(Update(grads, 4, kind="gradient")).metadata["batch_noise/noise_std"] == 0.25
     assert "batch_noise/noise_std" not in noise.on_update(Update(grads, 4, kind="delta")).metadata
@@ -71,7 +72,7 @@ def test_batch_noise_clips_and_adds_seeded_noise() -> None:
 def test_soteria_prunes_representation_columns_and_estimates_ratios() -> None:
     model, grads, images = model_with_grads()
     sot = Soteria(SoteriaConfig(percent=50.0, probes=100))
-    sot.setup(model, generator=torch.Generator().manual_seed(0))
+    sot.setup(model, SetupContext(torch.Generator().manual_seed(0)))
     model(images)  # the forward the client did
     sot.on_gradients(model, 0)
     w = model.classifier[3].weight.grad

@@ -9,7 +9,7 @@ from torch.nn import functional as F
 
 from gradleak.defenses.aegis.cache import SyntheticCache
 from gradleak.defenses.aegis.defense import aegis_for_client
-from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure
+from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure, SetupContext
 from gradleak.defenses.in_loop import build_defenses, defend
 from gradleak.models import build_model
 from gradleak.registry import DEFENSES
@@ -37,7 +37,7 @@ def reference_delta(name: str, seed: int) -> dict[str, torch.Tensor]:
     model = build_model("aegis_cnn", SHAPE, 3, seed=0)
     gen = torch.Generator().manual_seed(seed)
     chain = DefenseChain([fresh(name)])
-    chain.setup(model, generator=gen, data=DATA)
+    chain.setup(model, SetupContext(gen, DATA))
     w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01)
     step = 0

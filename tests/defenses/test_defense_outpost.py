@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from gradleak.defenses.base import SetupContext
 from gradleak.defenses.outpost import Outpost, OutpostConfig
 
 
@@ -45,7 +46,7 @@ def test_a_perturbed_step_matches_the_reference():
     net = model_with_grads()
     want = reference(model_with_grads(), config, torch.Generator().manual_seed(3))
     defense = Outpost(config)
-    defense.setup(net, generator=torch.Generator().manual_seed(3))
+    defense.setup(net, SetupContext(torch.Generator().manual_seed(3)))
     defense.on_gradients(net, 0)
     for p, w in zip(net.parameters(), want, strict=True):
         torch.testing.assert_close(p.grad.double(), w, rtol=1e-6, atol=1e-6)
@@ -59,7 +60,7 @@ def test_steps_are_perturbed_with_the_decaying_probability():
         hits = 0
         for seed in range(4000):
             d = Outpost(config)
-            d.setup(nn.Module(), generator=torch.Generator().manual_seed(seed))
+            d.setup(nn.Module(), SetupContext(torch.Generator().manual_seed(seed)))
             d.on_gradients(model_with_grads(), t)
             hits += d.perturbed
         assert abs(hits / 4000 - p) < 4 * math.sqrt(p * (1 - p) / 4000)
@@ -68,7 +69,7 @@ def test_steps_are_perturbed_with_the_decaying_probability():
 def test_no_noise_and_no_pruning_leave_the_gradient_alone():
     net, before = model_with_grads(), model_with_grads()
     d = Outpost(OutpostConfig(noise=0.0, prune=0.0))
-    d.setup(net, generator=torch.Generator().manual_seed(0))
+    d.setup(net, SetupContext(torch.Generator().manual_seed(0)))
     d.on_gradients(net, 0)
     for p, q in zip(net.parameters(), before.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
@@ -79,7 +80,7 @@ def test_the_risk_is_capped_at_one():
     for p in net.parameters():
         p.data.mul_(100)  # variance far above 1
     d = Outpost(OutpostConfig(phi=100, prune=0.0, noise=1.0))
-    d.setup(net, generator=torch.Generator().manual_seed(1))
+    d.setup(net, SetupContext(torch.Generator().manual_seed(1)))
     before = [p.grad.clone() for p in net.parameters()]
     d.on_gradients(net, 0)
     added = torch.cat([(p.grad - b).reshape(-1) for p, b in zip(net.parameters(), before, strict=True)])

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from gradleak.defenses.base import SetupContext
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
 
@@ -25,7 +26,7 @@ def _norm(u: Update) -> float:
 @pytest.mark.parametrize("scale", [0.01, 10.0])
 def test_clipping_is_exact_and_leaves_small_updates_alone(scale):
     d = DEFENSES.create("update_noise", clip=1.0, sigma=0.0)
-    d.setup(torch.nn.Module(), generator=torch.Generator())
+    d.setup(torch.nn.Module(), SetupContext(torch.Generator()))
     u = _update(scale)
     out = d.on_update(u)
     factor = min(1.0, 1.0 / _norm(u))  # the slow obvious way
@@ -37,11 +38,11 @@ def test_clipping_is_exact_and_leaves_small_updates_alone(scale):
 def test_noise_has_the_stated_scale_and_is_seeded():
     d = DEFENSES.create("update_noise", clip=0.5, sigma=2.0)
     zero = Update({"w": torch.zeros(200_000)}, 4)
-    d.setup(torch.nn.Module(), generator=torch.Generator().manual_seed(3))
+    d.setup(torch.nn.Module(), SetupContext(torch.Generator().manual_seed(3)))
     noise = d.on_update(zero).tensors["w"]
     # sample sd of 200k N(0, 1) draws is within 1 % of 1 with overwhelming probability (sd of sd ~ 0.16 %)
     assert float(noise.std()) == pytest.approx(2.0 * 0.5, rel=0.01) and abs(float(noise.mean())) < 0.01
-    d.setup(torch.nn.Module(), generator=torch.Generator().manual_seed(3))
+    d.setup(torch.nn.Module(), SetupContext(torch.Generator().manual_seed(3)))
     assert torch.equal(d.on_update(zero).tensors["w"], noise)  # same seed, same noise
 
 
@@ -58,7 +59,7 @@ def test_epsilon_delta_give_flowers_local_dp_noise_and_are_recorded():
     d = DEFENSES.create("update_noise", clip=0.5, epsilon=0.5, delta=1e-5)
     expected = 2 * 0.5 * math.sqrt(2 * math.log(1.25 / 1e-5)) / 0.5
     assert d.config.std == pytest.approx(expected, rel=1e-12)
-    d.setup(torch.nn.Module(), generator=torch.Generator().manual_seed(1))
+    d.setup(torch.nn.Module(), SetupContext(torch.Generator().manual_seed(1)))
     out = d.on_update(Update({"w": torch.zeros(200_000)}, 4))
     assert float(out.tensors["w"].std()) == pytest.approx(expected, rel=0.01)
     meta = out.metadata

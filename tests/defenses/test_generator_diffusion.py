@@ -283,7 +283,7 @@ def test_without_diffusers_it_is_a_clear_error_and_aegis_fails_closed(
 
 def test_one_public_generator_serves_every_client(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     public = halves(90, seed=7)
-    monkeypatch.setattr(PublicSplit, "load", lambda self: public)
+    monkeypatch.setattr(PublicSplit, "load", lambda self, root=None: public)
     fits: list[int] = []
     real_fit = DiffusionGenerator.fit.__func__  # type: ignore[attr-defined]
 
@@ -313,7 +313,7 @@ def test_one_public_generator_serves_every_client(monkeypatch: pytest.MonkeyPatc
 
 def test_the_oracle_draws_real_images_of_the_requested_class(monkeypatch: pytest.MonkeyPatch) -> None:
     public = halves(60, seed=10)
-    monkeypatch.setattr(PublicSplit, "load", lambda self: public)
+    monkeypatch.setattr(PublicSplit, "load", lambda self, root=None: public)
     cfg = build_dataclass(OracleGeneratorConfig, {"public": {"dataset": "halves"}}, where="t")
     oracle = GENERATORS.get("oracle")(halves(20, seed=11), cfg)
     labels = torch.tensor([0, 2, 2, 1, 0])

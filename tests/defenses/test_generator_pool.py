@@ -120,7 +120,7 @@ def halves(n: int, seed: int) -> ImageDataset:
 def test_the_public_generator_samples_its_pool_once_and_every_client_draws_from_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(PublicSplit, "load", lambda self: halves(60, seed=0))
+    monkeypatch.setattr(PublicSplit, "load", lambda self, root=None: halves(60, seed=0))
     clear_cache_memo()
     draws: list[int] = []
     real_draw = SamplePool.draw.__func__  # type: ignore[attr-defined]
@@ -177,7 +177,7 @@ def test_a_stored_pool_with_other_content_is_refused(tmp_path: Path) -> None:
 def test_aegis_builds_distinct_caches_from_the_pool_and_fails_closed_when_it_runs_dry(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(PublicSplit, "load", lambda self: halves(60, seed=0))
+    monkeypatch.setattr(PublicSplit, "load", lambda self, root=None: halves(60, seed=0))
     clear_cache_memo()
     options = public_options(tmp_path, pool=40)
     aegis = build_dataclass(

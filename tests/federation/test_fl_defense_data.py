@@ -4,11 +4,10 @@ an audit trains on the first ``max_samples`` of it; the engine interface is unch
 from __future__ import annotations
 
 import pytest
-import torch
 from torch import nn
 
 from gradleak.data.base import ImageDataset
-from gradleak.defenses.base import Defense
+from gradleak.defenses.base import Defense, SetupContext
 from gradleak.federation import FederatedSimulation, FLConfig
 from gradleak.models import build_model
 from gradleak.types import LocalTraining
@@ -20,10 +19,9 @@ SEEN: list[tuple[int, int]] = []
 class RecordData(Defense):
     name = "record-data"
 
-    def setup(
-        self, model: nn.Module, *, generator: torch.Generator, data: ImageDataset | None = None
-    ) -> None:
-        assert data is not None
+    def setup(self, model: nn.Module, context: SetupContext) -> None:
+        data = context.data
+        assert isinstance(data, ImageDataset)
         SEEN.append((len(data), int(data.images.sum() * 1000)))
 
 

@@ -22,7 +22,7 @@ from flwr.client.mod.utils import make_ffn  # noqa: E402
 from flwr.clientapp.mod import fixedclipping_mod  # noqa: E402
 
 import flowergrid  # noqa: E402
-from gradleak.defenses.base import Defense  # noqa: E402
+from gradleak.defenses.base import Defense, SetupContext  # noqa: E402
 from gradleak.federation.simulation import derive_seed  # noqa: E402
 from gradleak.integrations.flower import DefenseMod, UnsupportedModError, is_update_level  # noqa: E402
 from gradleak.models import build_model  # noqa: E402
@@ -68,7 +68,7 @@ def client_app(step: float = 0.05, poison: bool = False):
 def in_process(name: str, options: dict, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The same defense on the same update, in process, seeded as the mod seeds it."""
     d: Defense = DEFENSES.create(name, **options)
-    d.setup(torch.nn.Module(), generator=torch.Generator().manual_seed(derive_seed(0, NODE, 3)))
+    d.setup(torch.nn.Module(), SetupContext(torch.Generator().manual_seed(derive_seed(0, NODE, 3))))
     return dict(d.on_update(Update(delta, 16)).tensors)
 
 

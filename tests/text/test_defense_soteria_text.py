@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from gradleak.defenses.base import SetupContext
 from gradleak.defenses.baselines import Soteria, SoteriaConfig
 from gradleak.tasks.text_client import fedsgd_text_update
 
@@ -25,7 +26,7 @@ def test_soteria_ratios_match_exact_jacobian_and_prune_columns(gpt2_cls, make_ba
     hook.remove()
     exact = r.reshape(-1, 64).norm(dim=0) / jac.pow(2).sum(dim=(0, 1, 3, 4, 5)).sqrt()
     sot = Soteria(cfg)
-    sot.setup(model, generator=torch.Generator().manual_seed(1))
+    sot.setup(model, SetupContext(torch.Generator().manual_seed(1)))
     with torch.no_grad():
         model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
     est = sot.ratios(model)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gradleak.defenses.aegis_llm import AegisLLM
+from gradleak.defenses.base import SetupContext
 from gradleak.tasks.text_client import LocalTrainer, text_loss
 
 
@@ -61,7 +62,7 @@ def test_adamw_steps_equal_a_hand_written_loop_on_the_defended_gradient(gpt2_cls
                            generator=torch.Generator().manual_seed(3))  # fmt: skip
     ref = copy.deepcopy(gpt2_cls.model).eval()  # no dropout, as the trainer by default
     defense = AegisLLM()
-    defense.setup(ref, generator=torch.Generator().manual_seed(3))
+    defense.setup(ref, SetupContext(torch.Generator().manual_seed(3)))
     params = [p for p in ref.parameters() if p.requires_grad]
     assert len(params) < len(list(ref.parameters()))  # attention frozen
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)

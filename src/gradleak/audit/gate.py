@@ -33,7 +33,7 @@ from gradleak.attacks import create_attack
 from gradleak.audit.pipeline import attack_update
 from gradleak.audit.scoring import ImageScorer
 from gradleak.data.base import ImageDataset
-from gradleak.defenses.base import DefenseChain, is_update_level
+from gradleak.defenses.base import DefenseChain, SetupContext, is_update_level
 from gradleak.defenses.in_loop import DefenseSpec, build_defenses
 from gradleak.metrics.floors import LEAKS_ABOVE_DB
 from gradleak.registry import ATTACKS
@@ -152,7 +152,7 @@ class LeakageGate:
             out = None
         elif triggered:
             chain = DefenseChain(build_defenses(self.config.defenses))  # fresh: no state across rounds
-            chain.setup(nn.Module(), generator=generator)
+            chain.setup(nn.Module(), SetupContext(generator))
             out = chain.on_update(update)
         decision = GateDecision(
             leakage, self.config.threshold_db, triggered, out is None, time.perf_counter() - start,

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradleak.defenses.base import Defense
+from gradleak.defenses.base import Defense, SetupContext
 from gradleak.device import generator_on
 from gradleak.models.families import FAMILIES, TransformerFamily
 from gradleak.registry import DEFENSES
@@ -199,7 +199,8 @@ class AegisLLM(Defense):
         self.device_generators: dict[torch.device, torch.Generator] = {}
         self.skipped_steps = 0
 
-    def setup(self, model: nn.Module, *, generator: torch.Generator, **_: Any) -> None:
+    def setup(self, model: nn.Module, context: SetupContext) -> None:
+        generator = context.generator
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if not isinstance(model_type, str) or model_type not in FAMILIES:
             raise ValueError(

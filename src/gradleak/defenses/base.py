@@ -18,8 +18,9 @@ If any hook raises, the client raises :class:`DefenseFailure` and sends nothing:
 
 from __future__ import annotations
 
-import inspect
+import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,7 @@ from gradleak.validation import InvalidUpdateError, check_tensors
 
 if TYPE_CHECKING:
     from gradleak.data.base import ImageDataset
+    from gradleak.data.text import TokenDataset
 
 
 CLAIMS = ("epsilon", "delta")  # what a defense may state about the update it formed
@@ -102,6 +104,30 @@ class DefenseFailure(RuntimeError):
     """A defense hook failed; the client's update was withheld (fail closed)."""
 
 
+@dataclass(frozen=True)
+class SetupContext:
+    """What a defense's ``setup`` receives besides the model, once per local training run (the same object
+    for every defense of a chain, so a new field reaches them all without changing a signature):
+
+    ``generator``: the client's randomness (OS-seeded in deployment, :func:`~gradleak.defenses.in_loop.
+    private_generator`; seeded per client and round in simulations). ``data``: the client's private data,
+    for data-aware defenses (Aegis builds its synthetic cache from it); it never leaves the client.
+    ``train_data``: what local training draws its batches from (``data`` when not given; DP-SGD accounts
+    its sampling rate from it). ``data_root``: where this party's data files are (``experiment.data_root``;
+    None: ``$GRADLEAK_DATA`` or ``../shared/data``), for a defense that reads a public split."""
+
+    generator: torch.Generator
+    data: ImageDataset | TokenDataset | None = None
+    train_data: object | None = None
+    data_root: str | os.PathLike[str] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.generator, torch.Generator):
+            raise TypeError(f"a defense's setup needs a torch.Generator, got {type(self.generator).__name__}")
+        if self.train_data is None and self.data is not None:
+            object.__setattr__(self, "train_data", self.data)
+
+
 class Defense:
     """Base class with no-op hooks; subclasses override what they need. ``differential_privacy``: the
     defense's noise is calibrated to a stated guarantee on the model's *parameters* (DP-SGD, update DP);
@@ -110,10 +136,9 @@ class Defense:
     name: str = "defense"
     differential_privacy: bool = False
 
-    def setup(self, model: nn.Module, *, generator: torch.Generator) -> None:
-        """Called once per local training run, before the first step. Subclasses may add a keyword-only
-        ``data: ImageDataset | None = None`` parameter to receive the client's private data (see
-        :func:`accepts_data`); it never leaves the client."""
+    def setup(self, model: nn.Module, context: SetupContext) -> None:
+        """Called once per local training run, before the first step, with the run's :class:`SetupContext`
+        (its generator, the client's private data, the data root)."""
 
     def on_gradients(self, model: nn.Module, step: int) -> None:
         """Called after each backward pass, before the optimizer step."""
@@ -124,21 +149,6 @@ class Defense:
     def on_update(self, update: Update) -> Update:
         """Transform the outgoing update."""
         return update
-
-
-def accepts(defense: Defense, name: str) -> bool:
-    """Whether ``defense.setup`` takes the keyword ``name`` (``data``, ``train_data``): it declares it (or
-    ``**kwargs``)."""
-    try:
-        params = inspect.signature(defense.setup).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def accepts_data(defense: Defense) -> bool:
-    """Whether ``defense.setup`` takes the client's data: it declares ``data`` (or ``**kwargs``)."""
-    return accepts(defense, "data")
 
 
 STATISTICS = ("send", "withhold")
@@ -188,28 +198,10 @@ class DefenseChain:
             except Exception as exc:  # any failure withholds the update
                 raise DefenseFailure(f"defense {d.name!r} failed in {hook}: {exc}") from exc
 
-    def setup(
-        self,
-        model: nn.Module,
-        *,
-        generator: torch.Generator,
-        data: ImageDataset | None = None,
-        train_data: object | None = None,
-    ) -> None:
-        """Every defense's ``setup``; ``data`` (the client's private data, optional) and ``train_data``
-        (what local training draws from; ``data`` when not given) go only to the defenses whose ``setup``
-        accepts them (:func:`accepts`). A failure raises :class:`DefenseFailure`, as in every hook."""
-        train_data = data if train_data is None else train_data
-        for d in self.defenses:
-            kwargs: dict[str, object] = {"generator": generator}
-            if data is not None and accepts(d, "data"):
-                kwargs["data"] = data
-            if train_data is not None and accepts(d, "train_data"):
-                kwargs["train_data"] = train_data
-            try:
-                d.setup(model, **kwargs)  # type: ignore[arg-type]
-            except Exception as exc:  # any failure withholds the update
-                raise DefenseFailure(f"defense {d.name!r} failed in setup: {exc}") from exc
+    def setup(self, model: nn.Module, context: SetupContext) -> None:
+        """Every defense's ``setup`` with the one ``context``. A failure raises :class:`DefenseFailure`, as
+        in every hook."""
+        self._call("setup", model, context)
 
     def on_gradients(self, model: nn.Module, step: int) -> None:
         self._call("on_gradients", model, step)

@@ -27,7 +27,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import nn
 
-from gradleak.defenses.base import NOISE_STD, Defense
+from gradleak.defenses.base import NOISE_STD, Defense, SetupContext
 from gradleak.device import normal
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
@@ -50,7 +50,7 @@ class Compression(Defense):
         self.config = config or CompressionConfig()
         self.residual: dict[str, torch.Tensor] = {}
 
-    def setup(self, model: nn.Module, *, generator: torch.Generator) -> None:
+    def setup(self, model: nn.Module, context: SetupContext) -> None:
         self.residual = {}
 
     @torch.no_grad()
@@ -88,7 +88,8 @@ class BatchNoise(Defense):
         self.generator: torch.Generator | None = None
         self.steps = 0  # noised steps of this local training run
 
-    def setup(self, model: nn.Module, *, generator: torch.Generator) -> None:
+    def setup(self, model: nn.Module, context: SetupContext) -> None:
+        generator = context.generator
         self.generator = generator
         self.steps = 0
 
@@ -140,7 +141,8 @@ class Soteria(Defense):
         self._probing = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
-    def setup(self, model: nn.Module, *, generator: torch.Generator, **_: Any) -> None:
+    def setup(self, model: nn.Module, context: SetupContext) -> None:
+        generator = context.generator
         modules = dict(model.named_modules())
         consumer = modules.get(self.config.consumer)
         if not isinstance(consumer, nn.Linear):

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradleak.defenses.base import COMPOSITIONS, NOISE_STD, Defense
+from gradleak.defenses.base import COMPOSITIONS, NOISE_STD, Defense, SetupContext
 from gradleak.device import generator_on, module_device
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
@@ -200,9 +200,8 @@ class DPSGD(Defense):
         self.steps = 0
         self._batch_of_step = 1  # the batch size of the last step (the FedSGD noise scale sigma C / B)
 
-    def setup(
-        self, model: nn.Module, *, generator: torch.Generator, train_data: object | None = None
-    ) -> None:
+    def setup(self, model: nn.Module, context: SetupContext) -> None:
+        generator, train_data = context.generator, context.train_data
         from opacus import GradSampleModule
         from opacus.optimizers import DPOptimizer
         from opacus.validators import ModuleValidator

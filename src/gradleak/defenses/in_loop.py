@@ -29,14 +29,26 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from gradleak.defenses.base import Defense, DefenseChain, DefenseFailure, check_statistics, statistics_note
+if TYPE_CHECKING:
+    from gradleak.data.base import ImageDataset
+    from gradleak.data.text import TokenDataset
+
+from gradleak.defenses.base import (
+    Defense,
+    DefenseChain,
+    DefenseFailure,
+    SetupContext,
+    check_statistics,
+    statistics_note,
+)
 from gradleak.defenses.presets import resolve
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
@@ -76,8 +88,9 @@ class DefendedLoop:
         defenses: Sequence[DefenseSpec],
         *,
         generator: torch.Generator,
-        data: object | None = None,
+        data: ImageDataset | TokenDataset | None = None,
         train_data: object | None = None,
+        data_root: str | os.PathLike[str] | None = None,
         source: str = "client",
     ) -> None:
         self.model, self.source = model, source
@@ -92,7 +105,8 @@ class DefendedLoop:
         self.w0 = {n: p.detach().clone() for n, p in self.reference.items()} if optimizer else None
         params = {n for n, _ in model.named_parameters()}
         self.b0 = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in params}
-        self._guard(lambda: self.chain.setup(model, generator=generator, data=data, train_data=train_data))  # type: ignore[arg-type]
+        context = SetupContext(generator, data, train_data, data_root)
+        self._guard(lambda: self.chain.setup(model, context))
         self.optimizer: torch.optim.Optimizer | None = None
         if optimizer is not None:
             self.optimizer = optimizer([p for p in model.parameters() if p.requires_grad])
@@ -212,8 +226,9 @@ def defend(
     defenses: Sequence[DefenseSpec],
     *,
     generator: torch.Generator | None = None,
-    data: object | None = None,
+    data: ImageDataset | TokenDataset | None = None,
     train_data: object | None = None,
+    data_root: str | os.PathLike[str] | None = None,
     copy_model: bool = False,
     source: str = "client",
 ) -> DefendedLoop:
@@ -224,13 +239,15 @@ def defend(
     seeded from the operating system (:func:`private_generator`), since noise drawn from a seed the server
     can guess can be subtracted. ``data`` is the client's private data for data-aware defenses (Aegis);
     it stays on the client. ``train_data`` is what local training draws its batches from, when not all
-    of ``data`` (DP-SGD accounts its sampling rate from it). ``copy_model`` trains a private copy (then
+    of ``data`` (DP-SGD accounts its sampling rate from it). ``data_root``: where this party's data files
+    are, for a defense that reads a public split (Aegis' generators; default ``$GRADLEAK_DATA``).
+    ``copy_model`` trains a private copy (then
     use ``loop.model``). ``source`` names the client in errors. Raises :class:`DefenseFailure` if a
     ``setup`` fails.
     """
     work = copy.deepcopy(model) if copy_model else model
     return DefendedLoop(work, optimizer, defenses, generator=generator or private_generator(), data=data,
-                        train_data=train_data, source=source)  # fmt: skip
+                        train_data=train_data, data_root=data_root, source=source)  # fmt: skip
 
 
 def private_generator() -> torch.Generator:

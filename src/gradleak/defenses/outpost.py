@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gradleak.defenses.base import Defense
+from gradleak.defenses.base import Defense, SetupContext
 from gradleak.device import normal
 from gradleak.registry import DEFENSES
 
@@ -70,7 +70,8 @@ class Outpost(Defense):
         self.generator: torch.Generator | None = None
         self.perturbed = 0  # steps perturbed in this local training run
 
-    def setup(self, model: nn.Module, *, generator: torch.Generator) -> None:
+    def setup(self, model: nn.Module, context: SetupContext) -> None:
+        generator = context.generator
         self.generator = generator
         self.perturbed = 0
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gradleak.defenses.base import COMPOSITIONS, NOISE_STD, Defense
+from gradleak.defenses.base import COMPOSITIONS, NOISE_STD, Defense, SetupContext
 from gradleak.registry import DEFENSES
 from gradleak.types import Update
 
@@ -86,7 +86,8 @@ class UpdateNoise(Defense):
         self.config = config
         self._generator: torch.Generator | None = None
 
-    def setup(self, model: nn.Module, *, generator: torch.Generator) -> None:
+    def setup(self, model: nn.Module, context: SetupContext) -> None:
+        generator = context.generator
         self._generator = generator
 
     def on_update(self, update: Update) -> Update:

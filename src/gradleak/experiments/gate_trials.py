@@ -25,6 +25,7 @@ from tqdm import tqdm
 from gradleak.audit.gate import LEAKAGE, GateConfig, LeakageGate
 from gradleak.data import load_dataset
 from gradleak.data.base import ImageDataset
+from gradleak.defenses.base import SetupContext
 from gradleak.defenses.in_loop import build_defenses
 from gradleak.experiments.guard_trials import clopper_pearson
 from gradleak.federation.simulation import derive_seed
@@ -79,7 +80,7 @@ def client_update(
     grads = {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
     update = Update(grads, len(batch.images), "gradient")
     for d in build_defenses(CLIENT_DEFENSES[defense]):
-        d.setup(m, generator=generator)
+        d.setup(m, SetupContext(generator))
         update = d.on_update(update)
     return update, time.perf_counter() - start
 

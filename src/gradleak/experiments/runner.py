@@ -296,7 +296,7 @@ def run_experiment(
     try:  # the engine (in this process, or Flower's simulation on Ray) runs the clients of every round
         records = run.engine.run(
             run.sim.clients, run.sim.defenses, functools.partial(run.execute, run_id, resumed, folder),
-            progress=progress,
+            progress=progress, data_root=cfg.experiment.data_root,
         )  # fmt: skip
     except BaseException:
         if store is not None:  # the finished units stay; the same command resumes from them
@@ -342,7 +342,7 @@ def audited_updates(cfg: ExperimentConfig) -> list[tuple[Observation, Dataset]]:
         observations, results, _ = run._observe(None, ids, cfg.fl.rounds, {})
         return [(obs, _truth_for(obs, results)) for obs in observations]
 
-    return run.engine.run(run.sim.clients, run.sim.defenses, work)
+    return run.engine.run(run.sim.clients, run.sim.defenses, work, data_root=cfg.experiment.data_root)
 
 
 class _Run:

@@ -9,6 +9,7 @@ defenses, attacks and seeds are the same whichever engine runs the clients.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -29,6 +30,7 @@ class EngineRunner(Protocol):
         work: Callable[[Engine], T],
         *,
         progress: bool = False,
+        data_root: str | os.PathLike[str] | None = None,
     ) -> T: ...
 
 
@@ -57,8 +59,9 @@ class InProcessRunner:
         work: Callable[[Engine], T],
         *,
         progress: bool = False,
+        data_root: str | os.PathLike[str] | None = None,
     ) -> T:
-        return work(InProcessEngine(progress))
+        return work(InProcessEngine(progress, data_root))
 
 
 ENGINES.register("inprocess", InProcessRunner, summary="clients train in this process, one after the other")

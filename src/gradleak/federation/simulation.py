@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -116,8 +117,9 @@ class InProcessEngine:
 
     name = "inprocess"
 
-    def __init__(self, progress: bool = False) -> None:
+    def __init__(self, progress: bool = False, data_root: str | os.PathLike[str] | None = None) -> None:
         self.progress = progress
+        self.data_root = data_root  # the clients' data root (SetupContext.data_root of their defenses)
 
     def train_clients(
         self, global_model: nn.Module, tasks: Sequence[ClientTask], defenses: DefenseFactory
@@ -128,7 +130,7 @@ class InProcessEngine:
             try:
                 result = train_client(
                     task.client_id, global_model, task.data, task.training, defenses(), gen,
-                    private=task.private, task=task.task,
+                    private=task.private, task=task.task, data_root=self.data_root,
                 )  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - one client's crash is that client's failure
                 log.exception("client %d raised during local training", task.client_id)

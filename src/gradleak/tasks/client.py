@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -110,13 +111,15 @@ def train_client(
     *,
     private: Dataset | None = None,
     task: Task = IMAGE_CLASSIFICATION,
+    data_root: str | os.PathLike[str] | None = None,
 ) -> ClientResult:
     """Run one client's local training of ``task`` on a private copy of the broadcast model, in the task's
     mode, through :class:`~gradleak.defenses.in_loop.DefendedLoop` (the same hooks a user's own loop gets).
 
     Defenses whose ``setup`` takes ``data`` receive the client's private data: ``private`` when given (the
     client's whole share when the training data is a subset of it, e.g. an audit's ``max_samples``), else
-    ``data``. It stays on the client; only the update leaves.
+    ``data``. It stays on the client; only the update leaves. ``data_root``: where this party's data files
+    are, for a defense that reads a public split (:class:`~gradleak.defenses.base.SetupContext`).
 
     Fail closed: if a defense raises, or the outgoing update is invalid (non-finite after a diverged step),
     the result carries ``update=None`` and the error text.
@@ -132,6 +135,7 @@ def train_client(
             generator=generator,
             data=data if private is None else private,
             train_data=data,
+            data_root=data_root,
             source=f"client {client_id}",
         )
         index: tuple[int, ...] | None = None

@@ -57,6 +57,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import os
 import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
@@ -72,7 +73,7 @@ from gradleak.defenses.aegis.generators.base import ConditionalGenerator, data_d
 from gradleak.defenses.aegis.generators.diffusion import DiffusionGeneratorConfig, clear_public_generators
 from gradleak.defenses.aegis.generators.gaussian import GaussianGeneratorConfig
 from gradleak.defenses.aegis.generators.oracle import OracleGeneratorConfig
-from gradleak.defenses.base import Defense
+from gradleak.defenses.base import Defense, SetupContext
 from gradleak.device import module_device
 from gradleak.fileio import kept
 from gradleak.registry import DEFENSES, GENERATORS
@@ -189,36 +190,45 @@ def accumulate_mean_gradient(
     return total / n
 
 
-_MEMO: OrderedDict[tuple[bytes, AegisConfig], SyntheticCache] = OrderedDict()
+_MEMO: OrderedDict[tuple[bytes, AegisConfig, str], SyntheticCache] = OrderedDict()
 
 
-def _memo_key(data: ImageDataset, config: AegisConfig) -> tuple[bytes, AegisConfig]:
-    # options that do not change the cache (step, weighting, memo size, store) are not part of the key
-    return data_digest(data), AegisConfig(
-        cache=config.cache,
-        generator=config.generator,
-        gaussian=config.gaussian,
-        diffusion=config.diffusion,
-        oracle=config.oracle,
-        cache_seed=config.cache_seed,
-        memo_size=0,
-        store=None,
+def _memo_key(
+    data: ImageDataset, config: AegisConfig, root: str | os.PathLike[str] | None = None
+) -> tuple[bytes, AegisConfig, str]:
+    # options that do not change the cache (step, weighting, memo size, store) are not part of the key; the
+    # data root is (a public split under another root is other images)
+    return (
+        data_digest(data),
+        AegisConfig(
+            cache=config.cache,
+            generator=config.generator,
+            gaussian=config.gaussian,
+            diffusion=config.diffusion,
+            oracle=config.oracle,
+            cache_seed=config.cache_seed,
+            memo_size=0,
+            store=None,
+        ),
+        str(root),
     )
 
 
-def cache_from_data(data: ImageDataset, config: AegisConfig) -> SyntheticCache:
+def cache_from_data(
+    data: ImageDataset, config: AegisConfig, *, root: str | os.PathLike[str] | None = None
+) -> SyntheticCache:
     """The client's synthetic cache built from its own data: the configured generator fit on ``data`` (or
-    on the public split its options name, or reloaded from its store), then
+    on the public split its options name, read under the data ``root``, or reloaded from its store), then
     :func:`~gradleak.defenses.aegis.cache.build_cache` accepting candidates against ``data``, from a seed
     derived from ``cache_seed`` and the data's hash. Memoised by content (``memo_size`` entries)."""
-    key = _memo_key(data, config)
+    key = _memo_key(data, config, root)
     if config.memo_size > 0 and key in _MEMO:
         _MEMO.move_to_end(key)
         return _MEMO[key]
     seed = int.from_bytes(hashlib.blake2b(key[0] + config.cache_seed.to_bytes(8), digest_size=8).digest())
     t0 = time.perf_counter()
     fit_seed = torch.Generator().manual_seed(seed >> 2)  # not the cache's draws: those stay as before
-    source = GENERATORS.get(config.generator)(data, config.generator_options, generator=fit_seed)
+    source = GENERATORS.get(config.generator)(data, config.generator_options, generator=fit_seed, root=root)
     fit = time.perf_counter() - t0
     draws = torch.Generator().manual_seed(seed >> 1)
     if config.store is None:
@@ -313,17 +323,17 @@ class AegisSynthetic(Defense):
         self.cache = cache
         return self
 
-    def setup(
-        self, model: nn.Module, *, generator: torch.Generator, data: ImageDataset | None = None
-    ) -> None:
-        """Pick this run's cache: the bound one, else one built from ``data`` (the client's private data,
-        :func:`cache_from_data`); neither: fail closed. ``generator`` (the client's training randomness)
-        is not consumed, so real batches are drawn as without the defense."""
+    def setup(self, model: nn.Module, context: SetupContext) -> None:
+        """Pick this run's cache: the bound one, else one built from ``context.data`` (the client's private
+        data, :func:`cache_from_data`; a public split is read under ``context.data_root``); neither: fail
+        closed. ``context.generator`` (the client's training randomness) is not consumed, so real batches
+        are drawn as without the defense."""
         self.active_cache = None
+        data = context.data
         if self.cache is not None:
             active = self.cache
-        elif data is not None:
-            active = cache_from_data(data, self.config)
+        elif isinstance(data, ImageDataset):
+            active = cache_from_data(data, self.config, root=context.data_root)
         else:
             raise RuntimeError(
                 "aegis has no synthetic cache and got no client data: bind one "

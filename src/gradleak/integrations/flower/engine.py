@@ -42,6 +42,7 @@ import copy
 import dataclasses
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -178,7 +179,11 @@ def result_of(reply: Message, task: ClientTask) -> ClientResult:
 
 
 def run_task(
-    data: Sequence[Dataset], config: Any, model: nn.Module, defenses: DefenseFactory
+    data: Sequence[Dataset],
+    config: Any,
+    model: nn.Module,
+    defenses: DefenseFactory,
+    data_root: str | os.PathLike[str] | None = None,
 ) -> tuple[nn.Module, ClientResult]:
     """Train the task a message's ``config`` (:func:`task_config`) names on the model it sent."""
     cid = int(config["client-id"])
@@ -189,7 +194,7 @@ def run_task(
     train_data, private = (share, None) if n < 0 else (share.subset(np.arange(n)), share)
     gen = torch.Generator().manual_seed(int(config["seed"]))
     result = train_client(cid, model, train_data, training, list(defenses()), gen, private=private,
-                          task=learning)  # fmt: skip
+                          task=learning, data_root=data_root)  # fmt: skip
     return model, result
 
 
@@ -202,13 +207,20 @@ def secure_model(spec: object, parameters: Parameters) -> nn.Module:
     return model
 
 
-def secure_reply(msg: Message, data: Sequence[Dataset], defenses: DefenseFactory) -> Message:
+def secure_reply(
+    msg: Message,
+    data: Sequence[Dataset],
+    defenses: DefenseFactory,
+    data_root: str | os.PathLike[str] | None = None,
+) -> Message:
     """A SecAgg+ round's train message (legacy ``FitIns``, the task in its config): the update's tensors
     as ``FitRes`` parameters, in the model's parameter order, for ``secaggplus_mod`` to mask. A failed
     client raises (a dropout for the protocol), as does an update outside the clipping range."""
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     config = fitins.config
-    model, result = run_task(data, config, secure_model(config["spec"], fitins.parameters), defenses)
+    model, result = run_task(
+        data, config, secure_model(config["spec"], fitins.parameters), defenses, data_root
+    )
     cid = result.client_id
     if result.update is None:
         raise RuntimeError(f"client {cid}: {result.error}")
@@ -243,24 +255,30 @@ def secagg_when_asked(msg: Message, ctx: Context, call_next: ClientAppCallable) 
 
 
 def task_client_app(
-    clients: Sequence[Dataset], defenses: DefenseFactory, *, secagg: bool = False
+    clients: Sequence[Dataset],
+    defenses: DefenseFactory,
+    *,
+    secagg: bool = False,
+    data_root: str | os.PathLike[str] | None = None,
 ) -> ClientApp:
     """The ClientApp of the Flower engine: it holds every client's data (a simulation) and trains the
     client the task names (module docstring). ``defenses()`` builds a fresh list per task; it travels
     to the Ray actors with the data, so it must be importable there by name (a ``functools.partial`` of
     :func:`gradleak.defenses.in_loop.build_defenses`), not a closure of a test or notebook. ``secagg``:
-    answer SecAgg+ rounds too (through ``secaggplus_mod``)."""
+    answer SecAgg+ rounds too (through ``secaggplus_mod``). ``data_root``: the clients' data root, for their
+    defenses'
+    setup (a public split); bound here, never taken from a message."""
     data = list(clients)
     app = ClientApp(mods=[secagg_when_asked] if secagg else [])
 
     @app.train()
     def train(msg: Message, ctx: Context) -> Message:
         if LEGACY_PARAMETERS in msg.content.array_records:
-            return secure_reply(msg, data, defenses)
+            return secure_reply(msg, data, defenses, data_root)
         config = msg.content.config_records[TASK]
         spec = msg.content.config_records[MODEL]["spec"]
         model = model_from(spec, msg.content.array_records[WEIGHTS].to_torch_state_dict())
-        _, result = run_task(data, config, model, defenses)
+        _, result = run_task(data, config, model, defenses, data_root)
         return Message(result_content(result), reply_to=msg)
 
     return app
@@ -487,6 +505,7 @@ class FlowerRunner:
         work: Callable[[Engine], T],
         *,
         progress: bool = False,
+        data_root: str | os.PathLike[str] | None = None,
     ) -> T:
         from flwr.simulation import run_simulation
 
@@ -510,7 +529,8 @@ class FlowerRunner:
         log.info("Flower simulation: %d virtual SuperNodes on Ray (%s)", len(clients), self.backend_config())
         run_simulation(
             server_app=server, num_supernodes=len(clients),
-            client_app=task_client_app(clients, defenses, secagg=self.config.secagg.enabled),
+            client_app=task_client_app(clients, defenses, secagg=self.config.secagg.enabled,
+            data_root=data_root),
             backend_config=self.backend_config(),
         )  # fmt: skip
         if "error" in outcome:

@@ -34,6 +34,7 @@ from gradleak.data.base import ImageDataset
 from gradleak.defenses.base import (
     DefenseChain,
     DefenseFailure,
+    SetupContext,
     check_statistics,
     is_update_level,
     statistics_note,
@@ -159,7 +160,7 @@ class DefenseMod:
         self, chain: DefenseChain, update: Update, w0: dict[str, torch.Tensor], ctx: Context, msg: Message
     ) -> Update:
         """The outgoing update: ``update`` through the defenses (subclasses may decide otherwise)."""
-        chain.setup(nn.Module(), generator=self._generator(ctx, msg))
+        chain.setup(nn.Module(), SetupContext(self._generator(ctx, msg)))
         return chain.on_update(update)
 
     def _generator(self, ctx: Context, msg: Message) -> torch.Generator:

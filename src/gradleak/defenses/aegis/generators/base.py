@@ -12,6 +12,7 @@ and allows generators adapted on a sanctioned client-side split
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -69,19 +70,20 @@ class PublicSplit:
     def named(self) -> bool:
         return bool(self.dataset)
 
-    def load(self) -> ImageDataset:
-        """The split, loaded by :func:`gradleak.data.load_dataset` from the default data root
-        (``$GRADLEAK_DATA`` or ``../shared/data``)."""
+    def load(self, root: str | os.PathLike[str] | None = None) -> ImageDataset:
+        """The split, loaded by :func:`gradleak.data.load_dataset` from the data ``root`` (the experiment's
+        ``data_root``, which a defense gets in its setup context; None: ``$GRADLEAK_DATA`` or
+        ``../shared/data``)."""
         from gradleak.data import load_dataset
 
         if not self.named:
             raise ValueError("no public split named: set public = { dataset = ..., split = ... }")
-        data: ImageDataset = load_dataset(self.dataset, self.split, limit=self.limit)
+        data: ImageDataset = load_dataset(self.dataset, self.split, root=root, limit=self.limit)
         return data
 
-    def load_for(self, client: ImageDataset) -> ImageDataset:
-        """The split, checked to fit the client's task (image shape and classes)."""
-        pool = self.load()
+    def load_for(self, client: ImageDataset, root: str | os.PathLike[str] | None = None) -> ImageDataset:
+        """The split under ``root``, checked to fit the client's task (image shape and classes)."""
+        pool = self.load(root)
         if pool.input_shape != client.input_shape or pool.num_classes != client.num_classes:
             raise ValueError(
                 f"public split {self.dataset}/{self.split} has {pool.input_shape} images of "

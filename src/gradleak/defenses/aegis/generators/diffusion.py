@@ -32,6 +32,7 @@ import importlib
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -510,11 +511,16 @@ def stored_name(digest: bytes, config: DiffusionGeneratorConfig) -> str:
 
 
 def diffusion_source(
-    data: ImageDataset, config: DiffusionGeneratorConfig, *, generator: torch.Generator | None = None
+    data: ImageDataset,
+    config: DiffusionGeneratorConfig,
+    *,
+    generator: torch.Generator | None = None,
+    root: str | os.PathLike[str] | None = None,
 ) -> DiffusionGenerator | PoolDraws:
     """The registered factory: the generator of :func:`fit_diffusion` or, with ``pool``, the client's draws
-    from the public generator's shared pool, in an order from ``generator`` (required: the client's seed)."""
-    made, name = _trained(data, config)
+    from the public generator's shared pool, in an order from ``generator`` (required: the client's seed).
+    A public split is read under ``root``."""
+    made, name = _trained(data, config, root)
     if not config.pool:
         return made
     if generator is None:
@@ -523,16 +529,20 @@ def diffusion_source(
     return PoolDraws(pool, generator=generator, info=made.info)
 
 
-def fit_diffusion(data: ImageDataset, config: DiffusionGeneratorConfig) -> DiffusionGenerator:
-    """Train on ``data`` (``train_on = "own"``) or on the public split, or reload the generator a previous
-    run trained on the same data with the same options from ``store``."""
-    return _trained(data, config)[0]
+def fit_diffusion(
+    data: ImageDataset, config: DiffusionGeneratorConfig, root: str | os.PathLike[str] | None = None
+) -> DiffusionGenerator:
+    """Train on ``data`` (``train_on = "own"``) or on the public split (under ``root``), or reload the
+    generator a previous run trained on the same data with the same options from ``store``."""
+    return _trained(data, config, root)[0]
 
 
-def _trained(data: ImageDataset, config: DiffusionGeneratorConfig) -> tuple[DiffusionGenerator, str]:
+def _trained(
+    data: ImageDataset, config: DiffusionGeneratorConfig, root: str | os.PathLike[str] | None = None
+) -> tuple[DiffusionGenerator, str]:
     require_diffusers()
     usable_device(config.device, "diffusion generator device")  # before loading or training
-    source = data if config.train_on == "own" else config.public.load_for(data)
+    source = data if config.train_on == "own" else config.public.load_for(data, root)
     # the weights are a function of (training data, options), like the file that keeps them: the seed comes
     # from the options and the data's content, not from the caller's generator
     digest = data_digest(source)

@@ -12,6 +12,7 @@ few images per class, samples stay inside the span of the client's own images; t
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -96,9 +97,14 @@ class ClassGaussianGenerator:
 
 
 def fit_gaussian(
-    data: ImageDataset, config: GaussianGeneratorConfig, *, generator: torch.Generator | None = None
+    data: ImageDataset,
+    config: GaussianGeneratorConfig,
+    *,
+    generator: torch.Generator | None = None,
+    root: str | os.PathLike[str] | None = None,
 ) -> ClassGaussianGenerator:
-    """The registered factory (deterministic: ``generator`` is not drawn from)."""
+    """The registered factory (deterministic: ``generator`` is not drawn from; it reads no files, so
+    ``root`` is unused)."""
     return ClassGaussianGenerator.fit(data, config)
 
 

@@ -6,6 +6,7 @@ synthetic step itself from the generator's shortfall. A diagnostic: a deployment
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -52,9 +53,13 @@ class RealImageGenerator:
 
 
 def fit_oracle(
-    data: ImageDataset, config: OracleGeneratorConfig, *, generator: torch.Generator | None = None
+    data: ImageDataset,
+    config: OracleGeneratorConfig,
+    *,
+    generator: torch.Generator | None = None,
+    root: str | os.PathLike[str] | None = None,
 ) -> RealImageGenerator:
-    pool = config.public.load_for(data)  # raises when no split is named or it does not fit the task
+    pool = config.public.load_for(data, root)  # raises when no split is named or it does not fit the task
     shared = _shared_images(pool, data)
     if shared:  # fail closed: the "oracle" would put the client's own images into its cache
         raise ValueError(
