@@ -226,3 +226,42 @@ def test_aegis_from_a_config_dict_through_the_runner(monkeypatch: pytest.MonkeyP
     assert rates["aegis"] <= 0.5 * rates["none"], rates
     assert rates["aegis/all"] <= 0.5 * rates["none/all"], rates
     clear_cache_memo()
+
+
+def test_a_plugin_generator_gets_its_options_from_the_aegis_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 51 defect: a plugin's generator could only run at its defaults. Its options now come from
+    Aegis' ``options`` table, validated against the config class it registered (before any work), reach
+    its factory, and key the memo (other options, another cache)."""
+    from dataclasses import dataclass
+
+    from gradleak.defenses.aegis.generators.gaussian import ClassGaussianGenerator, GaussianGeneratorConfig
+    from gradleak.registry import GENERATORS
+
+    @dataclass(frozen=True)
+    class ShiftConfig:
+        components: int = 32
+
+    seen: list[ShiftConfig] = []
+
+    def fit_shift(data, config, *, generator=None, root=None):
+        seen.append(config)
+        return ClassGaussianGenerator.fit(data, GaussianGeneratorConfig(components=config.components))
+
+    monkeypatch.setattr(GENERATORS, "_entries", dict(GENERATORS._entries))  # undone after the test
+    GENERATORS.register("shift", fit_shift, config_cls=ShiftConfig, summary="a plugin's generator")
+    share = organ_share(120)
+    clear_cache_memo()
+    a = cache_from_data(
+        share, AegisConfig(generator="shift", options={"components": 4}, cache=CacheConfig(size=32))
+    )
+    b = cache_from_data(
+        share, AegisConfig(generator="shift", options={"components": 8}, cache=CacheConfig(size=32))
+    )
+    assert [c.components for c in seen] == [4, 8]  # the second is not the first's memo
+    assert not torch.equal(a.images, b.images)
+    assert AegisConfig(generator="shift").generator_options == ShiftConfig()
+    with pytest.raises(Exception, match="unknown option.*'nope'"):
+        AegisConfig(generator="shift", options={"nope": 1})
+    with pytest.raises(ValueError, match="takes its own table"):
+        AegisConfig(generator="gaussian", options={"components": 4})
+    clear_cache_memo()

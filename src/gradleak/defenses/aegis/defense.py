@@ -60,8 +60,10 @@ import math
 import os
 import time
 from collections import OrderedDict, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -99,7 +101,8 @@ class AegisConfig:
     ``temperature``),
     ``"diffusion"`` (:mod:`gradleak.defenses.aegis.generators.diffusion`: ``train_on``, ``public``, ``unet``,
     ``training``, ``sampling``, ``seed``, ``store``, ``pool``), ``"oracle"`` (diagnostic: real images of a
-    ``public`` split); a plugin's generator with its default options. The nested ``cache`` table is the
+    ``public`` split); a plugin's generator with the ``options`` table (validated against the config
+    dataclass it registered; its defaults when empty). The nested ``cache`` table is the
     acceptance filter (:class:`~gradleak.defenses.aegis.cache.CacheConfig`: ``size`` M, ``budget`` H (None:
     calibrated), ``budget_quantile``, ``budget_scale``, ``match_k``, ``max_candidates_factor``);
     ``cache_seed``; ``memo_size`` caches memoised; ``store``: a folder where each built cache is kept
@@ -119,6 +122,7 @@ class AegisConfig:
     gaussian: GaussianGeneratorConfig = field(default_factory=GaussianGeneratorConfig)
     diffusion: DiffusionGeneratorConfig = field(default_factory=DiffusionGeneratorConfig)
     oracle: OracleGeneratorConfig = field(default_factory=OracleGeneratorConfig)
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False)  # a plugin generator's options
     cache_seed: int = 0
     memo_size: int = 100
     store: str | None = None
@@ -137,6 +141,17 @@ class AegisConfig:
         if not isinstance(self.generator, str) or self.generator not in GENERATORS:
             raise ValueError(f"generator must be one of {GENERATORS.names()}, got {self.generator!r}")
         object.__setattr__(self, "generator", self.generator.lower())  # the registry's names are lower-case
+        if not isinstance(self.options, Mapping):
+            raise ValueError(
+                f"options must be a table of the plugin generator's options, got {self.options!r}"
+            )
+        if self.options and self.generator in GENERATOR_TABLES:
+            raise ValueError(
+                f"options is for a plugin's generator; {self.generator!r} takes its own table: "
+                f"{self.generator} = {{ ... }}"
+            )
+        if self.generator not in GENERATOR_TABLES:  # a plugin's: its options checked now, not in setup
+            GENERATORS.make_config(self.generator, self.options)
         if self.generator == "oracle" and not self.oracle.public.named:
             raise ValueError("generator 'oracle' needs oracle = { public = { dataset = ..., split = ... } }")
         if self.store is not None and (not isinstance(self.store, str) or not self.store):
@@ -151,7 +166,7 @@ class AegisConfig:
         """The chosen generator's options: the nested table of its name (a plugin's: its defaults)."""
         if self.generator in GENERATOR_TABLES:
             return getattr(self, self.generator)
-        return GENERATORS.make_config(self.generator)
+        return GENERATORS.make_config(self.generator, self.options)
 
     @property
     def cache_size(self) -> int:
@@ -206,6 +221,7 @@ def _memo_key(
             gaussian=config.gaussian,
             diffusion=config.diffusion,
             oracle=config.oracle,
+            options=config.options,
             cache_seed=config.cache_seed,
             memo_size=0,
             store=None,
