@@ -101,6 +101,13 @@ class Update:
             buffers={n: b.to(device) for n, b in self.buffers.items()},
         )
 
+    @property
+    def gradient_sign(self) -> float:
+        """+1 where the tensors point along the loss gradient (a FedSGD ``gradient``), -1 for a FedAvg
+        ``delta`` ``w_T - w_0``, which points against it: ``gradient_sign * tensor`` is a descent signal
+        read the same way for both (the one place this sign is written)."""
+        return -1.0 if self.kind == "delta" else 1.0
+
     def replace(self, tensors: Mapping[str, torch.Tensor]) -> Update:
         if set(tensors) != set(self.tensors):
             raise ValueError("replacement tensors must carry the same parameter names")

@@ -143,7 +143,7 @@ def check_trainable(aggregate: Update, model: nn.Module) -> None:
 def apply_update(model: nn.Module, aggregate: Update, server_lr: float = 1.0) -> None:
     """In place: w += eta_s * delta (deltas) or w -= eta_s * g (gradients); the aggregate's buffers (the
     clients' mean running statistics) replace the model's."""
-    sign = 1.0 if aggregate.kind == "delta" else -1.0
+    sign = -aggregate.gradient_sign  # a delta is added, a gradient subtracted
     check_trainable(aggregate, model)
     params = dict(model.named_parameters())
     for name, t in aggregate.tensors.items():
@@ -186,7 +186,7 @@ class ServerOptimizer:
 
     def step(self, aggregate: Update) -> None:
         check_trainable(aggregate, self.model)
-        sign = -1.0 if aggregate.kind == "delta" else 1.0
+        sign = aggregate.gradient_sign
         for name, p in zip(self.names, self.params, strict=True):  # a frozen parameter: no grad, no step
             t = aggregate.tensors.get(name)
             p.grad = None if t is None else sign * t.detach().to(p.device, p.dtype)

@@ -106,7 +106,7 @@ class InvertingGradients:
         return x.new_zeros(())
 
     def _target(self, obs: Observation, model: nn.Module) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
-        sign = -1.0 if obs.update.kind == "delta" else 1.0
+        sign = obs.update.gradient_sign
         params, target = [], []
         for name, p in model.named_parameters():
             if name in obs.update.tensors:

@@ -31,7 +31,7 @@ def output_layer_gradient(obs: Observation) -> tuple[torch.Tensor, torch.Tensor 
     b_key = f"{name}.bias" if name else "bias"
     if w_key not in obs.update.tensors:
         raise AttackInputError(f"the update lacks the output layer's weight {w_key!r}")
-    sign = -1.0 if obs.update.kind == "delta" else 1.0
+    sign = obs.update.gradient_sign
     gw = sign * obs.update.tensors[w_key]
     gb = (
         sign * obs.update.tensors[b_key] if (layer.bias is not None and b_key in obs.update.tensors) else None

@@ -191,7 +191,7 @@ def build_problem(obs: Observation, attack: str, num_samples: int | None) -> Pro
 class SurrogateSettings:
     """The knobs shared by SME, NL-SME and PI-SME (each attack's config fills them in)."""
 
-    path: str  # "line" (SME), "bezier_t" (NL-SME: one learnable t), "bezier_quad" (PI-SME: m nodes)
+    path: str  # a key of PATHS: "line" (SME), "bezier_t" (NL-SME: one t), "bezier_quad" (PI-SME: m nodes)
     nodes: int
     iterations: int
     lr_x: float
@@ -215,62 +215,135 @@ def _clamp01(v: torch.Tensor) -> None:
         v.clamp_(0.0, 1.0)
 
 
-class SurrogateState:
-    """The learnable path (alpha / P1, t) and calibration d of one run, and the surrogate gradient G."""
+class LinePath:
+    """SME (Wang et al. 2023): the surrogate gradient at one point ``w0 + alpha (wT - w0)`` of the straight
+    line, ``alpha`` learned."""
 
     def __init__(self, prob: Problem, s: SurrogateSettings) -> None:
         self.prob, self.s = prob, s
-        device = prob.w0[0].device  # the path's scalars live with the weights (one fused Adam over all)
-        self.alpha = torch.tensor(s.init_alpha, device=device, requires_grad=True)
-        self.t = torch.tensor(s.init_t, device=device, requires_grad=True)
-        self.p1 = [((a + b) / 2).requires_grad_(True) for a, b in zip(prob.w0, prob.wt, strict=True)]
-        self.mid = [((a + b) / 2) for a, b in zip(prob.w0, prob.wt, strict=True)]
-        self.d = [torch.ones_like(a, requires_grad=True) for a in prob.w0] if s.calibrate else []
-        if s.path == "bezier_quad":
-            nodes, weights = gauss_legendre(s.nodes)
-            self.nodes = [float(v) for v in nodes]
-            self.weights = [float(v) for v in weights]
-            # w(t_i) = A_i + 2 (1 - t_i) t_i P1 with the constant A_i = (1 - t_i)^2 w0 + t_i^2 wT (Eq. 4):
-            # precomputed once, so each node costs one fused multiply-add in weight space per iteration.
-            self.anchors = [
-                [bezier(a, torch.zeros_like(a), b, t) for a, b in zip(prob.w0, prob.wt, strict=True)]
-                for t in self.nodes
-            ]
+        self.alpha = torch.tensor(s.init_alpha, device=prob.w0[0].device, requires_grad=True)
 
     def points(self) -> list[list[torch.Tensor]]:
-        """The weight states the surrogate gradient is read at (one, or the m quadrature nodes)."""
+        return [[line(a, b, self.alpha) for a, b in zip(self.prob.w0, self.prob.wt, strict=True)]]
+
+    def weights(self) -> list[float]:
+        return [1.0]
+
+    def param_groups(self) -> list[dict[str, object]]:
+        return [{"params": [self.alpha], "lr": self.s.lr_path}]
+
+    def regulariser(self) -> torch.Tensor:
+        return self.prob.w0[0].new_zeros(())
+
+    def project(self) -> None:
+        self.alpha.clamp_(0.0, 1.0)
+
+    def stats(self) -> dict[str, float]:
+        return {"alpha": float(self.alpha.detach())}
+
+
+class BezierPath:
+    """NL-SME (paper 001, Eq. 4): the surrogate gradient at one point of the quadratic Bezier curve
+    ``B(t) = (1 - t)^2 w0 + 2 (1 - t) t P1 + t^2 wT``, its control point ``P1`` (regularised towards the
+    midpoint) and ``t`` learned."""
+
+    learns_t = True
+
+    def __init__(self, prob: Problem, s: SurrogateSettings) -> None:
+        self.prob, self.s = prob, s
+        self.t = torch.tensor(s.init_t, device=prob.w0[0].device, requires_grad=True)
+        self.p1 = [((a + b) / 2).requires_grad_(True) for a, b in zip(prob.w0, prob.wt, strict=True)]
+        self.mid = [((a + b) / 2) for a, b in zip(prob.w0, prob.wt, strict=True)]
+
+    def points(self) -> list[list[torch.Tensor]]:
         pr = self.prob
-        if self.s.path == "line":
-            return [[line(a, b, self.alpha) for a, b in zip(pr.w0, pr.wt, strict=True)]]
-        if self.s.path == "bezier_t":
-            return [[bezier(a, p, b, self.t) for a, p, b in zip(pr.w0, self.p1, pr.wt, strict=True)]]
+        return [[bezier(a, p, b, self.t) for a, p, b in zip(pr.w0, self.p1, pr.wt, strict=True)]]
+
+    def weights(self) -> list[float]:
+        return [1.0]
+
+    def param_groups(self) -> list[dict[str, object]]:
+        groups: list[dict[str, object]] = [{"params": self.p1, "lr": self.s.lr_path}]
+        if self.learns_t:
+            groups.append({"params": [self.t], "lr": self.s.lr_t})
+        return groups
+
+    def regulariser(self) -> torch.Tensor:
+        return sum(((p - m) ** 2).sum() for p, m in zip(self.p1, self.mid, strict=True))  # type: ignore[return-value]
+
+    def project(self) -> None:
+        self.t.clamp_(0.0, 1.0)
+
+    def stats(self) -> dict[str, float]:
+        num = sum(float(((p.detach() - m) ** 2).sum()) for p, m in zip(self.p1, self.mid, strict=True))
+        pr = self.prob
+        den = sum(float(((b - a) ** 2).sum()) for a, b in zip(pr.w0, pr.wt, strict=True))
+        offset = {"p1_offset_rel": (num / max(den, 1e-30)) ** 0.5}
+        return {"t": float(self.t.detach()), **offset} if self.learns_t else offset
+
+
+class QuadraturePath(BezierPath):
+    """PI-SME (paper 001, Eq. 8): the surrogate gradient averaged over the Bezier curve by ``nodes``-point
+    Gauss-Legendre quadrature; ``P1`` learned, no single ``t``."""
+
+    learns_t = False
+
+    def __init__(self, prob: Problem, s: SurrogateSettings) -> None:
+        super().__init__(prob, s)
+        nodes, weights = gauss_legendre(s.nodes)
+        self.nodes = [float(v) for v in nodes]
+        self._weights = [float(v) for v in weights]
+        # w(t_i) = A_i + 2 (1 - t_i) t_i P1 with the constant A_i = (1 - t_i)^2 w0 + t_i^2 wT (Eq. 4):
+        # precomputed once, so each node costs one fused multiply-add in weight space per iteration.
+        self.anchors = [
+            [bezier(a, torch.zeros_like(a), b, t) for a, b in zip(prob.w0, prob.wt, strict=True)]
+            for t in self.nodes
+        ]
+
+    def points(self) -> list[list[torch.Tensor]]:
         return [
             [torch.add(a, p, alpha=2 * (1 - t) * t) for a, p in zip(anchors, self.p1, strict=True)]
             for t, anchors in zip(self.nodes, self.anchors, strict=True)
         ]
 
+    def weights(self) -> list[float]:
+        return self._weights
+
+
+SurrogatePath = LinePath | BezierPath
+# SurrogateSettings.path (each attack's config sets it: sme, nlsme, pisme) -> the path it reads G on
+PATHS: dict[str, type[LinePath] | type[BezierPath]] = {
+    "line": LinePath,
+    "bezier_t": BezierPath,
+    "bezier_quad": QuadraturePath,
+}
+
+
+class SurrogateState:
+    """The learnable path and calibration d of one run, and the surrogate gradient G."""
+
+    def __init__(self, prob: Problem, s: SurrogateSettings) -> None:
+        self.prob, self.s = prob, s
+        self.path: SurrogatePath = PATHS[s.path](prob, s)  # the scalars live with the weights (one Adam)
+        self.d = [torch.ones_like(a, requires_grad=True) for a in prob.w0] if s.calibrate else []
+
     def surrogate_gradient(self, x: torch.Tensor, create_graph: bool = True) -> list[torch.Tensor]:
         """G: the single-point gradient (SME, NL-SME) or the Gauss-Legendre path average (Eq. 8)."""
-        grads = [self.prob.grads(pts, x, create_graph) for pts in self.points()]
+        grads = [self.prob.grads(pts, x, create_graph) for pts in self.path.points()]
         if len(grads) == 1:
             return grads[0]
-        return weighted_sum(self.weights, grads)
+        return weighted_sum(self.path.weights(), grads)
 
     def calibrated(self, g: list[torch.Tensor]) -> list[torch.Tensor]:
         return [d * gi for d, gi in zip(self.d, g, strict=True)] if self.d else g
 
     def regularisers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        zero = self.prob.w0[0].new_zeros(())
-        rp = zero
-        if self.s.path != "line":
-            rp = sum(((p - m) ** 2).sum() for p, m in zip(self.p1, self.mid, strict=True))  # type: ignore[assignment]
-        rd = sum(((d - 1) ** 2).sum() for d in self.d) if self.d else zero
-        return rp, rd  # type: ignore[return-value]
+        rd = sum(((d - 1) ** 2).sum() for d in self.d) if self.d else self.prob.w0[0].new_zeros(())
+        return self.path.regulariser(), rd  # type: ignore[return-value]
 
     def project(self) -> None:
         with torch.no_grad():
-            self.alpha.clamp_(0.0, 1.0)
-            self.t.clamp_(0.0, 1.0)
+            self.path.project()
             for d in self.d:
                 d.clamp_(D_MIN, D_MAX)
 
@@ -297,13 +370,7 @@ def run_surrogate(
     prob = build_problem(obs, attack, num_samples)
     state = SurrogateState(prob, s)
     z = normal(prob.shape, generator, prob.w0[0]).requires_grad_(True)  # drawn on the CPU (gradleak.device)
-    groups: list[dict[str, object]] = [{"params": [z], "lr": s.lr_x}]
-    if s.path == "line":
-        groups.append({"params": [state.alpha], "lr": s.lr_path})
-    else:
-        groups.append({"params": state.p1, "lr": s.lr_path})
-        if s.path == "bezier_t":
-            groups.append({"params": [state.t], "lr": s.lr_t})
+    groups: list[dict[str, object]] = [{"params": [z], "lr": s.lr_x}, *state.path.param_groups()]
     if state.d:
         groups.append({"params": state.d, "lr": s.lr_d})
     # fused Adam: one kernel per step instead of ~10 passes over P1 and d (8x faster on CPU for 4M weights)
@@ -344,16 +411,9 @@ def run_surrogate(
         "matching_loss": calibrated,
         "matching_loss_calibrated": calibrated,
         "matching_loss_honest": honest,
-        "nodes": float(len(state.points())),
+        "nodes": float(len(state.path.points())),
+        **state.path.stats(),
     }
-    if s.path == "line":
-        stats["alpha"] = float(state.alpha.detach())
-    if s.path == "bezier_t":
-        stats["t"] = float(state.t.detach())
-    if s.path != "line":
-        num = sum(float(((p.detach() - m) ** 2).sum()) for p, m in zip(state.p1, state.mid, strict=True))
-        den = sum(float(((b - a) ** 2).sum()) for a, b in zip(prob.w0, prob.wt, strict=True))
-        stats["p1_offset_rel"] = (num / max(den, 1e-30)) ** 0.5
     if state.d:
         flat = torch.cat([d.detach().reshape(-1) for d in state.d])
         stats["d_mean"] = float(flat.mean())

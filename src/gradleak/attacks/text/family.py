@@ -63,7 +63,7 @@ def update_tensor(obs: Observation, param: str) -> torch.Tensor:
     if t is None:
         raise AttackInputError(f"the update does not carry {param!r}, which this attack reads")
     t = t.detach().to(torch.float64)
-    return -t if obs.update.kind == "delta" else t
+    return t * obs.update.gradient_sign  # FedAvg deltas negated (exact: a sign flip)
 
 
 def input_side_gradient(
