@@ -126,3 +126,23 @@ def test_an_audited_client_whose_defense_fails_closed_is_counted_and_its_reason_
     # under secure aggregation the server sees one sum of the contributors: the withheld are those missing
     secure = run_grid(load_config(GRID, [*TINY[:-1], bad, "fl.secure_aggregation=true"])).summary()
     assert [(r["updates"], r["withheld"]) for r in secure] == [(1, 0), (0, 2)]
+
+
+def test_a_cell_whose_label_is_long_still_gets_a_valid_distinct_name():
+    """A defense with many options gave a cell name past experiment.name's 200 characters, and the
+    benchmark (aegis_generator_utility at smoke scale) stopped with a config error before any work: the
+    name keeps its head and a digest of the whole label, short labels keep their former names."""
+    from gradleak.experiments.grid import MAX_NAME, cell_name
+    from gradleak.validation import safe_name
+
+    assert cell_name("bench.cell", "pruning(ratio=0.9)") == "bench.cell.pruning-ratio=0.9"
+    long_a = "aegis(" + ", ".join(f"option_{i}={{size: {i}, store: 'x'}}" for i in range(30)) + ")"
+    long_b = long_a.replace("size: 7", "size: 8")
+    a, b = (
+        cell_name("aegis_generator_utility.organamnist-diffusion", long_a),
+        cell_name("aegis_generator_utility.organamnist-diffusion", long_b),
+    )
+    assert len(a) <= MAX_NAME and len(b) <= MAX_NAME and a != b
+    assert safe_name(a, "experiment.name") == a and a.startswith(
+        "aegis_generator_utility.organamnist-diffusion.aegis"
+    )

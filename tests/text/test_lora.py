@@ -1,7 +1,7 @@
-"""LoRA adapters through the one engine (gradleak/models/adapters.py, issue 52 item 1): an adapter update
-holds
-exactly the trainable parameters, peft's zero-initialised B makes the first gradient of A vanish, the base
-stays bit-identical through FedAvg rounds while the adapters move, and bad adapter configs are refused."""
+"""LoRA adapters through the one engine (gradleak/models/adapters.py, issue 52 item 1): an adapter
+update holds exactly the trainable parameters, peft's zero-initialised B makes the first gradient of A
+vanish, the base stays bit-identical through FedAvg rounds while the adapters move, and bad adapter configs
+are refused."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ time over the ``none`` cell's, from the same machine and code).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import re
 import statistics
@@ -93,12 +94,27 @@ def _fl_seconds(outcome: RunOutcome) -> float:
     return float(outcome.of_kind("summary")[0]["fl_seconds"])
 
 
+MAX_NAME = 200  # experiment.name's limit (gradleak.validation.SAFE_NAME)
+
+
+def cell_name(base: str, label: str) -> str:
+    """``base.label`` made a safe run name (run ids, folder names); a label whose name would pass the
+    200-character limit (a defense with many options) keeps its head and a digest of the whole."""
+    slug = re.sub(r"[^A-Za-z0-9._=-]+", "-", label).strip("-")
+    slug = re.sub(r"\.{2,}", ".", slug)
+    name = f"{base}.{slug}"
+    if len(name) <= MAX_NAME:
+        return name
+    digest = hashlib.blake2b(label.encode(), digest_size=6).hexdigest()
+    keep = max(0, MAX_NAME - len(base) - len(digest) - 2)
+    return f"{base}.{slug[:keep].rstrip('.-')}-{digest}"
+
+
 def cell_configs(cfg: ExperimentConfig) -> list[tuple[ComponentSpec, ExperimentConfig]]:
     """Each cell's own config: the grid's, with that defense and a name of its own (same seed)."""
     out = []
     for spec in cfg.grid.defenses:
-        slug = re.sub(r"[^A-Za-z0-9._=-]+", "-", cell_label(spec)).strip("-")  # run ids, folder names
-        name = f"{cfg.experiment.name}.{slug}"
+        name = cell_name(cfg.experiment.name, cell_label(spec))
         cell = dataclasses.replace(
             cfg, defenses=(spec,), grid=GridSection(),
             experiment=dataclasses.replace(cfg.experiment, name=name),
