@@ -204,16 +204,29 @@ def test_dager_lora_states_its_rank_limit():
     assert rec.stats["rank_l1"] == 8
 
 
-def test_dager_lora_on_a_causal_lm_recovers_all_but_the_last_tokens():
-    """The last token is read off the LM head's gradient, which a LoRA update does not carry."""
+@pytest.mark.parametrize("train_b", [True, False], ids=["trained_b", "fresh_adapter"])
+def test_dager_lora_on_a_causal_lm_recovers_whole_sentences_with_their_last_tokens(train_b):
+    """The span search stops one token short (a last token is only a label); the adapters' gradient still
+    holds the labels (lora_completion): with the completion both sentences come back whole, without it
+    every token but the last, and the completion alone on the true prefixes of a norm-matched random
+    update does not reproduce the true last tokens."""
     from gradleak.attacks import create_attack
+    from gradleak.attacks.text.baseline import null_observation
+    from gradleak.attacks.text.dager.lora_completion import complete_from_adapters
     from gradleak.types import Observation
 
-    model, update, truth = _trained_adapter_update(16, task="causal_lm")
-    rec = create_attack("dager_lora").reconstruct(
-        Observation(model, update, (12,), 2), generator=torch.Generator()
+    model, update, truth = _trained_adapter_update(16, task="causal_lm", train_b=train_b)
+    obs = Observation(model, update, (12,), 2)
+    whole = create_attack("dager_lora").reconstruct(obs, generator=torch.Generator())
+    assert sorted(whole.token_ids) == sorted(truth)
+    cut = create_attack("dager_lora", complete_from_adapters=False).reconstruct(
+        obs, generator=torch.Generator()
     )
-    assert sorted(rec.token_ids) == sorted(s[:-1] for s in truth)
+    assert sorted(cut.token_ids) == sorted(s[:-1] for s in truth)
+    prefixes = [s[:-1] for s in truth]
+    null = null_observation(obs, torch.Generator().manual_seed(0))
+    guessed = complete_from_adapters(null, model, prefixes)
+    assert [s[-1] for s in guessed] != [s[-1] for s in truth]
 
 
 def test_an_adapter_that_is_not_a_table_is_refused():

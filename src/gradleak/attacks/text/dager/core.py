@@ -248,13 +248,7 @@ class Dager:
                     ):
                         seqs.append(s)
                         filled += 1
-        added = 0
-        if self.config.decoder.complete_last_token and spec.causal and _has_lm_head(model):
-            if self.config.decoder.prefix_sentences and len(seqs) < b:
-                n = len(seqs)
-                seqs = add_prefix_sentences(obs, model, seqs, b - n, tol=self.config.decoder.prefix_tol)
-                added = len(seqs) - n
-            seqs = complete_last_tokens(obs, model, seqs)
+        seqs, added = self.complete(obs, model, spec, seqs, b)
         stats = {
             **span_stats,
             "rank_l1": float(span1.rank),
@@ -270,6 +264,21 @@ class Dager:
         return Reconstruction(token_ids=seqs, stats=stats)
 
     zero_gradient = "the first block's attention gradient is zero (frozen or masked)"
+
+    def complete(
+        self, obs: Observation, model: nn.Module, spec: FamilySpec, seqs: list[list[int]], batch: int
+    ) -> tuple[list[list[int]], int]:
+        """A causal LM's sequences completed with their last tokens, read off the LM head's gradient
+        (:mod:`~gradleak.attacks.text.lm_completion`), after adding prefix sentences where fewer than
+        ``batch`` were found; the sequences and how many were added."""
+        added = 0
+        if self.config.decoder.complete_last_token and spec.causal and _has_lm_head(model):
+            if self.config.decoder.prefix_sentences and len(seqs) < batch:
+                n = len(seqs)
+                seqs = add_prefix_sentences(obs, model, seqs, batch - n, tol=self.config.decoder.prefix_tol)
+                added = len(seqs) - n
+            seqs = complete_last_tokens(obs, model, seqs)
+        return seqs, added
 
     def input_gradient(
         self, obs: Observation, model: nn.Module, spec: FamilySpec, layer: int

@@ -22,9 +22,9 @@ that sees one client's adapter update (FedSGD, or a FedAvg delta read as DAGER's
   is a subspace of the inputs' and the test rejects true tokens (the record's ``rank_l1`` says which);
 - the attention projections of blocks 1 and 2 adapted (``target`` includes ``attention``).
 
-A causal LM's last token is out of reach: DAGER reads it off the LM head's (embedding's) gradient, which a
-LoRA update does not carry, so the decoder's last-token completion is off by default
-(:class:`DagerLoRAConfig`); the recovered sequences lack their last token.
+A causal LM's last token is only a label: DAGER reads it off the LM head's gradient, which a LoRA update
+does not carry. ``complete_from_adapters`` (on by default) reads it off the adapters' gradient instead, for a
+FedSGD update (:mod:`~gradleak.attacks.text.dager.lora_completion`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from gradleak.attacks.text.dager.core import Dager, DagerConfig, DecoderSearch
+from gradleak.attacks.text.dager.lora_completion import complete_from_adapters
 from gradleak.attacks.text.family import FamilySpec, ProjectedSpan, Span, find_module, update_tensor
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation
@@ -49,6 +50,7 @@ class DagerLoRAConfig(DagerConfig):
         default_factory=lambda: DecoderSearch(complete_last_token=False, prefix_sentences=False)
     )
     side: str = "auto"  # "A", "B", or "auto": B when A's gradient is zero (a fresh adapter), else A
+    complete_from_adapters: bool = True  # a causal LM's last tokens from the adapters' gradient (FedSGD)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -65,6 +67,14 @@ class DagerLoRA(Dager):
     )
 
     config: DagerLoRAConfig
+
+    def complete(
+        self, obs: Observation, model: nn.Module, spec: FamilySpec, seqs: list[list[int]], batch: int
+    ) -> tuple[list[list[int]], int]:
+        """A causal LM's sequences with their last tokens read off the adapters' gradient."""
+        if self.config.complete_from_adapters and spec.causal:
+            return complete_from_adapters(obs, model, seqs), 0
+        return seqs, 0
 
     def _lora(self, obs: Observation, name: str, which: str) -> str:
         prefix = f"{name}.lora_{which}."
