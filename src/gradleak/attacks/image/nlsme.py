@@ -13,17 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from gradleak.attacks.image.surrogate import (
-    SURROGATE_NEEDS,
-    SurrogateConfig,
-    SurrogateSettings,
-    run_surrogate,
-)
+from gradleak.attacks.image.surrogate import SurrogateAttack, SurrogateConfig
 from gradleak.device import DEVICE_TYPES
 from gradleak.registry import ATTACKS
-from gradleak.types import Observation, Reconstruction
 
 
 @dataclass(frozen=True)
@@ -40,39 +32,11 @@ class NLSMEConfig(SurrogateConfig):
     calibrate: bool = True
 
 
-class NLSME:
+class NLSME(SurrogateAttack):
     """Bezier surrogate read at one learnable position, with calibration."""
 
-    needs = SURROGATE_NEEDS
-
-    def __init__(self, config: NLSMEConfig | None = None) -> None:
-        self.config = config or NLSMEConfig()
-
-    def settings(self) -> SurrogateSettings:
-        c = self.config
-        return SurrogateSettings(
-            path="bezier_t",
-            nodes=1,
-            iterations=c.max_iterations,
-            lr_x=c.lr,
-            lr_path=c.lr_path,
-            lr_t=c.lr_t,
-            lr_d=c.lr_d,
-            tv_weight=c.tv_weight,
-            p_weight=c.p_weight,
-            d_weight=c.d_weight,
-            calibrate=c.calibrate,
-            init_t=c.init_t,
-            lr_decay=c.lr_decay,
-            box=c.box,
-            progress=c.progress,
-            desc="NL-SME",
-        )
-
-    def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
-        return run_surrogate(
-            obs, self.settings(), generator=generator, attack="nlsme", num_samples=self.config.num_samples
-        )
+    name, path, label, config_cls = "nlsme", "bezier_t", "NL-SME", NLSMEConfig
+    config: NLSMEConfig
 
 
 ATTACKS.register(

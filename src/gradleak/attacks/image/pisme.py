@@ -22,17 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from gradleak.attacks.image.surrogate import (
-    SURROGATE_NEEDS,
-    SurrogateConfig,
-    SurrogateSettings,
-    run_surrogate,
-)
+from gradleak.attacks.image.surrogate import SurrogateAttack, SurrogateConfig
 from gradleak.device import DEVICE_TYPES
 from gradleak.registry import ATTACKS
-from gradleak.types import Observation, Reconstruction
 
 
 @dataclass(frozen=True)
@@ -49,38 +41,14 @@ class PISMEConfig(SurrogateConfig):
     calibrate: bool = True
 
 
-class PISME:
+class PISME(SurrogateAttack):
     """Gauss-Legendre path average along a learnable Bezier curve, with calibration."""
 
-    needs = SURROGATE_NEEDS
+    name, path, label, config_cls = "pisme", "bezier_quad", "PI-SME", PISMEConfig
+    config: PISMEConfig
 
-    def __init__(self, config: PISMEConfig | None = None) -> None:
-        self.config = config or PISMEConfig()
-
-    def settings(self) -> SurrogateSettings:
-        c = self.config
-        return SurrogateSettings(
-            path="bezier_quad",
-            nodes=c.nodes,
-            iterations=c.max_iterations,
-            lr_x=c.lr,
-            lr_path=c.lr_path,
-            lr_t=1.0,
-            lr_d=c.lr_d,
-            tv_weight=c.tv_weight,
-            p_weight=c.p_weight,
-            d_weight=c.d_weight,
-            calibrate=c.calibrate,
-            lr_decay=c.lr_decay,
-            box=c.box,
-            progress=c.progress,
-            desc=f"PI-SME m={c.nodes}",
-        )
-
-    def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
-        return run_surrogate(
-            obs, self.settings(), generator=generator, attack="pisme", num_samples=self.config.num_samples
-        )
+    def describe(self) -> str:
+        return f"PI-SME m={self.config.nodes}"
 
 
 ATTACKS.register(

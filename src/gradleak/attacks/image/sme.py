@@ -11,17 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from gradleak.attacks.image.surrogate import (
-    SURROGATE_NEEDS,
-    SurrogateConfig,
-    SurrogateSettings,
-    run_surrogate,
-)
+from gradleak.attacks.image.surrogate import SurrogateAttack, SurrogateConfig
 from gradleak.device import DEVICE_TYPES
 from gradleak.registry import ATTACKS
-from gradleak.types import Observation, Reconstruction
 
 
 @dataclass(frozen=True)
@@ -36,39 +28,11 @@ class SMEConfig(SurrogateConfig):
     init_alpha: float = 0.5  # the official code's alpha (cifar_sme.json)
 
 
-class SME:
+class SME(SurrogateAttack):
     """Straight-line surrogate with a learnable position alpha."""
 
-    needs = SURROGATE_NEEDS
-
-    def __init__(self, config: SMEConfig | None = None) -> None:
-        self.config = config or SMEConfig()
-
-    def settings(self) -> SurrogateSettings:
-        c = self.config
-        return SurrogateSettings(
-            path="line",
-            nodes=1,
-            iterations=c.max_iterations,
-            lr_x=c.lr,
-            lr_path=c.lr_path,
-            lr_t=1.0,
-            lr_d=1.0,
-            tv_weight=c.tv_weight,
-            p_weight=0.0,
-            d_weight=0.0,
-            calibrate=False,
-            init_alpha=c.init_alpha,
-            lr_decay=c.lr_decay,
-            box=c.box,
-            progress=c.progress,
-            desc="SME",
-        )
-
-    def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
-        return run_surrogate(
-            obs, self.settings(), generator=generator, attack="sme", num_samples=self.config.num_samples
-        )
+    name, path, label, config_cls = "sme", "line", "SME", SMEConfig
+    config: SMEConfig
 
 
 ATTACKS.register(

@@ -41,6 +41,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -463,3 +464,50 @@ class SurrogateConfig:
             v = getattr(self, name, 0.5)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name} must lie in [0, 1], got {v}")
+
+
+class SurrogateAttack:
+    """SME, NL-SME and PI-SME are one attack, :func:`run_surrogate`, on three paths: each registered name
+    is this class with its path (:data:`PATHS`), its config class (the options and defaults of its paper)
+    and its label. A config class leaves out what its path does not learn; those settings take their
+    neutral values here (no calibration, one node)."""
+
+    needs = SURROGATE_NEEDS
+    name: ClassVar[str]
+    path: ClassVar[str]
+    label: ClassVar[str]
+    config_cls: ClassVar[type[SurrogateConfig]]
+
+    def __init__(self, config: SurrogateConfig | None = None) -> None:
+        self.config = config or self.config_cls()
+
+    def describe(self) -> str:
+        """The progress bar's label."""
+        return self.label
+
+    def settings(self) -> SurrogateSettings:
+        c = self.config
+        return SurrogateSettings(
+            path=self.path,
+            nodes=getattr(c, "nodes", 1),
+            iterations=c.max_iterations,
+            lr_x=c.lr,
+            lr_path=getattr(c, "lr_path", 1e-3),
+            lr_t=getattr(c, "lr_t", 1.0),
+            lr_d=getattr(c, "lr_d", 1.0),
+            tv_weight=c.tv_weight,
+            p_weight=getattr(c, "p_weight", 0.0),
+            d_weight=getattr(c, "d_weight", 0.0),
+            calibrate=getattr(c, "calibrate", False),
+            init_alpha=getattr(c, "init_alpha", 0.5),
+            init_t=getattr(c, "init_t", 0.5),
+            lr_decay=c.lr_decay,
+            box=c.box,
+            progress=c.progress,
+            desc=self.describe(),
+        )
+
+    def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
+        return run_surrogate(
+            obs, self.settings(), generator=generator, attack=self.name, num_samples=self.config.num_samples
+        )
