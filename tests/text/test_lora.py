@@ -207,9 +207,9 @@ def test_dager_lora_states_its_rank_limit():
 @pytest.mark.parametrize("train_b", [True, False], ids=["trained_b", "fresh_adapter"])
 def test_dager_lora_on_a_causal_lm_recovers_whole_sentences_with_their_last_tokens(train_b):
     """The span search stops one token short (a last token is only a label); the adapters' gradient still
-    holds the labels (lora_completion): with the completion both sentences come back whole, without it
-    every token but the last, and the completion alone on the true prefixes of a norm-matched random
-    update does not reproduce the true last tokens."""
+    holds the labels (lora_completion, opt-in): with the completion both sentences come back whole,
+    without it (the default) every token but the last, and the completion alone on the true prefixes of a
+    norm-matched random update does not reproduce the true last tokens."""
     from gradleak.attacks import create_attack
     from gradleak.attacks.text.baseline import null_observation
     from gradleak.attacks.text.dager.lora_completion import complete_from_adapters
@@ -217,11 +217,11 @@ def test_dager_lora_on_a_causal_lm_recovers_whole_sentences_with_their_last_toke
 
     model, update, truth = _trained_adapter_update(16, task="causal_lm", train_b=train_b)
     obs = Observation(model, update, (12,), 2)
-    whole = create_attack("dager_lora").reconstruct(obs, generator=torch.Generator())
-    assert sorted(whole.token_ids) == sorted(truth)
-    cut = create_attack("dager_lora", complete_from_adapters=False).reconstruct(
+    whole = create_attack("dager_lora", complete_from_adapters=True).reconstruct(
         obs, generator=torch.Generator()
     )
+    assert sorted(whole.token_ids) == sorted(truth)
+    cut = create_attack("dager_lora").reconstruct(obs, generator=torch.Generator())  # off by default
     assert sorted(cut.token_ids) == sorted(s[:-1] for s in truth)
     prefixes = [s[:-1] for s in truth]
     null = null_observation(obs, torch.Generator().manual_seed(0))

@@ -23,8 +23,9 @@ that sees one client's adapter update (FedSGD, or a FedAvg delta read as DAGER's
 - the attention projections of blocks 1 and 2 adapted (``target`` includes ``attention``).
 
 A causal LM's last token is only a label: DAGER reads it off the LM head's gradient, which a LoRA update
-does not carry. ``complete_from_adapters`` (on by default) reads it off the adapters' gradient instead, for a
-FedSGD update (:mod:`~gradleak.attacks.text.dager.lora_completion`).
+does not carry. ``complete_from_adapters`` (off by default: it works on the GPT-2 arch with random weights,
+not yet on SmolLM2) reads it off the adapters' gradient instead, for a FedSGD update
+(:mod:`~gradleak.attacks.text.dager.lora_completion`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ class DagerLoRAConfig(DagerConfig):
         default_factory=lambda: DecoderSearch(complete_last_token=False, prefix_sentences=False)
     )
     side: str = "auto"  # "A", "B", or "auto": B when A's gradient is zero (a fresh adapter), else A
-    complete_from_adapters: bool = True  # a causal LM's last tokens from the adapters' gradient (FedSGD)
+    # a causal LM's last tokens from the adapters' gradient (FedSGD): off by default, it reads the GPT-2 arch
+    # (random weights) exactly but not SmolLM2 (lora_completion's module docstring)
+    complete_from_adapters: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
