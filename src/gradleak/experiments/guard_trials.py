@@ -19,6 +19,7 @@ rate's lower bound.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,7 @@ from gradleak.defenses.guard import GuardConfig, GuardVerdict, ModelGuard, relat
 from gradleak.federation.simulation import FederatedSimulation, FLConfig, derive_seed
 from gradleak.metrics.image import match_reconstructions, pairwise_psnr
 from gradleak.models import build_model
+from gradleak.registry import ATTACKS as REGISTRY
 from gradleak.tasks.client import train_client
 from gradleak.types import AttackInputError, ClientCustomizingAttack, LocalTraining, Observation
 
@@ -147,7 +149,6 @@ def drift(
 
 
 def recovered_share(
-    attack_name: str,
     attack: Any,
     model: torch.nn.Module,
     secrets: Mapping[str, object],
@@ -170,7 +171,7 @@ def recovered_share(
     except AttackInputError:
         return None
     assert rec.images is not None
-    if attack_name == "class_fishing":  # one image of the fished class: scored against that class's samples
+    if "target_class" in secrets:  # a class fisher: one image of that class, scored against its samples
         truth = batch.images[batch.labels == int(secrets["target_class"])]  # type: ignore[call-overload]
         return float(len(truth) > 0 and float(pairwise_psnr(rec.images, truth).max()) > RECOVERED_DB)
     psnr = pairwise_psnr(rec.images, batch.images)
@@ -249,8 +250,10 @@ def strike(
 ) -> None:
     """Every attack turns the current global model malicious; every client's guard inspects its copy."""
     for label, (name, options) in attacks.items():
-        if name == "class_fishing" and "target_class" not in options:  # the server's best case: a class
-            options = {**options, "target_class": int(clients[0].labels[0])}  # that client 0 holds
+        config_cls = REGISTRY.entry(name).config_cls
+        fishes = config_cls is not None and "target_class" in {f.name for f in dataclasses.fields(config_cls)}
+        if fishes and "target_class" not in options:  # the server's best case: a class client 0 holds
+            options = {**options, "target_class": int(clients[0].labels[0])}
         attack = create_attack(name, **options)
         generator = torch.Generator().manual_seed(derive_seed(seed, len(label)))
         try:
@@ -269,7 +272,7 @@ def strike(
             row["checks"].update({f.check for f in verdict.findings})
             if j == 0 and leak:
                 batch = clients[0].subset(list(range(min(result.setting.batch, len(clients[0].images)))))
-                share = recovered_share(name, attack, sent, secrets, batch, clients[0].num_classes, generator)
+                share = recovered_share(attack, sent, secrets, batch, clients[0].num_classes, generator)
                 if share is not None:
                     row["recovered"].append(share)
 
