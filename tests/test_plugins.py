@@ -146,6 +146,7 @@ def test_the_generic_medmnist_loader_reads_any_official_archive_by_flag(tmp_path
     assert explicit.num_classes == 10
     overrides = ["experiment.plugins=[]", "data.dataset='medmnist'", "data.options={flag = 'bloodmnist'}",
                  f"experiment.data_root='{tmp_path}'"]  # fmt: skip
+    plugins.load_plugin(str(PLUGIN))  # the config's model (tiny_mlp), whichever test ran first on this worker
     cfg = load_config(CONFIG, overrides)
     assert cfg.data.options == {"flag": "bloodmnist"}
 
