@@ -6,8 +6,8 @@ steps. Paper 002 fine-tunes for up to 8 epochs or 12,000 steps with early stoppi
 This script follows that protocol on one client:
 
 * the client's own loop (:class:`gradleak.tasks.text_client.LocalTrainer`): AEGIS ``setup`` freezes attention
-before
-  the optimiser is built, every step floods the gradient and AdamW steps on it (paper 002, Algorithm 1);
+  before the optimiser is built, every step floods the gradient and AdamW steps on it (paper 002,
+  Algorithm 1);
 * AdamW lr 5e-5, weight decay 0.01, linear warm-up over the first 10 % of the planned steps then linear decay,
   batch 8, dropout on (train mode), as the paper's transformers training;
 * evaluation on a validation split every ``eval_every`` steps; early stopping on validation loss with

@@ -3,11 +3,10 @@
 The sampler draws and steps ``sampling.batch_size`` images together (256 by default); on the CPU the UNet
 evaluates them in slices of ``DiffusionGenerator.cpu_forward_images``
 (:data:`gradleak.defenses.aegis.generators.diffusion.CPU_FORWARD_IMAGES`). This script samples the same
-labels from the
-same noise with the batch in one forward and in slices of 128, 64, 32 and 16 images, interleaved over
-``repeats`` rounds so that a slow spell of the machine hits every variant, and reports the median seconds,
-the ratio to one forward, and the largest difference of the samples from one forward's (GroupNorm
-normalises each image on its own, so slicing should not change them beyond rounding).
+labels from the same noise with the batch in one forward and in slices of 128, 64, 32 and 16 images,
+interleaved over ``repeats`` rounds so that a slow spell of the machine hits every variant, and reports the
+median seconds, the ratio to one forward, and the largest difference of the samples from one forward's
+(GroupNorm normalises each image on its own, so slicing should not change them beyond rounding).
 
 The generator is a benchmark's public diffusion arm (``--config``), reloaded from its store (trained there
 first when absent: about 43 minutes on 2 cores for the 6,000-step OrganAMNIST one); ``smoke`` replaces its

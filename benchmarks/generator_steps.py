@@ -9,8 +9,8 @@ the own-share diffusion generator at each training length it lists), and for eac
 - the generator's training CPU time (a stored generator keeps the time it was trained in: the benchmark's
   own training, reloaded bit-identically by content),
 - the quality gate (:mod:`gradleak.defenses.aegis.generators.quality`): a reference ``aegis_cnn`` trained on
-the *other*
-  clients' images, scored on the 206 held-out images; memorisation judged against the client's own share,
+  the *other* clients' images, scored on the 206 held-out images; memorisation judged against the client's
+  own share,
 - for the first ``cost_clients`` clients, Aegis' cache build exactly as the defense runs it
   (:func:`~gradleak.defenses.aegis.defense.cache_from_data`: M accepted images), wall and CPU seconds
   timed in this process,

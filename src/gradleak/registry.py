@@ -210,9 +210,8 @@ class Registry(Generic[T]):
         return key
 
     def entry(self, name: str) -> Entry[T]:
-        name = self.canonical(name)
         try:
-            return self._entries[name.lower()]
+            return self._entries[self.canonical(name)]
         except KeyError:
             if name.lower() in self._renamed:
                 new, why = self._renamed[name.lower()]
@@ -259,8 +258,8 @@ DEFENSES: Registry[Defense] = Registry("defense", "gradleak.defenses")
 # A defense at the settings a paper or a table names (``dp_sgd_eps8``, ``prune_90``): ``factory()`` -> Preset
 PRESETS: Registry[Preset] = Registry("defense preset", "gradleak.defenses.presets")
 ENGINES: Registry[EngineRunner] = Registry("engine", "gradleak.federation.engines")
-# Conditional image generators for Aegis' synthetic cache: ``factory(data, config, *, generator)`` fits one
-# on a client's (or a sanctioned public) data set
+# Conditional image generators for Aegis' synthetic cache: ``factory(data, config, *, generator, root)`` fits
+# one on a client's data set (or a sanctioned public split read under the data ``root``)
 GENERATORS: Registry[ConditionalGenerator] = Registry("generator", "gradleak.defenses.aegis.generators")
 # Learning tasks: ``factory(**fields)`` (a frozen dataclass; ``mode`` train|eval), rebuilt by name on a node
 TASKS: Registry[Task] = Registry("task", "gradleak.tasks")

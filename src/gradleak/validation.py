@@ -3,8 +3,7 @@
 Every update passes :func:`check_update` before it is aggregated or attacked: the client checks what it is
 about to send (:func:`gradleak.tasks.client.train_client`), the server screens what it received
 (:func:`gradleak.federation.server.screen`), and an :class:`~gradleak.types.Observation` checks what an
-attack reads
-(the Python API). An update loaded from a file (:mod:`gradleak.update_io`) passes the same check.
+attack reads (the Python API). An update loaded from a file (:mod:`gradleak.update_io`) passes the same check.
 
 Weights a party sends back whole (a Flower train reply: ``w_T``, BatchNorm buffers included) pass
 :func:`check_weights`, the one rule for every array of a reply: the names, shapes and dtypes of the model the

@@ -9,8 +9,7 @@ server instead turns the current global model into each attack of :mod:`gradleak
 (LOKI customised per client) and each client's guard inspects its copy without remembering it: a refusal
 is a detection. The attacks are also run (FedSGD on a batch of client 0's data) where they recover
 images (the first linear layer reads the pixels), at the first checkpoint, so that the malicious models
-counted are shown to leak;
-class fishing fishes a class client 0 holds (the server's best case).
+counted are shown to leak; class fishing fishes a class client 0 holds (the server's best case).
 
 Rates come with exact (Clopper-Pearson) 95 % bounds: the false-alarm rate's upper bound, the detection
 rate's lower bound.

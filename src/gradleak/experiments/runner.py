@@ -4,10 +4,8 @@ Everything that can be checked without training is checked before work starts. E
 round, an attacked update, the summary) is committed to the store as one transaction, so a killed run
 loses at most the unit in progress and the same command resumes it (:mod:`gradleak.experiments.store`).
 Attacks receive only Observations built by :func:`gradleak.federation.server_view` (each client's update) or,
-under
-secure aggregation, :func:`gradleak.federation.simulation.secure_observation` (the aggregate the engine's
-secure
-round returns); ground truth meets the reconstructions only in the setup's ``score``
+under secure aggregation, :func:`gradleak.federation.simulation.secure_observation` (the aggregate the
+engine's secure round returns); ground truth meets the reconstructions only in the setup's ``score``
 (:mod:`gradleak.experiments.setup`, one per data modality).
 """
 

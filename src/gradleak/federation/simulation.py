@@ -2,8 +2,7 @@
 
 The :class:`Engine` decides *where* client training runs (in this process, or on Flower's simulation engine
 with Ray: :mod:`gradleak.federation.engines`). The server logic, the defenses and the attacks do not change
-with
-the engine.
+with the engine.
 """
 
 from __future__ import annotations
@@ -144,8 +143,7 @@ class FLConfig:
     """Federated training schedule. ``fraction`` of clients is sampled each round; the server applies the
     aggregate with ``server_optimizer``: ``"sgd"`` (``w += server_lr * delta``, FedAvg's own step) or an
     adaptive FedOpt optimiser (``"adam"``, ``"adamw"``, :class:`~gradleak.federation.server.ServerOptimizer`)
-    at
-    ``server_lr`` with ``server_weight_decay``."""
+    at ``server_lr`` with ``server_weight_decay``."""
 
     rounds: int = 3
     fraction: float = 0.1

@@ -75,8 +75,7 @@ class LocalTrainer:
     """The client's local fine-tuning loop, one step at a time, on ``model`` itself (pass a copy to keep it).
 
     ``setup`` of every defense runs first (AEGIS freezes attention there), then the optimiser (SGD, Adam,
-    AdamW,
-    ``weight_decay``) is built over the parameters that still require a gradient. Each :meth:`step` is
+    AdamW, ``weight_decay``) is built over the parameters that still require a gradient. Each :meth:`step` is
     forward, backward, ``on_gradients`` (the defended gradient), optimiser step, so the optimiser always steps
     on exactly what the defenses left (paper 002, Algorithm 1). The learning rate follows a linear warm-up
     over ``warmup_steps`` and, when ``total_steps`` is given, a linear decay to 0 at ``total_steps`` (the
@@ -157,8 +156,7 @@ def fedavg_text_update(
     generator: torch.Generator | None = None,
 ) -> Update:
     """``epochs`` passes over ``batches`` with SGD, Adam or AdamW (:class:`LocalTrainer`, constant ``lr``) on
-    a
-    copy; returns delta = w_T - w_0 through the defenses' ``on_update``.
+    a copy; returns delta = w_T - w_0 through the defenses' ``on_update``.
     """
     if not batches or epochs < 1:
         raise ValueError("need at least one batch and epochs >= 1")

@@ -35,9 +35,10 @@ leaves the state open):
   the same.
 
 Cache: bound explicitly (:meth:`AegisSynthetic.bind`, :func:`aegis_for_client`), or, when none is bound,
-built in ``setup`` from the client's private data that the client passes to the hook (``setup(model, *,
-generator, data)``, :class:`~gradleak.defenses.base.DefenseChain`): the configured class-conditional
-generator (``generator``: built-in PCA Gaussian by default, diffusion, oracle) fit on that data,
+built in ``setup`` from the client's private data in its setup context
+(:class:`~gradleak.defenses.base.SetupContext`: ``data``, and ``data_root`` for a public split): the
+configured class-conditional generator (``generator``: built-in PCA Gaussian by default, diffusion, oracle)
+fit on that data,
 candidates accepted by the feature-space budget H (:mod:`gradleak.defenses.aegis.cache`), drawn from a
 seed derived from ``cache_seed`` and a hash of the data. That makes the cache a deterministic function of
 (data, options), so it is memoised per client by content (the data's hash and the options, not
@@ -108,9 +109,8 @@ class AegisConfig:
     ``cache_seed``; ``memo_size`` caches memoised; ``store``: a folder where each built cache is kept
     (safetensors named by its content: the client's data, these options and the generator's
     :func:`~gradleak.defenses.aegis.generators.base.fingerprint`) and reloaded by a later run or process that
-    builds the
-    same one; it holds the client's synthetic images, so in a deployment it is the client's own disk. In
-    TOML: ``cache = { size = 512 }``.
+    builds the same one; it holds the client's synthetic images, so in a deployment it is the client's own
+    disk. In TOML: ``cache = { size = 512 }``.
     """
 
     micro_batch: int = 256

@@ -1,6 +1,5 @@
 """The ``flower`` engine's settings (``[engine] name = "flower"`` and its ``secagg`` table): plain
-dataclasses,
-checked with the config, importable without Flower."""
+dataclasses, checked with the config, importable without Flower."""
 
 from __future__ import annotations
 

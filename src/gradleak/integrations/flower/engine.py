@@ -3,12 +3,11 @@
 :class:`FlowerRunner` starts a Flower simulation with one virtual SuperNode per client (client ``k`` is
 served by the ``k``-th node id in sorted order) and runs gradleak's server loop inside its ServerApp: every
 round and audit, :class:`GridEngine` sends each sampled client's task to its node as a Flower ``Message``
-through the
-ServerApp's ``Grid`` and waits (``timeout``) for the replies; the ClientApp (:func:`task_client_app`) trains
-with :func:`gradleak.tasks.client.train_client` exactly as
-:class:`~gradleak.federation.simulation.InProcessEngine`
-does, with the same per-task seed, so the two engines give the same updates (float rounding apart: the Ray
-workers run torch with their own thread count) and the same attack results.
+through the ServerApp's ``Grid`` and waits (``timeout``) for the replies; the ClientApp
+(:func:`task_client_app`) trains with :func:`gradleak.tasks.client.train_client` exactly as
+:class:`~gradleak.federation.simulation.InProcessEngine` does, with the same per-task seed, so the two
+engines give the same updates (float rounding apart: the Ray workers run torch with their own thread count)
+and the same attack results.
 
 The train message carries the server's model as a spec and its weights (:mod:`gradleak.models.architecture`:
 the registered model the experiment built, with any imprint block a malicious server put in front, as
@@ -266,8 +265,7 @@ def task_client_app(
     to the Ray actors with the data, so it must be importable there by name (a ``functools.partial`` of
     :func:`gradleak.defenses.in_loop.build_defenses`), not a closure of a test or notebook. ``secagg``:
     answer SecAgg+ rounds too (through ``secaggplus_mod``). ``data_root``: the clients' data root, for their
-    defenses'
-    setup (a public split); bound here, never taken from a message."""
+    defenses' setup (a public split); bound here, never taken from a message."""
     data = list(clients)
     app = ClientApp(mods=[secagg_when_asked] if secagg else [])
 

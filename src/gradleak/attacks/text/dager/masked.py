@@ -5,8 +5,7 @@ compression), not zero gradient; nothing else (not the ratio, not the kept entri
 
 Why exact DAGER stops: the input-side gradient G = sum_t delta_t x_t^T (d x k) has rank n, the number of the
 batch's token inputs (:mod:`gradleak.attacks.text.dager.core`, step 1), but the server sees M * G, M the 0/1
-mask
-of the kept entries, and zeroing entries of a low-rank matrix makes it full rank: the rank test calls the
+mask of the kept entries, and zeroing entries of a low-rank matrix makes it full rank: the rank test calls the
 span full and nothing is recovered.
 
 What this attack does instead: it looks for the lowest-rank matrix that agrees with the kept entries

@@ -5,8 +5,8 @@ labels without dataset-specific fine-tuning (Appendix F.1). This adapter loads a
 folder (``DiffusionPipeline.from_pretrained(path, local_files_only=True)``), prompts it with one text per
 class, and aligns the output with the task (size, channels, [0, 1]) through
 :func:`gradleak.defenses.aegis.generators.base.align_images`. ``diffusers`` is imported only when the adapter
-is built; it
-is not a gradleak dependency, and the tests do not exercise this module (no weights, no GPU offline).
+is built; it is not a gradleak dependency, and the tests do not exercise this module (no weights, no GPU
+offline).
 See docs/defenses.md for usage.
 """
 

@@ -213,12 +213,11 @@ class DiffusionGeneratorConfig:
     (safetensors, reused by content; None: not saved); ``pool``: with ``train_on = "public"``, sample that
     many images per class once and let every client draw its candidates from them
     (:mod:`gradleak.defenses.aegis.generators.pool`; 0: each client samples its own; ``seed`` also seeds the
-    pool);
-    ``device``: where the model trains and samples (``"cpu"`` or ``"cuda"``; every random draw still comes
-    from a CPU generator and cuDNN runs without TF32, so a GPU differs from the CPU by the kernels' rounding;
-    GPU training is not bit-repeatable run to run: some backward kernels add atomically). The device is not
-    part of the stored file's name: a generator trained on a GPU is reused by a CPU run of the same options,
-    and vice versa (a pool's key holds a hash of the weights it was sampled from)."""
+    pool); ``device``: where the model trains and samples (``"cpu"`` or ``"cuda"``; every random draw still
+    comes from a CPU generator and cuDNN runs without TF32, so a GPU differs from the CPU by the kernels'
+    rounding; GPU training is not bit-repeatable run to run: some backward kernels add atomically). The device
+    is not part of the stored file's name: a generator trained on a GPU is reused by a CPU run of the same
+    options, and vice versa (a pool's key holds a hash of the weights it was sampled from)."""
 
     train_on: str = "own"
     public: PublicSplit = field(default_factory=PublicSplit)

@@ -2,12 +2,11 @@
 
 A generator fit on a sanctioned public split may serve every client (paper 000 Appendix F.1;
 :class:`~gradleak.defenses.aegis.generators.PublicSplit`). With the diffusion generator the cost of Aegis is
-then its
-sampling: about 2,200 candidates per client for M = 2,048 (2 minutes on 2 cores, docs/defenses.md), for each
-of a federation's 100 clients. A :class:`SamplePool` samples ``per_class`` images of every class the generator
-knows once (seeded, saved as safetensors and reused by content); each client's :class:`PoolDraws` hands out
-the pool's images of a requested class without replacement, in an order drawn from the client's own seed, so
-one client's cache never holds an image twice while different clients' caches overlap.
+then its sampling: about 2,200 candidates per client for M = 2,048 (2 minutes on 2 cores, docs/defenses.md),
+for each of a federation's 100 clients. A :class:`SamplePool` samples ``per_class`` images of every class the
+generator knows once (seeded, saved as safetensors and reused by content); each client's :class:`PoolDraws`
+hands out the pool's images of a requested class without replacement, in an order drawn from the client's own
+seed, so one client's cache never holds an image twice while different clients' caches overlap.
 
 Threat model: the pool is a federation secret. A server that holds it can recognise the synthetic member of a
 mixed bin (and subtract it), which a server that only knows the public generator cannot, since it does not
@@ -128,8 +127,7 @@ class PoolDraws:
 
     def fingerprint(self) -> str:
         """The pool's digest (:class:`~gradleak.defenses.aegis.generators.base.Fingerprinted`); the order of
-        this client's
-        draws comes from its seed."""
+        this client's draws comes from its seed."""
         return f"pool:{self.pool.digest()}"
 
     def sample(self, labels: torch.Tensor, *, generator: torch.Generator) -> torch.Tensor:
