@@ -265,7 +265,7 @@ GENERATORS: Registry[ConditionalGenerator] = Registry("generator", "gradleak.def
 TASKS: Registry[Task] = Registry("task", "gradleak.tasks")
 # How a data set is split among clients: ``factory(dataset, num_clients, rng, **options)`` -> index arrays
 PARTITIONERS: Registry[list[np.ndarray]] = Registry("partitioner", "gradleak.data.partition")
-# A client's local optimiser: ``factory(params, lr=..., weight_decay=...)`` (LocalTraining.optimizer)
+# A client's local optimiser: ``factory(params, lr=..., weight_decay=...[, momentum=...])`` (LocalTraining)
 OPTIMIZERS: Registry[torch.optim.Optimizer] = Registry("optimizer", "gradleak.tasks.client")
 # The server's adaptive FedOpt optimiser (fl.server_optimizer; "sgd" is FedAvg's plain step, no optimiser)
 SERVER_OPTIMIZERS: Registry[torch.optim.Optimizer] = Registry(

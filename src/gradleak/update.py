@@ -7,6 +7,7 @@ The lowest of the core types: :mod:`gradleak.validation` checks an Update agains
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,7 +27,8 @@ class LocalTraining:
 
     ``fedsgd``: one gradient on one batch of ``batch_size`` samples, sent as is.
     ``fedavg``: ``epochs`` passes over the client's data in batches of ``batch_size`` with ``optimizer``
-    (SGD, Adam or AdamW; ``weight_decay`` is the optimizer's, decoupled for AdamW).
+    (SGD, Adam or AdamW; ``weight_decay`` is the optimizer's, decoupled for AdamW; ``momentum`` is SGD's
+    heavy-ball momentum, for an optimizer whose factory takes one, as Flower's PyTorch quickstart trains).
     """
 
     protocol: Protocol_ = "fedavg"
@@ -36,6 +38,7 @@ class LocalTraining:
     optimizer: OptimizerName = "sgd"
     shuffle: bool = True
     weight_decay: float = 0.0
+    momentum: float = 0.0
 
     def __post_init__(self) -> None:
         if self.protocol not in ("fedsgd", "fedavg"):
@@ -44,6 +47,12 @@ class LocalTraining:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS.names()}, got {self.optimizer!r}")
         if not (isinstance(self.weight_decay, int | float) and 0 <= self.weight_decay < math.inf):
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+        if not (isinstance(self.momentum, int | float) and not isinstance(self.momentum, bool)) or not (
+            0 <= self.momentum < 1
+        ):
+            raise ValueError(f"momentum must be a number in [0, 1), got {self.momentum!r}")
+        if self.momentum and "momentum" not in inspect.signature(OPTIMIZERS.get(self.optimizer)).parameters:
+            raise ValueError(f"momentum = {self.momentum} but optimizer {self.optimizer!r} takes no momentum")
         if not isinstance(self.epochs, int) or self.epochs < 1:
             raise ValueError(f"epochs must be a positive int, got {self.epochs!r}")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:

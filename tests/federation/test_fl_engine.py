@@ -53,23 +53,32 @@ def test_fedsgd_update_equals_model_gradient(tiny_data):
     assert res.update.metadata["client_id"] == 7
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_fedavg_delta_matches_handwritten_loop(tiny_data, optimizer):
+@pytest.mark.parametrize(("optimizer", "momentum"), [("sgd", 0.0), ("adam", 0.0), ("sgd", 0.9)])
+def test_fedavg_delta_matches_handwritten_loop(tiny_data, optimizer, momentum):
     model = small_model()
     w0 = copy.deepcopy(model.state_dict())
-    training = LocalTraining(protocol="fedavg", epochs=2, batch_size=8, lr=0.05, optimizer=optimizer)
+    training = LocalTraining(
+        protocol="fedavg", epochs=2, batch_size=8, lr=0.05, optimizer=optimizer, momentum=momentum
+    )
     res = train_client(0, model, tiny_data, training, [], torch.Generator().manual_seed(11))
     # the broadcast model must not move
     for k, v in model.state_dict().items():
         assert torch.equal(v, w0[k])
     ref = copy.deepcopy(model)
-    opt = (torch.optim.Adam if optimizer == "adam" else torch.optim.SGD)(ref.parameters(), lr=0.05)
+    opt = torch.optim.Adam(ref.parameters(), lr=0.05) if optimizer == "adam" else None
+    velocity = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}  # heavy ball: v = mu v + g
     gen = torch.Generator().manual_seed(11)
     for _ in range(2):
         for idx in torch.randperm(len(tiny_data), generator=gen).split(8):
-            opt.zero_grad()
+            ref.zero_grad()
             F.cross_entropy(ref(tiny_data.images[idx]), tiny_data.labels[idx]).backward()
-            opt.step()
+            if opt is not None:
+                opt.step()
+                continue
+            with torch.no_grad():
+                for n, p in ref.named_parameters():
+                    velocity[n] = momentum * velocity[n] + p.grad
+                    p -= 0.05 * velocity[n]
     assert res.update is not None and res.update.metadata["local_steps"] == 6
     for n, p in ref.named_parameters():
         torch.testing.assert_close(res.update.tensors[n], p.detach() - w0[n], atol=1e-6, rtol=1e-5)
@@ -195,3 +204,7 @@ def test_flconfig_validation():
         FLConfig(rounds=-1)
     with pytest.raises(ValueError, match="optimizer"):
         LocalTraining(optimizer="rmsprop")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="momentum"):
+        LocalTraining(momentum=1.0)
+    with pytest.raises(ValueError, match="'adam' takes no momentum"):
+        LocalTraining(optimizer="adam", momentum=0.9)

@@ -5,6 +5,8 @@ server's side (a client's reported ``partition-id`` cannot choose whose data sco
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -134,6 +136,16 @@ def test_auto_picks_the_attack_for_the_recipe_and_small_budgets_are_warned_in_th
     strategy = AuditStrategy(FedAvg(), model=model(), attacks="auto", input_shape=SHAPE, num_classes=CLASSES,
                              training=fedavg)  # fmt: skip
     assert [s.name for s in strategy.attacks] == ["pisme"] and "FedAvg" in strategy.choice
+    quick = AuditStrategy(FedAvg(), model=model(), attacks=[("auto", {"budget": 40})], input_shape=SHAPE,
+                          num_classes=CLASSES, training=fedsgd)  # fmt: skip
+    assert [(s.name, dict(s.options)) for s in quick.attacks] == [("ig", {"max_iterations": 40})]
+    assert [(s.name, dict(s.options)) for s in auto_attacks(text, fedavg, 40)[0]] == [
+        ("dager", {}),
+        ("embedding_norm", {}),
+    ]  # fmt: skip  (no budget to set)
+    for bad in ([("auto", {"lr": 0.1})], [("auto", {}), "ig"], [("auto", {"budget": 0})]):
+        with pytest.raises(ValueError, match="auto"):
+            AuditStrategy(FedAvg(), model=model(), attacks=bad, input_shape=SHAPE, num_classes=CLASSES)
     with caplog.at_level("WARNING"):
         strategy, store = audit(tmp_path)  # IG at 2 iterations: a thousandth of its default
     assert "ig: max_iterations = 2 is below a quarter of its default 2000" in caplog.text
@@ -175,3 +187,30 @@ def test_reconstructions_are_saved_for_the_operator_privately_and_embedded_in_th
     lines = html.split("<ul id='node-verdicts'>")[1].split("</ul>")[0].count("<li>")
     assert lines == len(records) == 2  # one verdict line per attacked reply
     assert "rule 4" in html  # the node's data, no public split: the raw score, and what a floor needs
+
+
+def test_truth_may_be_the_apps_own_loader_of_dict_batches_and_scores_as_the_data_set(tmp_path):
+    """``truth=`` returning the app's DataLoader (Flower quickstart's ``{"img", "label"}`` batches)
+    gives the records the ImageDataset gives (the same samples in the same order)."""
+    from torch.utils.data import DataLoader
+
+    def loader(k: int) -> DataLoader:
+        rows = [{"img": x, "label": y} for x, y in zip(DATA[k].images, DATA[k].labels, strict=True)]
+        return DataLoader(rows, batch_size=2)
+
+    records = []
+    for name, truth in (("set", DATA.get), ("loader", loader)):
+        random.seed(0)  # Flower's FedAvg samples the nodes with random: the same order, the same seeds
+        strategy, store = audit(tmp_path / name, truth=truth)
+        strategy.start(AppGrid(dict.fromkeys(NODES, app()), NODES),
+                       ArrayRecord(torch_state_dict=model().state_dict()), num_rounds=1)  # fmt: skip
+        (run,) = store.runs()
+        records.append(sorted(store.records(run.run_id, "attack"), key=lambda r: r["node_id"]))
+    assert [r["batch_size"] for r in records[1]] == [2, 3]
+    for a, b in zip(*records, strict=True):
+        for key in ("psnr", "ssim", "matching_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
+    from gradleak.data.base import ImageDataset
+
+    with pytest.raises(ValueError, match="one \\(B, C, H, W\\) float tensor and one \\(B,\\) integer"):
+        ImageDataset.from_batches("bad", [{"img": DATA[0].images, "mask": DATA[0].images}], CLASSES)

@@ -40,21 +40,52 @@ def is_transformer(model: nn.Module) -> bool:
     return any(type(m).__module__.startswith("transformers.") for m in (model, inner))
 
 
-def auto_attacks(model: nn.Module, training: LocalTraining | None) -> tuple[list[ComponentSpec], str]:
+def auto_attacks(
+    model: nn.Module, training: LocalTraining | None, budget: int | None = None
+) -> tuple[list[ComponentSpec], str]:
     """The attacks :mod:`this module <gradleak.audit.choice>` picks for ``model`` under ``training``, and
-    the reason, in words."""
+    the reason, in words. ``budget`` replaces the default budget of each picked attack that has one (its
+    ``max_iterations``, ``iterations`` or ``steps``): a quicker audit, warned about below a quarter of the
+    default (:func:`budget_warnings`)."""
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise ValueError(f"the auto attacks' budget must be an int >= 1, got {budget!r}")
     if is_transformer(model):
-        return [ComponentSpec("dager"), ComponentSpec("embedding_norm")], (
-            "a transformer: DAGER (exact sequences from the attention-gradient span) and the embedding "
-            "row-norm token set"
+        names = ["dager", "embedding_norm"]
+        why = ("a transformer: DAGER (exact sequences from the attention-gradient span) and the embedding "
+               "row-norm token set")  # fmt: skip
+    elif training is not None and training.protocol == "fedavg":
+        names = ["pisme"]
+        why = ("an image model under FedAvg: PI-SME, the surrogate-path attack that leads on multi-step "
+               "updates (paper 001)")  # fmt: skip
+    else:
+        recipe = "FedSGD" if training is not None else "a recipe the server does not know"
+        names, why = ["ig"], f"an image model under {recipe}: Inverting Gradients"
+    specs = []
+    for name in names:
+        default = default_budget(name)
+        options = {} if budget is None or default is None else {default[0]: budget}
+        specs.append(ComponentSpec(name, options))
+    return specs, why if budget is None else f"{why}; budget {budget}"
+
+
+def resolve_attacks(
+    attacks: str | Sequence[ComponentSpec], model: nn.Module, training: LocalTraining | None
+) -> tuple[list[ComponentSpec], str]:
+    """An audit's attacks as configured: ``"auto"``, or ``[ComponentSpec("auto", {"budget": n})]`` (the
+    auto choice at budget ``n``), or the attacks themselves; with the reason for the choice."""
+    if isinstance(attacks, str):
+        if attacks != "auto":
+            raise ValueError(f'attacks must be "auto" or a list of attacks, got {attacks!r}')
+        return auto_attacks(model, training)
+    autos = [s for s in attacks if s.name == "auto"]
+    if not autos:
+        return list(attacks), "configured"
+    if len(attacks) != 1 or set(autos[0].options) - {"budget"}:
+        raise ValueError(
+            'an "auto" attack stands alone and takes one option, budget (the picked attacks\' iterations); '
+            f"got {[(s.name, dict(s.options)) for s in attacks]}"
         )
-    if training is not None and training.protocol == "fedavg":
-        return [ComponentSpec("pisme")], (
-            "an image model under FedAvg: PI-SME, the surrogate-path attack that leads on multi-step updates "
-            "(paper 001)"
-        )
-    recipe = "FedSGD" if training is not None else "a recipe the server does not know"
-    return [ComponentSpec("ig")], f"an image model under {recipe}: Inverting Gradients"
+    return auto_attacks(model, training, autos[0].options.get("budget"))
 
 
 def default_budget(name: str) -> tuple[str, int] | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +64,30 @@ class ImageDataset:
             raise ValueError("nothing to concatenate")
         images, labels = torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts])
         return ImageDataset(parts[0].name, images, labels, parts[0].num_classes)
+
+    @staticmethod
+    def from_batches(name: str, batches: Iterable[object], num_classes: int) -> ImageDataset:
+        """The samples of a user's own data loader: batches of ``(images, labels)`` or mappings with one
+        ``(B, C, H, W)`` float tensor and one ``(B,)`` integer tensor (e.g. ``{"img": ..., "label": ...}``,
+        as Flower's quickstart loaders yield), in [0, 1] like every ``ImageDataset``."""
+        images, labels = [], []
+        for k, batch in enumerate(batches):
+            values = list(batch.values()) if isinstance(batch, Mapping) else batch
+            if not isinstance(values, list | tuple):
+                raise ValueError(f"{name}: batch {k} is a {type(batch).__name__}, not (images, labels)")
+            tensors = [v for v in values if isinstance(v, torch.Tensor)]
+            x = [t for t in tensors if t.dim() == 4 and t.is_floating_point()]
+            y = [t for t in tensors if t.dim() == 1 and not t.is_floating_point()]
+            if len(x) != 1 or len(y) != 1:
+                raise ValueError(
+                    f"{name}: batch {k} needs one (B, C, H, W) float tensor and one (B,) integer tensor, "
+                    f"got shapes {[tuple(t.shape) for t in tensors]}"
+                )
+            images.append(x[0].detach().cpu().float())
+            labels.append(y[0].detach().cpu().long())
+        if not images:
+            raise ValueError(f"{name}: the loader gave no batches")
+        return ImageDataset(name, torch.cat(images), torch.cat(labels), num_classes)
 
     def subset(self, indices: np.ndarray | torch.Tensor | list[int]) -> ImageDataset:
         idx = torch.as_tensor(np.asarray(indices), dtype=torch.long)

@@ -41,14 +41,17 @@ class ClientResult:
     sample_index: tuple[int, ...] | None = None
 
 
-OPTIMIZERS.register("sgd", torch.optim.SGD, summary="plain SGD (FedAvg's local step)")
+OPTIMIZERS.register("sgd", torch.optim.SGD, summary="SGD (FedAvg's local step; LocalTraining.momentum)")
 OPTIMIZERS.register("adam", torch.optim.Adam, summary="Adam (weight decay as an L2 term)")
 OPTIMIZERS.register("adamw", torch.optim.AdamW, summary="AdamW (decoupled weight decay)")
 
 
 def make_optimizer(params: Sequence[nn.Parameter], training: LocalTraining) -> torch.optim.Optimizer:
-    """The recipe's optimizer over ``params`` (its ``lr`` and ``weight_decay``)."""
-    return OPTIMIZERS.get(training.optimizer)(params, lr=training.lr, weight_decay=training.weight_decay)
+    """The recipe's optimizer over ``params`` (its ``lr``, ``weight_decay`` and, where set, ``momentum``)."""
+    extra = {"momentum": training.momentum} if training.momentum else {}
+    return OPTIMIZERS.get(training.optimizer)(
+        params, lr=training.lr, weight_decay=training.weight_decay, **extra
+    )
 
 
 def _batches(n: int, batch_size: int, shuffle: bool, generator: torch.Generator) -> list[torch.Tensor]:

@@ -31,7 +31,7 @@ scores the in-process runner computes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,11 +43,10 @@ from torch import nn
 
 from gradleak.attacks import create_attack
 from gradleak.audit import Scorer
-from gradleak.data.base import ImageDataset
 from gradleak.experiments.store import ResultStore
 from gradleak.federation.simulation import derive_seed
 from gradleak.integrations.flower.apps import ARCHITECTURE, PARTITION_ID
-from gradleak.integrations.flower.auditing import AttackSpec, Auditing
+from gradleak.integrations.flower.auditing import AttackSpec, Auditing, Truth
 from gradleak.integrations.flower.replies import (
     NUM_EXAMPLES,
     CheckedReply,
@@ -93,7 +92,7 @@ class AuditStrategy(Auditing, Strategy):
         secure_aggregation: bool = False,
         seed: int = 0,
         name: str = "flower",
-        truth: Callable[[int], ImageDataset | None] | None = None,
+        truth: Truth | None = None,
         malicious: AttackSpec | None = None,
         malicious_nodes: int | None = None,
         public_images: torch.Tensor | None = None,

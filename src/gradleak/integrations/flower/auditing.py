@@ -22,10 +22,11 @@ from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from gradleak.attacks import create_attack
 from gradleak.audit import ImageScorer, Scorer, attack_update, audit_generators
-from gradleak.audit.choice import auto_attacks
+from gradleak.audit.choice import resolve_attacks
 from gradleak.audit.pipeline import null_generator
 from gradleak.audit.preflight import Preflight, enforce, run_checks
 from gradleak.data.base import ImageDataset
@@ -68,6 +69,8 @@ def show_progress() -> None:
 
 
 AttackSpec = str | tuple[str, Mapping[str, Any]] | ComponentSpec
+# the data of the node whose update is scored (simulations and tests): a data set, or the app's own loader
+Truth = Callable[[int], ImageDataset | DataLoader[Any] | None]
 
 
 class Auditing:
@@ -86,7 +89,7 @@ class Auditing:
         secure_aggregation: bool,
         seed: int,
         name: str,
-        truth: Callable[[int], ImageDataset | None] | None,
+        truth: Truth | None,
         policy: ReplyPolicy | None = None,
         scorer: Scorer | None = None,
         threads: int | None = 1,
@@ -102,11 +105,11 @@ class Auditing:
         self.model = model
         self.policy = policy or ReplyPolicy()
         self.scorer: Scorer = scorer or ImageScorer()
-        if attacks == "auto":  # the attack and budget that fit the stated recipe (gradleak.audit.choice)
-            self.attacks, self.choice = auto_attacks(model, training)
+        # "auto": the attack and budget that fit the stated recipe (gradleak.audit.choice)
+        configured = attacks if isinstance(attacks, str) else [as_spec(a) for a in attacks]
+        self.attacks, self.choice = resolve_attacks(configured, model, training)
+        if self.choice != "configured":
             log.info("audit: attacks='auto' chose %s: %s", [s.name for s in self.attacks], self.choice)
-        else:
-            self.attacks, self.choice = [as_spec(a) for a in attacks], "configured"
         self.warnings: list[str] = []  # the pre-flight checks' (check_before_round_1)
         self.attacked = 0  # the audit's attacked updates so far (the seed rule of gradleak.audit)
         for spec in self.attacks:  # unknown names and options fail now, not mid-run
@@ -166,6 +169,16 @@ class Auditing:
         if self.partitions is not None:
             return None if node is None else self.partitions.get(node)
         return reported if isinstance(reported, int) else node
+
+    def truth_of(self, key: int | None) -> ImageDataset | None:
+        """The data ``truth`` gives for ``key`` (a partition or node id), the app's own loader read into a
+        data set."""
+        if self.truth is None or key is None:
+            return None
+        data = self.truth(key)
+        if isinstance(data, DataLoader):
+            return ImageDataset.from_batches(f"partition {key}", data, self.num_classes)
+        return data
 
     def run_config(self) -> dict[str, Any]:
         """What the store keeps as the audit run's configuration (wrappers add their own options)."""
@@ -282,9 +295,7 @@ class Auditing:
                           aggregated=aggregated, num_clients=count)  # fmt: skip
         part = update.metadata.get("partition_id")  # the client's own claim, recorded as such
         key = self.truth_key(node, part)
-        data = truth
-        if data is None and self.truth is not None and key is not None:
-            data = self.truth(key)
+        data = truth if truth is not None else self.truth_of(key)
         k, self.attacked = self.attacked, self.attacked + 1  # the audit's k-th attacked update
         who = "the secure aggregate" if node is None else f"node {node}"
         for i, spec in enumerate(attacks):

@@ -51,7 +51,7 @@ from gradleak.audit import Scorer
 from gradleak.data.base import ImageDataset
 from gradleak.experiments.store import ResultStore
 from gradleak.integrations.flower.apps import PARTITION_ID, masked_names, named_arrays
-from gradleak.integrations.flower.auditing import AttackSpec, Auditing
+from gradleak.integrations.flower.auditing import AttackSpec, Auditing, Truth
 from gradleak.integrations.flower.replies import (
     CheckedReply,
     ReplyPolicy,
@@ -97,7 +97,7 @@ class LegacyAuditStrategy(Auditing, Strategy):
         rounds: Iterable[int] | None = None,
         seed: int = 0,
         name: str = "flower",
-        truth: Callable[[int], ImageDataset | None] | None = None,
+        truth: Truth | None = None,
         policy: ReplyPolicy | None = None,
         scorer: Scorer | None = None,
         threads: int | None = 1,
@@ -263,7 +263,7 @@ class LegacyAuditStrategy(Auditing, Strategy):
             truth = None
             if self.truth is not None:
                 keys = [self.truth_key(int(proxy.node_id), _partition(r)) for proxy, r in results]
-                parts = [self.truth(p) for p in keys if p is not None]
+                parts = [self.truth_of(p) for p in keys]
                 known = [d for d in parts if d is not None]
                 truth = ImageDataset.concat(known) if known and len(known) == count else None
             self.attack(server_round, "sum", None, update, count, self.model_at(w0), self.attacks, {},
