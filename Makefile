@@ -60,17 +60,19 @@ lint: $(STAMP)
 	$(BIN)/mypy tests/test_registry_types.py
 	$(BIN)/lint-imports
 
-# The Flower example app under Flower's own CLI (examples/flower/README.md): 10 simulated SuperNodes on Ray,
-# gradleak's audit in ~/.flwr/gradleak-flower.sqlite (FLWR_HOME), then the audit's table.
-# Debian's chromium for the report's browser test (tests/experiments/test_report.py skips without it);
+# Debian's chromium for the reports' browser tests (tests/experiments/test_report.py and the Flower quickstart's
+# test skip without it);
 # a system package, as a pip package that downloads a browser cannot work here.
 browser:
 	command -v chromium >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
 
+# The Flower quickstart under Flower's own CLI (examples/flower/README.md): 4 simulated SuperNodes on Ray, 3 rounds,
+# gradleak's audit in $FLWR_HOME/audit.sqlite (default ~/.flwr), then its report (report.html, with a verdict a line).
 flower-example: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 \
-		$(BIN)/flwr run examples/flower --stream --federation-config "num-supernodes=10"
-	$(BIN)/gradleak results "$${FLWR_HOME:-$$HOME/.flwr}/gradleak-flower.sqlite" latest
+		$(BIN)/flwr run examples/flower --stream --federation-config "num-supernodes=4"
+	$(BIN)/gradleak report "$${FLWR_HOME:-$$HOME/.flwr}/audit.sqlite" latest \
+		--figures "$${FLWR_HOME:-$$HOME/.flwr}/audit-figures" --out report.html
 
 bench-smoke: $(STAMP)
 	$(BIN)/python benchmarks/fl_overhead.py --scale smoke

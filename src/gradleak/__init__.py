@@ -41,6 +41,9 @@ _EXPORTS: dict[str, str] = {
     "Defense": "gradleak.defenses.base",
     "DefenseFailure": "gradleak.defenses.base",
     "ComponentSpec": "gradleak.spec",
+    # on Flower (the flower extra): audit a server's strategy, defend a ClientApp's replies
+    "AuditStrategy": "gradleak.integrations.flower.audit",
+    "DefenseMod": "gradleak.integrations.flower.mods",
     # the registries a plugin extends
     "ATTACKS": "gradleak.registry",
     "DEFENSES": "gradleak.registry",
@@ -56,8 +59,8 @@ _EXPORTS: dict[str, str] = {
 __all__ = [  # the names of _EXPORTS (a test keeps the two equal)
     "__version__", "load_config", "ExperimentConfig", "run_experiment", "ResultStore", "Update",
     "LocalTraining", "Observation", "Reconstruction", "Attack", "create_attack", "defend", "DefendedLoop",
-    "Defense", "DefenseFailure", "ComponentSpec", "ATTACKS", "DEFENSES", "DATASETS", "MODELS", "ENGINES",
-    "GENERATORS", "TASKS", "PARTITIONERS", "OPTIMIZERS",
+    "Defense", "DefenseFailure", "ComponentSpec", "AuditStrategy", "DefenseMod", "ATTACKS", "DEFENSES",
+    "DATASETS", "MODELS", "ENGINES", "GENERATORS", "TASKS", "PARTITIONERS", "OPTIMIZERS",
 ]  # fmt: skip
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on first use
@@ -67,6 +70,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from gradleak.experiments.config import ExperimentConfig, load_config
     from gradleak.experiments.runner import run_experiment
     from gradleak.experiments.store import ResultStore
+    from gradleak.integrations.flower.audit import AuditStrategy
+    from gradleak.integrations.flower.mods import DefenseMod
     from gradleak.registry import (
         ATTACKS,
         DATASETS,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from browser import FLAGS, console_lines, needs_chromium, probed_dom
 from gradleak.cli import main
 from gradleak.experiments import ResultStore
 from gradleak.experiments.store import RunRow
@@ -115,46 +116,21 @@ def test_the_report_command_names_an_unknown_run(tmp_path, capsys):
     assert re.search(r"no run \['nope-1'\] in .*s\.sqlite", capsys.readouterr().err)
 
 
-PROBE = """<script>window.addEventListener('load', () => {
-  const imgs = [...document.images];
-  const ok = imgs.length > 0 && imgs.every(i => i.complete && i.naturalWidth > 0);
-  const p = document.createElement('p'); p.id = 'probe';
-  p.textContent = 'images:' + imgs.length + ':' + (ok ? 'loaded' : 'broken');
-  document.body.appendChild(p);
-});</script>"""
-
-
-@pytest.mark.skipif(
-    shutil.which("chromium") is None, reason="Debian's chromium is not installed (make browser)"
-)
+@needs_chromium
 def test_the_report_opens_in_a_real_browser_with_every_image_loaded_and_no_console_error(grid_out, tmp_path):
     """Debian's chromium, headless: the page loads without console messages, its images decode under the
     report's Content-Security-Policy (natural width > 0: a test-only copy adds the probe script, and to
     its policy only the right to run it; the report has none), a screenshot is kept."""
     report = grid_out / "grid" / "report.html"
-    probed = tmp_path / "probed.html"
-    page = report.read_text(encoding="utf-8")
-    assert page.count("default-src 'none'") == 1  # the policy the report ships
-    page = page.replace("default-src 'none';", "default-src 'none'; script-src 'unsafe-inline';")
-    probed.write_text(page.replace("</body>", PROBE + "</body>"), encoding="utf-8")
-    flags = [
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--no-first-run",
-        f"--user-data-dir={tmp_path / 'profile'}",
-    ]
-    dom = subprocess.run(
-        ["chromium", *flags, "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000", "--dump-dom",
-         probed.as_uri()], capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+    dom = probed_dom(report, tmp_path)
     assert "images:4:loaded" in dom.stdout, dom.stdout[-500:]
     assert dom.stdout.count('class="tradeoff"') == 1  # the privacy-utility plot, rendered in the DOM
-    assert "CONSOLE" not in dom.stderr, [line for line in dom.stderr.splitlines() if "CONSOLE" in line]
+    assert console_lines(dom) == []
     assert dom.stdout.count("<tr>") == 3  # the verdict table: header + 2 cells x 1 attack
     shot = Path(os.environ.get("GRADLEAK_ARTIFACTS", tmp_path)) / "report.png"
     shot.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["chromium", *flags, f"--screenshot={shot}", "--window-size=1280,2000", report.as_uri()],
+    subprocess.run(["chromium", *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}",
+                    "--window-size=1280,2000", report.as_uri()],
                    capture_output=True, timeout=120, check=True)  # fmt: skip
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
 
@@ -227,12 +203,12 @@ def test_a_text_grid_report_shows_rouge_beside_its_null_and_the_texts(tmp_path):
     assert "<b>dager</b> (attack)" in html_text and "<b>aegis_llm</b> (defense)" in html_text  # glossary
     if shutil.which("chromium") is not None:  # the text report renders in the browser too
         dom = subprocess.run(
-            ["chromium", "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
-             f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
-             "--virtual-time-budget=5000", "--dump-dom", (out / "textgrid" / "report.html").as_uri()],
+            ["chromium", *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr",
+             "--v=0", "--virtual-time-budget=5000", "--dump-dom",
+             (out / "textgrid" / "report.html").as_uri()],
             capture_output=True, text=True, timeout=120, check=True,
         )  # fmt: skip
-        assert "CONSOLE" not in dom.stderr and dom.stdout.count('class="tradeoff"') == 1
+        assert console_lines(dom) == [] and dom.stdout.count('class="tradeoff"') == 1
         assert dom.stdout.count('class="texts"') == 2  # one text table per cell
     assert page.scripts == 0 and page.external == []
 

@@ -214,3 +214,22 @@ def test_truth_may_be_the_apps_own_loader_of_dict_batches_and_scores_as_the_data
 
     with pytest.raises(ValueError, match="one \\(B, C, H, W\\) float tensor and one \\(B,\\) integer"):
         ImageDataset.from_batches("bad", [{"img": DATA[0].images, "mask": DATA[0].images}], CLASSES)
+
+
+def test_public_images_give_the_floors_and_a_normalising_pipeline_is_refused_before_round_1(tmp_path):
+    """``public=`` (the server's labelled images, here its own loader) scores each update beside the null
+    floors; a loader that yields normalised images is refused when the wrapper is built, naming the fix."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    public = synthetic_dataset(n=12, shape=SHAPE, classes=CLASSES, seed=7)
+    loader = DataLoader(TensorDataset(public.images, public.labels), batch_size=5)
+    strategy, store = audit(tmp_path, truth=DATA.get, public=loader)
+    strategy.start(AppGrid(dict.fromkeys(NODES, app()), NODES),
+                   ArrayRecord(torch_state_dict=model().state_dict()), num_rounds=1)  # fmt: skip
+    (run,) = store.runs()
+    for r in store.records(run.run_id, "attack"):
+        higher = max(r["floor_random_psnr_mean"], r["floor_class_mean_psnr_mean"])
+        assert r["psnr_mean_beyond_floor"] == pytest.approx(r["psnr_mean"] - higher, abs=1e-9)
+    normalised = DataLoader(TensorDataset((public.images - 0.5) / 0.25, public.labels), batch_size=5)
+    with pytest.raises(ValueError, match="normalise inside its forward"):
+        audit(tmp_path / "n", public=normalised)

@@ -14,7 +14,7 @@ import datetime as dt
 import html
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -374,6 +374,16 @@ def _figure(path: Path, caption: str) -> str:
             f"<figcaption>{html.escape(caption)}</figcaption></figure>")  # fmt: skip
 
 
+def figure_subject(r: Mapping[str, Any]) -> str:
+    """Whose update a figure shows: a client of a simulation, a node in a round of a deployment audit, or
+    a secure-aggregation sum."""
+    if r.get("aggregated") or r.get("aggregate"):
+        return "the secure-aggregation sum" + (f", round {r['round']}" if "round" in r else "")
+    if r.get("node_id") is not None:
+        return f"node {r['node_id']}, round {r.get('round')}"
+    return f"client {r.get('client_id')}"
+
+
 def render(store: ResultStore, run_ids: Sequence[str], figures: Path | None = None) -> str:
     """The report's HTML for ``run_ids`` (a run, or a grid's cells). ``figures``: the folder holding each
     run's ``RUN_ID/`` figure files (the CLI's ``--out/NAME``), to embed them."""
@@ -442,9 +452,11 @@ def render(store: ResultStore, run_ids: Sequence[str], figures: Path | None = No
         for r in row["records"]:
             path = None if figures is None else figure_path(figures, row["run_id"], r.get("figure"))
             if path is not None:
-                who = "secure-aggregation sum" if r.get("aggregated") else f"client {r.get('client_id')}"
-                out.append(_figure(path, f"{row['defense']}: {row['attack']} on {who}, originals above "
-                                         "reconstructions, PSNR per image"))  # fmt: skip
+                shows = (
+                    "originals above reconstructions, PSNR per image" if "psnr" in r else "no data to compare"
+                )
+                caption = f"{row['defense']}: {row['attack']} on {figure_subject(r)}, {shows}"
+                out.append(_figure(path, caption))
                 shown += 1
     if not shown:
         out.append("<p>No reconstruction figures were found next to the store.</p>")

@@ -1,14 +1,16 @@
 """Auditing a Flower server: a strategy wrapper that hands what the server receives to gradleak's attacks.
 
-``AuditStrategy(FedAvg(...), model=..., attacks=["ig"], store=ResultStore(...))`` behaves as the wrapped
+``AuditStrategy(FedAvg(...), model=..., attacks=["ig"], store="audit.sqlite")`` behaves as the wrapped
 strategy (sampling, aggregation, evaluation are its own) and, in the rounds it audits, turns every train
 reply into a named update ``w_T - w_0`` of the model's parameters (the arrays the strategy sent that round
 are ``w_0``), validates it like every other update (a bad one is recorded as rejected, never attacked) and
 runs each attack on the :class:`~gradleak.types.Observation` an honest-but-curious server has: the model at
 ``w_0``, that update, and the public recipe if given. Each attacked update is one unit in gradleak's results
-store, with Flower's round and node ids, committed as it finishes; the run is completed when ``start``
-returns. Under secure aggregation (``secure_aggregation=True``, e.g. beside Flower's SecAgg+) the server
-sees only the sum, so the wrapper attacks the aggregate of the round's replies as one observation.
+store (``store=``: a ``ResultStore``, or a path, a relative one under Flower's home ``$FLWR_HOME``, as
+``figures=`` is), with Flower's round and node ids, committed as it finishes; the run is completed when
+``start`` returns. Under secure aggregation (``secure_aggregation=True``, e.g. beside Flower's SecAgg+)
+the server sees only the sum, so the wrapper attacks the aggregate of the round's replies as one
+observation.
 
 The malicious-server option (``malicious=("robbing_the_fed", {...})``, ``public_images=``): in each audited
 round the wrapper lets the attack build its modified model from the round's weights and the server's
@@ -24,8 +26,10 @@ architecture and loads weights strictly, refuses such a model: its error reply i
 
 A real server has no ground truth: records carry the attack's statistics and the reconstruction's size.
 ``truth`` (for simulations and tests: the client's data by its ``partition-id`` when the reply's metrics
-carry one, as :func:`gradleak.integrations.flower.apps.client_app` sends, else by node id) adds the same
-scores the in-process runner computes.
+carry one, as :func:`gradleak.integrations.flower.apps.client_app` sends, else by node id; a data set or
+the app's own DataLoader) adds the same scores the in-process runner computes. ``public`` (labelled images
+the server holds, never a client's: e.g. its held-out test loader) gives those scores their null floors,
+and the pre-flight check its images (the model's input range, before round 1).
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from torch import nn
+from torch.utils.data import DataLoader
 
 from gradleak.attacks import create_attack
 from gradleak.audit import Scorer
+from gradleak.data.base import ImageDataset
 from gradleak.experiments.store import ResultStore
 from gradleak.federation.simulation import derive_seed
 from gradleak.integrations.flower.apps import ARCHITECTURE, PARTITION_ID
@@ -86,7 +92,7 @@ class AuditStrategy(Auditing, Strategy):
         attacks: Sequence[AttackSpec] | Literal["auto"],
         input_shape: tuple[int, ...],
         num_classes: int,
-        store: ResultStore | None = None,
+        store: ResultStore | str | Path | None = None,
         training: LocalTraining | None = None,
         rounds: Iterable[int] | None = None,
         secure_aggregation: bool = False,
@@ -101,15 +107,18 @@ class AuditStrategy(Auditing, Strategy):
         threads: int | None = 1,
         partitions: Mapping[int, int] | None = None,
         figures: str | Path | None = None,
+        public: ImageDataset | DataLoader[Any] | None = None,
     ) -> None:
         Auditing.__init__(
             self, model=model, attacks=attacks, input_shape=input_shape, num_classes=num_classes, store=store,
             training=training, rounds=rounds, secure_aggregation=secure_aggregation, seed=seed, name=name,
             truth=truth, policy=policy, scorer=scorer,
-            threads=threads, partitions=partitions, figures=figures,
+            threads=threads, partitions=partitions, figures=figures, public=public,
         )  # fmt: skip
         self.strategy = strategy
         self.malicious = None if malicious is None else as_spec(malicious)
+        if public_images is None and self.public is not None:
+            public_images = self.public.images
         if self.malicious is not None:
             if not isinstance(
                 create_attack(self.malicious.name, **self.malicious.options), ModelModifyingAttack

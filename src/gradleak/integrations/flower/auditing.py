@@ -68,6 +68,22 @@ def show_progress() -> None:
         progress_log.propagate = False
 
 
+def under_flower_home(path: str | Path) -> Path:
+    """``path``, a relative one under Flower's home (``$FLWR_HOME``, default ``~/.flwr``): a ServerApp runs
+    in whatever directory its SuperLink was started from, so a bare relative path would land there."""
+    from flwr.supercore.utils import get_flwr_home
+
+    given = Path(path).expanduser()
+    return given if given.is_absolute() else get_flwr_home() / given
+
+
+def image_data(name: str, data: ImageDataset | DataLoader[Any], num_classes: int) -> ImageDataset:
+    """``data`` as an :class:`ImageDataset`: as it is, or the samples of the app's own loader."""
+    if isinstance(data, DataLoader):
+        return ImageDataset.from_batches(name, data, num_classes)
+    return data
+
+
 AttackSpec = str | tuple[str, Mapping[str, Any]] | ComponentSpec
 # the data of the node whose update is scored (simulations and tests): a data set, or the app's own loader
 Truth = Callable[[int], ImageDataset | DataLoader[Any] | None]
@@ -83,7 +99,7 @@ class Auditing:
         attacks: Sequence[AttackSpec] | Literal["auto"],
         input_shape: tuple[int, ...],
         num_classes: int,
-        store: ResultStore | None,
+        store: ResultStore | str | Path | None,
         training: LocalTraining | None,
         rounds: Iterable[int] | None,
         secure_aggregation: bool,
@@ -95,16 +111,21 @@ class Auditing:
         threads: int | None = 1,
         partitions: Mapping[int, int] | None = None,
         figures: str | Path | None = None,
+        public: ImageDataset | DataLoader[Any] | None = None,
     ) -> None:
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a positive int or None (torch's default), got {threads!r}")
         self.threads = threads
-        self.figures = None if figures is None else Path(figures)
+        self.figures = None if figures is None else under_flower_home(figures)
+        if isinstance(store, str | Path):
+            store = ResultStore(under_flower_home(store))
         self.partitions = None if partitions is None else {int(k): int(v) for k, v in partitions.items()}
         show_progress()
         self.model = model
         self.policy = policy or ReplyPolicy()
-        self.scorer: Scorer = scorer or ImageScorer()
+        # labelled images the server holds (never a client's): the null floors and the pre-flight range check
+        self.public = None if public is None else image_data("public", public, num_classes)
+        self.scorer: Scorer = scorer or ImageScorer(self.public)
         # "auto": the attack and budget that fit the stated recipe (gradleak.audit.choice)
         configured = attacks if isinstance(attacks, str) else [as_spec(a) for a in attacks]
         self.attacks, self.choice = resolve_attacks(configured, model, training)
@@ -128,6 +149,8 @@ class Auditing:
         attacks read deltas (a server forms ``w_T - w_0`` from any reply), the recipe if stated, sample
         images where the operator gave some. An error raises before the federation starts."""
         known = self.training is not None
+        if images is None and self.public is not None:
+            images = self.public.images
         context = Preflight(attacks, self.model, "delta", recipe_known=known, images=images)
         self.warnings = enforce(run_checks(context), f"{type(self).__name__}")
 
@@ -176,9 +199,7 @@ class Auditing:
         if self.truth is None or key is None:
             return None
         data = self.truth(key)
-        if isinstance(data, DataLoader):
-            return ImageDataset.from_batches(f"partition {key}", data, self.num_classes)
-        return data
+        return None if data is None else image_data(f"partition {key}", data, self.num_classes)
 
     def run_config(self) -> dict[str, Any]:
         """What the store keeps as the audit run's configuration (wrappers add their own options)."""

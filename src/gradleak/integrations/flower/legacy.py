@@ -46,6 +46,7 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 from torch import nn
+from torch.utils.data import DataLoader
 
 from gradleak.audit import Scorer
 from gradleak.data.base import ImageDataset
@@ -92,7 +93,7 @@ class LegacyAuditStrategy(Auditing, Strategy):
         attacks: Sequence[AttackSpec] | Literal["auto"],
         input_shape: tuple[int, ...],
         num_classes: int,
-        store: ResultStore | None = None,
+        store: ResultStore | str | Path | None = None,
         training: LocalTraining | None = None,
         rounds: Iterable[int] | None = None,
         seed: int = 0,
@@ -103,12 +104,13 @@ class LegacyAuditStrategy(Auditing, Strategy):
         threads: int | None = 1,
         partitions: Mapping[int, int] | None = None,
         figures: str | Path | None = None,
+        public: ImageDataset | DataLoader[Any] | None = None,
     ) -> None:
         Auditing.__init__(
             self, model=model, attacks=attacks, input_shape=input_shape, num_classes=num_classes, store=store,
             training=training, rounds=rounds, secure_aggregation=False, seed=seed, name=name, truth=truth,
             policy=policy, scorer=scorer,
-            threads=threads, partitions=partitions, figures=figures,
+            threads=threads, partitions=partitions, figures=figures, public=public,
         )  # fmt: skip
         self.check_before_round_1(self.attacks, None)
         self.strategy = strategy
