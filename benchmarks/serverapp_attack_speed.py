@@ -7,8 +7,9 @@ This measures what a user of the quickstart sees, side by side on one machine:
 - route ``flower``: ``flwr run examples/flower`` (the quickstart; a local SuperLink in simulation mode,
   4 SuperNodes on Ray, one round, 2 nodes), its ServerApp attacking each reply with PI-SME at ``budget``
   iterations (``attacks="auto"`` for this FedAvg recipe);
-- route ``gradleak``: ``gradleak run benchmarks/configs/flower_quickstart_inprocess.toml``, the same model
-  (a plugin registers the quickstart's ``Net``), the same recipe, the same attack and budget, on 2 clients.
+- route ``gradleak``: ``gradleak run benchmarks/configs/base/flower_quickstart_inprocess.toml``, the same
+  model (a plugin registers the quickstart's ``Net``), the same recipe, the same attack and budget, on 2
+  clients.
 
 Each attacked update's record carries the attack's own wall time (``seconds``: the attack alone, no
 floors, no training) in both routes; the ratio is the median over the ServerApp's updates to the median
@@ -42,7 +43,7 @@ ROOT = HERE.parent
 RESULTS_DIR = HERE / "results"
 NAME = "serverapp_attack_speed"
 APP = ROOT / "examples" / "flower"
-CONFIG = HERE / "configs" / "flower_quickstart_inprocess.toml"
+CONFIG = HERE / "configs" / "base" / "flower_quickstart_inprocess.toml"
 BIN = Path(sys.executable).parent
 BUDGETS = {"smoke": 20, "small": 300, "paper": 1000}  # PI-SME iterations (300: the quickstart's default)
 LIMIT = 1.5  # the bound on the ratio

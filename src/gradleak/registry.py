@@ -267,6 +267,13 @@ TASKS: Registry[Task] = Registry("task", "gradleak.tasks")
 PARTITIONERS: Registry[list[np.ndarray]] = Registry("partitioner", "gradleak.data.partition")
 # A client's local optimiser: ``factory(params, lr=..., weight_decay=...[, momentum=...])`` (LocalTraining)
 OPTIMIZERS: Registry[torch.optim.Optimizer] = Registry("optimizer", "gradleak.tasks.client")
+# A client's classification loss: ``factory()`` -> ``loss(logits, target)`` (LocalTraining.loss)
+LOSSES: Registry[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = Registry(
+    "loss", "gradleak.tasks.losses"
+)
+# How a client cuts its data into local batches: ``factory()`` -> ``batches(n, labels, batch_size, *,
+# shuffle, generator)`` (LocalTraining.batching)
+SAMPLERS: Registry[Callable[..., list[torch.Tensor]]] = Registry("batching", "gradleak.tasks.batching")
 # The server's adaptive FedOpt optimiser (fl.server_optimizer; "sgd" is FedAvg's plain step, no optimiser)
 SERVER_OPTIMIZERS: Registry[torch.optim.Optimizer] = Registry(
     "server optimizer", "gradleak.federation.server"

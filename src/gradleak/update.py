@@ -15,10 +15,11 @@ from typing import Literal
 
 import torch
 
-from gradleak.registry import OPTIMIZERS
+from gradleak.registry import LOSSES, OPTIMIZERS, SAMPLERS
 
 Protocol_ = Literal["fedsgd", "fedavg"]
 OptimizerName = str  # a name in gradleak.registry.OPTIMIZERS: sgd, adam, adamw, or a plugin's
+DEFAULT_LOSS, DEFAULT_BATCHING = "cross_entropy", "random"
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class LocalTraining:
     ``fedavg``: ``epochs`` passes over the client's data in batches of ``batch_size`` with ``optimizer``
     (SGD, Adam or AdamW; ``weight_decay`` is the optimizer's, decoupled for AdamW; ``momentum`` is SGD's
     heavy-ball momentum, for an optimizer whose factory takes one, as Flower's PyTorch quickstart trains).
+    ``loss`` (:data:`~gradleak.registry.LOSSES`: ``cross_entropy``, ``mse``) and ``batching``
+    (:data:`~gradleak.registry.SAMPLERS`: ``random``, ``same_label``) change what the client differentiates
+    and how it cuts its data into batches: Eloul et al.'s same-label batching with an MSE loss is
+    ``loss="mse", batching="same_label"``. An attacker who knows the recipe knows both.
     """
 
     protocol: Protocol_ = "fedavg"
@@ -39,6 +44,8 @@ class LocalTraining:
     shuffle: bool = True
     weight_decay: float = 0.0
     momentum: float = 0.0
+    loss: str = DEFAULT_LOSS
+    batching: str = DEFAULT_BATCHING
 
     def __post_init__(self) -> None:
         if self.protocol not in ("fedsgd", "fedavg"):
@@ -51,6 +58,10 @@ class LocalTraining:
             0 <= self.momentum < 1
         ):
             raise ValueError(f"momentum must be a number in [0, 1), got {self.momentum!r}")
+        for key, registry in (("loss", LOSSES), ("batching", SAMPLERS)):
+            value = getattr(self, key)
+            if not isinstance(value, str) or value not in registry:
+                raise ValueError(f"{key} must be one of {registry.names()}, got {value!r}")
         if self.momentum and "momentum" not in inspect.signature(OPTIMIZERS.get(self.optimizer)).parameters:
             raise ValueError(f"momentum = {self.momentum} but optimizer {self.optimizer!r} takes no momentum")
         if not isinstance(self.epochs, int) or self.epochs < 1:

@@ -52,6 +52,15 @@ def test_override_values_are_typed():
             r"unknown option\(s\) \['k'\] in \[data.partition_options\]",
         ),
         ({"fl": 3}, r"\[config.fl\] must be a table"),
+        ({"fl": {"training": {"batching": "sorted"}}}, r"batching must be one of \['random', 'same_label'\]"),
+        (
+            {
+                "data": {"dataset": "rotten_tomatoes"},
+                "model": {"name": "gpt2_tiny"},
+                "fl": {"training": {"loss": "mse"}},
+            },
+            r"fl.training: loss = 'mse', batching = 'random' are for image classification",
+        ),  # fmt: skip
     ],
 )
 def test_bad_config_is_one_clear_error(raw, pattern):

@@ -40,6 +40,7 @@ from gradleak.plugins import PluginError, is_plugin_file, load_plugins
 from gradleak.registry import ATTACKS, DATASETS, DEFENSES, ENGINES, MODELS, Registry
 from gradleak.spec import ComponentSpec
 from gradleak.types import MODES, AttackNeeds, LocalTraining
+from gradleak.update import DEFAULT_BATCHING, DEFAULT_LOSS
 from gradleak.validation import safe_name
 
 
@@ -224,6 +225,13 @@ class ExperimentConfig:
         _known(MODELS, self.model.name, "model.name")
         if self.model.task is not None and MODELS.entry(self.model.name).modality != "text":
             raise ConfigError(f"model.task is for text models; {self.model.name!r} is not one")
+        if MODELS.entry(self.model.name).modality == "text":  # a transformer's own loss, its own batches
+            for key, recipe in (("fl.training", self.fl.training), ("audit.training", self.audit.training)):
+                if (recipe.loss, recipe.batching) != (DEFAULT_LOSS, DEFAULT_BATCHING):
+                    raise ConfigError(
+                        f"{key}: loss = {recipe.loss!r}, batching = {recipe.batching!r} are for image "
+                        f"classification; a text model trains with cross_entropy and random batches"
+                    )
         _known(ENGINES, self.engine.name, "engine.name")
         try:
             engine = ENGINES.make_config(self.engine.name, self.engine.options)

@@ -5,7 +5,8 @@ One client loop (:func:`gradleak.tasks.client.train_client`), one
 and one runner serve every task; only the :class:`Task` differs:
 
 - ``image_classification``: :class:`~gradleak.data.base.ImageDataset`, mean cross-entropy of
-  ``model(images)``, top-1 accuracy; trains in train mode (BatchNorm batch statistics, dropout on).
+  ``model(images)`` (or the recipe's ``loss``, e.g. ``mse``), top-1 accuracy; trains in train mode
+  (BatchNorm batch statistics, dropout on).
 - ``text_classification``: :class:`~gradleak.data.text.TokenDataset`, the sequence-classification
   cross-entropy of a transformers model, top-1 accuracy.
 - ``causal_lm``: :class:`~gradleak.data.text.TokenDataset`, mean next-token cross-entropy over real tokens
@@ -26,13 +27,12 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from gradleak.data.base import ImageDataset
 from gradleak.data.text import TextBatch, TokenDataset
 from gradleak.device import module_device
 from gradleak.metrics.utility import accuracy, classify, next_token_scores, top1_accuracy
-from gradleak.registry import TASKS
+from gradleak.registry import LOSSES, TASKS
 
 Dataset = ImageDataset | TokenDataset
 EVAL_BATCH = 256
@@ -67,7 +67,8 @@ def _check(data: object, kind: type, task: str) -> None:
 
 @dataclass(frozen=True)
 class ImageClassification:
-    """Cross-entropy of ``model(images)`` against the labels; top-1 accuracy."""
+    """Cross-entropy of ``model(images)`` against the labels (or the recipe's ``criterion``, a name in
+    :data:`~gradleak.registry.LOSSES`); top-1 accuracy."""
 
     name: ClassVar[str] = "image_classification"
     modality: ClassVar[str] = "image"
@@ -76,10 +77,10 @@ class ImageClassification:
     def __post_init__(self) -> None:
         _check_mode(self)
 
-    def loss(self, model: nn.Module, data: ImageDataset) -> torch.Tensor:
+    def loss(self, model: nn.Module, data: ImageDataset, *, criterion: str = "cross_entropy") -> torch.Tensor:
         _check(data, ImageDataset, self.name)
         device = module_device(model)  # the data rests on the CPU; the model computes where it lives
-        return F.cross_entropy(model(data.images.to(device)), data.labels.to(device))
+        return LOSSES.create(criterion)(model(data.images.to(device)), data.labels.to(device))
 
     def evaluate(self, model: nn.Module, data: ImageDataset) -> dict[str, float]:
         return {"accuracy": top1_accuracy(model, data.images, data.labels)}

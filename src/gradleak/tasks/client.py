@@ -22,9 +22,10 @@ from torch import nn
 from gradleak.defenses.base import Defense, DefenseFailure
 from gradleak.defenses.in_loop import DefendedLoop
 from gradleak.device import CPU
-from gradleak.registry import OPTIMIZERS
+from gradleak.registry import OPTIMIZERS, SAMPLERS
 from gradleak.tasks import IMAGE_CLASSIFICATION, Dataset, Task
 from gradleak.types import MODE, LocalTraining, Update
+from gradleak.update import DEFAULT_LOSS
 
 
 @dataclass
@@ -54,9 +55,18 @@ def make_optimizer(params: Sequence[nn.Parameter], training: LocalTraining) -> t
     )
 
 
-def _batches(n: int, batch_size: int, shuffle: bool, generator: torch.Generator) -> list[torch.Tensor]:
-    order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
-    return list(order.split(batch_size))
+def _batches(data: Dataset, training: LocalTraining, generator: torch.Generator) -> list[torch.Tensor]:
+    """One epoch's batches of ``data`` under the recipe's batching (:mod:`gradleak.tasks.batching`)."""
+    cut = SAMPLERS.create(training.batching)
+    return cut(len(data), data.labels, training.batch_size, shuffle=training.shuffle, generator=generator)
+
+
+def _loss(task: Task, model: nn.Module, batch: Dataset, training: LocalTraining) -> torch.Tensor:
+    """The task's loss on ``batch``; a recipe's other criterion (``training.loss``) is passed to the task
+    (the image task takes one; a task without that keyword trains with its own loss only)."""
+    if training.loss == DEFAULT_LOSS:
+        return task.loss(model, batch)
+    return task.loss(model, batch, criterion=training.loss)  # type: ignore[call-arg]
 
 
 def reported_samples(training: LocalTraining, available: int) -> int:
@@ -70,15 +80,16 @@ def fedsgd_update(
     data: Dataset,
     loop: DefendedLoop,
     generator: torch.Generator,
-    batch_size: int,
+    training: LocalTraining,
     task: Task = IMAGE_CLASSIFICATION,
 ) -> tuple[Update, torch.Tensor]:
-    """Gradient of the task's mean loss on one batch drawn from ``data`` (first batch of a shuffle);
-    returns it with the batch's (sorted) indices into ``data``."""
-    idx = torch.randperm(len(data), generator=generator)[: min(batch_size, len(data))].sort().values
+    """Gradient of the task's mean loss on one batch drawn from ``data`` (the first batch of a shuffled
+    epoch under the recipe's batching); returns it with the batch's (sorted) indices into ``data``."""
+    shuffled = dataclasses.replace(training, shuffle=True)
+    idx = _batches(data, shuffled, generator)[0].sort().values
     batch = data.subset(idx)
     model.zero_grad(set_to_none=True)
-    loss = task.loss(model, batch)
+    loss = _loss(task, model, batch, training)
     loss.backward()
     return loop.gradient(len(batch)), idx
 
@@ -95,9 +106,9 @@ def fedavg_update(
     opt = loop.optimizer
     assert opt is not None
     for _ in range(training.epochs):
-        for idx in _batches(len(data), training.batch_size, training.shuffle, generator):
+        for idx in _batches(data, training, generator):
             opt.zero_grad(set_to_none=True)
-            loss = task.loss(model, data.subset(idx))
+            loss = _loss(task, model, data.subset(idx), training)
             loss.backward()
             opt.step()  # the defenses' on_gradients run first (DefendedLoop's step pre-hook)
         loop.end_epoch()
@@ -145,7 +156,7 @@ def train_client(
         if fedavg:
             update, truth = fedavg_update(model, data, training, loop, generator, task), data
         else:
-            update, idx = fedsgd_update(model, data, loop, generator, training.batch_size, task)
+            update, idx = fedsgd_update(model, data, loop, generator, training, task)
             truth, index = data.subset(idx), tuple(int(i) for i in idx)
     except DefenseFailure as exc:
         return ClientResult(client_id, None, None, error=str(exc))

@@ -29,6 +29,7 @@ from gradleak.attacks.image.surrogate import local_steps
 from gradleak.device import DEVICE_TYPES, normal
 from gradleak.progress import bar
 from gradleak.registry import ATTACKS
+from gradleak.tasks.losses import criterion
 from gradleak.types import AttackInputError, Observation, Reconstruction
 
 log = logging.getLogger(__name__)
@@ -110,12 +111,12 @@ class DLG:
         )
         plist = [p for _, p in params]
 
+        loss_of = criterion(obs.training)  # the client's loss (the recipe's; cross-entropy by default)
+
         def objective() -> torch.Tensor:
             out = model(x)
-            if fixed is not None:
-                loss = F.cross_entropy(out, fixed)
-            else:
-                loss = torch.mean(torch.sum(-F.softmax(y, dim=-1) * F.log_softmax(out, dim=-1), dim=-1))
+            # DLG's soft labels where none are granted: the loss at the probabilities softmax(y)
+            loss = loss_of(out, fixed if fixed is not None else F.softmax(y, dim=-1))
             grads = torch.autograd.grad(loss, plist, create_graph=True)
             return sum(((g - t) ** 2).sum() for g, t in zip(grads, target, strict=True))  # type: ignore[return-value]
 

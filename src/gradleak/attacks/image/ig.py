@@ -19,13 +19,13 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from gradleak.attacks.checks import require_image_input
 from gradleak.attacks.image.labels import recover_labels
 from gradleak.device import DEVICE_TYPES, module_device, normal, uniform
 from gradleak.progress import bar
 from gradleak.registry import ATTACKS
+from gradleak.tasks.losses import Criterion, criterion, cross_entropy
 from gradleak.types import AttackInputError, Observation, Reconstruction
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ class Matching(NamedTuple):
     params: list[nn.Parameter]
     target: list[torch.Tensor]
     labels: torch.Tensor
+    criterion: Criterion = cross_entropy  # the client's loss, where the recipe states it
 
 
 class InvertingGradients:
@@ -138,7 +139,7 @@ class InvertingGradients:
         params, target = self._target(obs, model)
         start = time.perf_counter()
         best: tuple[float, torch.Tensor] | None = None
-        match = Matching(model, params, target, labels)
+        match = Matching(model, params, target, labels, criterion(obs.training))
         for _ in range(cfg.restarts):
             x, loss = self._optimise(match, (n, *obs.input_shape), generator)
             if best is None or loss < best[0]:
@@ -161,8 +162,9 @@ class InvertingGradients:
         return uniform(shape, generator, like)
 
     def gradients(self, match: Matching, x: torch.Tensor, *, create_graph: bool) -> list[torch.Tensor]:
-        """The parameter gradient of the cross-entropy of ``x`` (in the client's mode) at the labels."""
-        loss = F.cross_entropy(match.model(x), match.labels)
+        """The parameter gradient of the client's loss (cross-entropy unless the recipe states another) of
+        ``x`` (in the client's mode) at the labels."""
+        loss = match.criterion(match.model(x), match.labels)
         return list(torch.autograd.grad(loss, match.params, create_graph=create_graph))
 
     def objective(self, match: Matching, x: torch.Tensor) -> torch.Tensor:

@@ -47,13 +47,13 @@ import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call
-from torch.nn import functional as F
 
 from gradleak.attacks.checks import require_image_input
 from gradleak.attacks.image.ig import cosine_distance, step_decay, total_variation
 from gradleak.attacks.image.labels import recover_label_counts
 from gradleak.device import module_device, normal
 from gradleak.progress import bar
+from gradleak.tasks.losses import Criterion, criterion, cross_entropy
 from gradleak.types import AttackInputError, AttackNeeds, Observation, Reconstruction
 
 log = logging.getLogger(__name__)
@@ -113,13 +113,15 @@ class Problem:
     target: list[torch.Tensor]
     labels: torch.Tensor
     shape: tuple[int, ...]
+    criterion: Criterion = cross_entropy  # the client's loss (the recipe's)
 
     def grads(
         self, params: Sequence[torch.Tensor], x: torch.Tensor, create_graph: bool = True
     ) -> list[torch.Tensor]:
-        """grad_w of the mean cross-entropy of ``x`` at the weights ``params`` (one per name in ``names``)."""
+        """grad_w of the client's mean loss (the recipe's; cross-entropy by default) of ``x`` at the weights
+        ``params`` (one per name in ``names``)."""
         full = {**self.fixed, **dict(zip(self.names, params, strict=True))}
-        loss = F.cross_entropy(functional_call(self.model, full, (x,)), self.labels)
+        loss = self.criterion(functional_call(self.model, full, (x,)), self.labels)
         return list(torch.autograd.grad(loss, list(params), create_graph=create_graph))
 
 
@@ -184,7 +186,8 @@ def build_problem(obs: Observation, attack: str, num_samples: int | None) -> Pro
     if not names:
         raise AttackInputError("the update carries none of the model's parameters")
     labels = labels.to(module_device(model))
-    return Problem(model, names, w0, wt, fixed, target, labels, (n, *obs.input_shape))
+    shape = (n, *obs.input_shape)
+    return Problem(model, names, w0, wt, fixed, target, labels, shape, criterion(obs.training))
 
 
 # --------------------------------------------------------------------------------------------- optimiser

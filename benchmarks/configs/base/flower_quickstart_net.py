@@ -11,7 +11,7 @@ from torch import nn
 
 from gradleak.registry import MODELS
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "flower"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples" / "flower"))
 from gradleak_flower.task import Net  # noqa: E402
 
 
