@@ -29,6 +29,13 @@ def test_the_threshold_is_strict_and_one_sided():
     assert "a stronger attack may still leak" in at and "LEAKS" in above
 
 
+def test_a_verdict_shows_the_nodes_score_beside_both_floors():
+    r = {**BASE, "psnr_mean_beyond_floor": -4.25, "psnr_mean": 8.07, "floor_class_mean_psnr_mean": 12.32,
+         "floor_random_psnr_mean": 11.46}  # fmt: skip
+    assert "-4.2 dB (8.1 dB against floors of 12.3 dB, class mean, and 11.5 dB, random image)" in verdict(r)
+    assert "against floors" not in verdict({**BASE, "psnr_mean_beyond_floor": -4.25})  # no floors: no text
+
+
 def test_lines_come_by_round_then_node_and_skip_other_records():
     records = [
         {**BASE, "round": 2, "node_id": 9, "psnr_mean": 1.0},

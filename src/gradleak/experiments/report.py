@@ -444,7 +444,7 @@ def render(store: ResultStore, run_ids: Sequence[str], figures: Path | None = No
             out += [f"<li>{html.escape(line)}</li>" for line in lines]
             out.append("</ul>")
     out += [] if flower else glossary(runs)
-    out += tradeoff(rows, modality)
+    out += [] if flower else tradeoff(rows, modality)  # a deployment audit measures no utility
     out += _texts(rows) if modality == "text" else []
     out.append("<h2>Reconstructions</h2>")
     shown = 0

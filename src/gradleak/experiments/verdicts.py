@@ -31,6 +31,17 @@ def _who(r: Mapping[str, Any]) -> str:
     return f"round {r.get('round', '?')}, {where}"
 
 
+def _scores(r: Mapping[str, Any]) -> str:
+    """The node's own mean PSNR beside its two floors, where the record holds them."""
+    keys = ("psnr_mean", "floor_class_mean_psnr_mean", "floor_random_psnr_mean")
+    values = [r.get(k) for k in keys]
+    if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
+        return ""
+    psnr, mean_floor, random_floor = values
+    return (f" ({psnr:.1f} dB against floors of {mean_floor:.1f} dB, class mean, and {random_floor:.1f} dB, "
+            "random image)")  # fmt: skip
+
+
 def verdict(r: Mapping[str, Any]) -> str:
     """The line for one record (module docstring)."""
     who = _who(r)
@@ -47,10 +58,11 @@ def verdict(r: Mapping[str, Any]) -> str:
     if isinstance(over, int | float) and not math.isfinite(over):
         return f"{who}: {name} gave no finite score (rule 2), no verdict"
     if isinstance(over, int | float):
+        scores = _scores(r)
         if over > LEAKS_ABOVE_DB:
-            return (f"{who}: LEAKS to {name}: {over:+.1f} dB mean PSNR over the higher null floor "
+            return (f"{who}: LEAKS to {name}: {over:+.1f} dB mean PSNR over the higher null floor{scores} "
                     f"(rule 3: > {LEAKS_ABOVE_DB:g} dB)")  # fmt: skip
-        return (f"{who}: no leakage above the floor by {name} at this budget: {over:+.1f} dB "
+        return (f"{who}: no leakage above the floor by {name} at this budget: {over:+.1f} dB{scores} "
                 f"(rule 3: <= {LEAKS_ABOVE_DB:g} dB; a stronger attack may still leak)")  # fmt: skip
     psnr = r.get("psnr_mean")
     if isinstance(psnr, int | float):

@@ -281,8 +281,9 @@ class Auditing:
         clients' data): beside the matched originals where ``truth`` scores them, else alone."""
         if self.figures is None or self.run_id is None:
             return
+        self.figures.mkdir(parents=True, exist_ok=True, mode=0o700)  # the root too: it lists the runs
         folder = self.figures / self.run_id
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        folder.mkdir(exist_ok=True, mode=0o700)
         if isinstance(truth, ImageDataset) and "matching" in record:
             orig, recon, title, caps = matched_figure(attack, obs, images, truth.images, record)
             save_reconstruction_grid(orig, recon, folder / name, title=title, captions=caps)

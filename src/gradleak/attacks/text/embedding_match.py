@@ -1,0 +1,371 @@
+"""TAG and LAMP: text from a classifier's gradient by optimising the input embeddings.
+
+Both attacks treat the B sequences as continuous embeddings ``x`` of shape ``(B, T, d)``, feed them to the
+attacker's copy of the model (``inputs_embeds``, in the client's mode), take the classification loss at
+the labels, and move ``x`` so that the gradient of that loss matches the observed update; each position
+is then read back as the vocabulary token whose embedding is closest in cosine.
+
+- **TAG** (Deng et al., Findings of EMNLP 2021, Sec. 3): the distance is the squared L2 norm plus
+  ``l1_weight`` times the L1 norm of the gradient difference, summed over the parameters; Adam from one
+  random start. Defaults from the baseline script of LAMP's official code (eth-sri/lamp, ``tag.sh``:
+  lr 0.1, no decay, ``tag_factor`` 0.01, 2,500 steps), which is where TAG's public implementation lives.
+- **LAMP** (Balunović et al., NeurIPS 2022, Alg. 1, the ``lamp_cos`` variant): the distance is the mean
+  per-parameter cosine distance, plus ``norm_weight`` times the squared gap between the mean embedding
+  norm and ``init_norm`` (Eq. 5); the start is the best of ``init_candidates`` random draws by that
+  distance, then the best of as many permutations of it; Adam with lr 0.01 decayed by 0.89 every 50 steps;
+  every ``swap_every`` steps after the first ``swap_burnin`` share, discrete moves of each sequence's
+  tokens (swap two, move one, move a span, rotate a prefix: 200 tries a sequence) are kept when they lower
+  the objective (``lamp_cos.sh``: 2,000 steps, ``coeff_reg`` 1, ``init_size`` 1.4, ``swap_every`` 75,
+  ``swap_burnin`` 0.1). LAMP scores the moves with a language model's perplexity beside the distance
+  (``coeff_perplexity`` 0.2, a GPT-2 trained on WikiText-103 in the official code): no such prior for the
+  victim's tokenizer is loaded here yet (``prior_weight`` is 0), so the moves are scored by the distance
+  alone, LAMP's ablation without the prior.
+
+What the attacker must know or read (the official code's defaults, LAMP's threat model):
+
+- B is the update's sample count; T, the longest sequence, is read from the learned position embedding's
+  gradient (the last position with a non-zero row: no gradient reaches a position no sequence holds). All
+  sequences are taken to be T long (LAMP's ``know_padding`` off): a shorter one comes back with guesses
+  in its padding.
+- The vocabulary is the rows of the word-embedding gradient that are not zero (LAMP's ``use_embedding``,
+  paper 002's channel 2) where the update carries it, else the whole vocabulary.
+- The labels: the granted ones (``audit.grant_labels``); else an :class:`AttackInputError` before work.
+
+Classification models only: a causal language model's loss needs the next tokens as labels, which these
+attacks do not model (refused before work), and the model family needs learned positions (GPT-2, BERT).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from gradleak.attacks.text.family import embedding_param, family_of, update_tensor, vocab_size
+from gradleak.attacks.text.rownorm import RowNormConfig, select_rows
+from gradleak.progress import bar
+from gradleak.registry import ATTACKS
+from gradleak.types import AttackInputError, Observation, Reconstruction
+
+log = logging.getLogger(__name__)
+
+DISTANCES = ("l2_l1", "cosine")
+
+
+@dataclass(frozen=True)
+class EmbeddingMatchConfig:
+    """Options of TAG and LAMP (module docstring; the defaults are TAG's, :class:`LampConfig` LAMP's)."""
+
+    distance: str = "l2_l1"  # "l2_l1" (TAG) or "cosine" (LAMP)
+    steps: int = 2500
+    lr: float = 0.1
+    lr_decay: float = 1.0  # StepLR's gamma every 50 steps
+    l1_weight: float = 0.01  # TAG's alpha (tag_factor)
+    norm_weight: float = 0.0  # LAMP's coeff_reg: (mean ||x|| - init_norm)^2
+    init_norm: float | None = None  # None: the mean norm of the vocabulary's embeddings (BERT-base: ~1.4)
+    init_candidates: int = 1  # random starts scored by the distance (LAMP: 500)
+    swap_every: int = 0  # LAMP's discrete moves every so many steps (0: none)
+    swap_burnin: float = 0.1  # ... after this share of the steps
+    swap_tries: int = 200  # moves tried per sequence
+    prior_weight: float = 0.0  # LAMP's coeff_perplexity; no language-model prior is loaded yet
+    vocab: str = "embedding"  # "embedding": the embedding gradient's non-zero rows; "full"
+    grad_clip: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.distance not in DISTANCES:
+            raise ValueError(f"distance must be one of {DISTANCES}, got {self.distance!r}")
+        if self.vocab not in ("embedding", "full"):
+            raise ValueError(f"vocab must be 'embedding' or 'full', got {self.vocab!r}")
+        for key in ("steps", "init_candidates"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ValueError(f"{key} must be an int >= 1, got {getattr(self, key)!r}")
+        if self.swap_every < 0 or self.swap_tries < 1 or not 0 <= self.swap_burnin < 1:
+            raise ValueError("need swap_every >= 0, swap_tries >= 1 and swap_burnin in [0, 1)")
+        if self.lr <= 0 or not 0 < self.lr_decay <= 1 or self.l1_weight < 0 or self.norm_weight < 0:
+            raise ValueError("need lr > 0, lr_decay in (0, 1], l1_weight >= 0, norm_weight >= 0")
+        if self.prior_weight != 0.0:
+            raise ValueError("prior_weight: no language-model prior is available to LAMP here yet; keep 0")
+        if self.init_norm is not None and self.init_norm <= 0:
+            raise ValueError(f"init_norm must be > 0, got {self.init_norm}")
+
+
+@dataclass(frozen=True)
+class LampConfig(EmbeddingMatchConfig):
+    """LAMP's defaults (``lamp_cos.sh`` of eth-sri/lamp)."""
+
+    distance: str = "cosine"
+    steps: int = 2000
+    lr: float = 0.01
+    lr_decay: float = 0.89
+    norm_weight: float = 1.0
+    init_norm: float | None = None  # the vocabulary's mean norm (the official 1.4 is BERT-base's)
+    init_candidates: int = 500
+    swap_every: int = 75
+
+
+Distance = Callable[[list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
+
+
+def l2_l1(grads: list[torch.Tensor], target: list[torch.Tensor], l1_weight: float) -> torch.Tensor:
+    """TAG's distance: sum over parameters of ||g - t||^2 + alpha ||g - t||_1."""
+    total = grads[0].new_zeros(())
+    for g, t in zip(grads, target, strict=True):
+        d = g - t
+        total = total + d.square().sum() + l1_weight * d.abs().sum()
+    return total
+
+
+def mean_cosine(grads: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
+    """LAMP's distance: the mean over parameters of 1 - cos(g, t)."""
+    total = grads[0].new_zeros(())
+    for g, t in zip(grads, target, strict=True):
+        total = total + 1 - (g * t).sum() / (g.norm() * t.norm()).clamp_min(1e-12)
+    return total / len(grads)
+
+
+@dataclass
+class Inversion:
+    """One inversion problem: the attacker's model, the parameters matched, the target, the labels."""
+
+    model: nn.Module
+    params: list[nn.Parameter]
+    target: list[torch.Tensor]
+    labels: torch.Tensor
+    distance: Distance
+
+    def gradients(self, x: torch.Tensor, *, create_graph: bool) -> list[torch.Tensor]:
+        mask = torch.ones(x.shape[:2], dtype=torch.long)
+        loss = self.model(inputs_embeds=x, attention_mask=mask, labels=self.labels).loss
+        return list(torch.autograd.grad(loss, self.params, create_graph=create_graph, allow_unused=True))
+
+    def objective(self, x: torch.Tensor, *, create_graph: bool = True) -> torch.Tensor:
+        grads = self.gradients(x, create_graph=create_graph)
+        kept = [(g, t) for g, t in zip(grads, self.target, strict=True) if g is not None]
+        return self.distance([g for g, _ in kept], [t for _, t in kept])
+
+
+def sequence_length(obs: Observation, model: nn.Module) -> int:
+    """T: one past the last learned position whose embedding gradient is not zero."""
+    spec = family_of(model)
+    if spec.positions != "learned":
+        raise AttackInputError(f"{spec.model_type}: TAG and LAMP read T from learned position embeddings")
+    names = [f"{n}.weight" for n, _ in model.named_modules() if n and _matches(spec.other_embeddings, n)]
+    positions = [n for n in names if "position" in n or n.endswith("wpe.weight")]
+    if not positions or positions[0] not in obs.update.tensors:
+        raise AttackInputError("the update does not carry the position embedding, which gives T")
+    rows = update_tensor(obs, positions[0]).abs().sum(dim=1)
+    used = torch.nonzero(rows > 0).flatten()
+    if used.numel() == 0:
+        raise AttackInputError("the position embedding's gradient is zero: no sequence to invert")
+    return int(used.max()) + 1
+
+
+def _matches(pattern: str, name: str) -> bool:
+    return re.search(pattern, name) is not None
+
+
+def candidate_vocab(obs: Observation, model: nn.Module, mode: str) -> torch.Tensor:
+    """The token ids a position may take (module docstring)."""
+    size = vocab_size(model)
+    name = embedding_param(model)
+    if mode == "embedding" and name in obs.update.tensors:
+        grad = update_tensor(obs, name)
+        nonzero = torch.nonzero(grad.abs().sum(dim=1) > 0).flatten()
+        if nonzero.numel():
+            return nonzero
+        tokens, _ = select_rows(grad, RowNormConfig())
+        if tokens:
+            return torch.tensor(sorted(tokens))
+    return torch.arange(size)
+
+
+def input_table(model: nn.Module) -> torch.Tensor:
+    """The input token embedding matrix (vocabulary x d), detached."""
+    getter: Any = getattr(model, "get_input_embeddings", None)
+    emb = getter() if getter is not None else None
+    if not isinstance(emb, nn.Embedding):
+        raise AttackInputError("the model exposes no input token embedding")
+    return emb.weight.detach()
+
+
+def nearest_tokens(x: torch.Tensor, table: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
+    """Per position the vocabulary token with the highest cosine similarity to ``x``."""
+    emb = F.normalize(table[vocab], dim=-1)
+    sims = F.normalize(x, dim=-1) @ emb.T
+    return vocab[sims.argmax(dim=-1)]
+
+
+def moves(tokens: int, generator: torch.Generator, tries: int) -> list[torch.Tensor]:
+    """LAMP's discrete moves of one sequence's positions: the identity, then by turns a swap of two
+    positions, a token moved elsewhere, a span moved elsewhere, a prefix put at the end."""
+    out = [torch.arange(tokens)]
+    if tokens < 2:
+        return out
+
+    def r(high: int) -> int:
+        return int(torch.randint(0, high, (1,), generator=generator))
+
+    for k in range(1, tries):
+        p = list(range(tokens))
+        kind = k % 4
+        if kind == 0:
+            i, j = r(tokens), r(tokens)
+            p[i], p[j] = p[j], p[i]
+        elif kind == 1:
+            i, j = r(tokens), r(tokens)
+            p.insert(j, p.pop(i))
+        elif kind == 2:
+            b, e = sorted((r(tokens), r(tokens)))
+            span, rest = p[b : e + 1], p[:b] + p[e + 1 :]
+            at = r(len(rest) + 1)
+            p = rest[:at] + span + rest[at:]
+        else:
+            i = 1 + r(tokens - 1)
+            p = p[i:] + p[:i]
+        out.append(torch.tensor(p))
+    return out
+
+
+class EmbeddingMatch:
+    """TAG, or LAMP with :class:`LampConfig` (module docstring)."""
+
+    def __init__(self, config: EmbeddingMatchConfig | None = None) -> None:
+        self.config = config or EmbeddingMatchConfig()
+
+    def distance(self) -> Distance:
+        c = self.config
+        if c.distance == "cosine":
+            return mean_cosine
+        return lambda g, t: l2_l1(g, t, c.l1_weight)
+
+    def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
+        start = time.perf_counter()
+        c = self.config
+        model = obs.client_model()
+        spec = family_of(model)
+        head = spec.heads.get("classification")
+        if head is None or not any(n.endswith(head) for n, _ in model.named_modules()):
+            raise AttackInputError(
+                f"{spec.model_type}: TAG and LAMP invert a classification model's gradient; this model has "
+                "no classification head (a causal language model's labels are its own next tokens)"
+            )
+        if obs.labels is None:
+            raise AttackInputError(
+                "TAG and LAMP need the labels (grant them: audit.grant_labels = true, as LAMP assumes)"
+            )
+        b, t = obs.update.num_samples, sequence_length(obs, model)
+        if len(obs.labels) != b:
+            raise AttackInputError(f"{len(obs.labels)} labels granted for a batch of {b}")
+        for p in model.parameters():
+            p.requires_grad_(True)
+        params = [p for n, p in model.named_parameters() if n in obs.update.tensors]
+        target = [
+            update_tensor(obs, n).to(p.dtype) for n, p in model.named_parameters() if n in obs.update.tensors
+        ]
+        problem = Inversion(model, params, target, obs.labels.long(), self.distance())
+        table = input_table(model)
+        vocab = candidate_vocab(obs, model, c.vocab)
+        norm = c.init_norm if c.init_norm is not None else float(table[vocab].norm(dim=-1).mean())
+        x = self._start(problem, (b, t, table.shape[1]), norm, generator)
+        x.requires_grad_(True)
+        opt = torch.optim.Adam([x], lr=c.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=c.lr_decay)
+        best = (float("inf"), x.detach().clone())
+        for step in bar(range(c.steps), desc=f"{type(self).__name__} steps"):
+            opt.zero_grad(set_to_none=True)
+            loss = self._total(problem, x, norm)
+            if float(loss.detach()) < best[0]:  # the point this loss was taken at, before the step
+                best = (float(loss.detach()), x.detach().clone())
+            loss.backward()
+            if c.grad_clip is not None and x.grad is not None:
+                torch.nn.utils.clip_grad_norm_([x], c.grad_clip)
+            opt.step()
+            sched.step()
+            if c.swap_every and step >= c.swap_burnin * c.steps and step % c.swap_every == 1:
+                with torch.no_grad():
+                    x.copy_(self._swap(problem, x.detach(), norm, generator))
+        ids = nearest_tokens(best[1], table, vocab)
+        with torch.no_grad():  # the projected embeddings, scaled as LAMP scales them, scored once
+            proj = table[ids] * (best[1].norm(dim=-1, keepdim=True) / table[ids].norm(dim=-1, keepdim=True))
+        final = float(problem.objective(proj.requires_grad_(True), create_graph=False))
+        stats = {"iterations": float(c.steps), "seconds": time.perf_counter() - start,
+                 "matching_loss": final, "matching_loss_continuous": best[0], "sequence_length": float(t),
+                 "vocabulary": float(len(vocab))}  # fmt: skip
+        return Reconstruction(token_ids=ids.tolist(), labels=obs.labels.clone(), stats=stats)
+
+    def _total(self, problem: Inversion, x: torch.Tensor, norm: float) -> torch.Tensor:
+        loss = problem.objective(x)
+        if self.config.norm_weight:
+            loss = loss + self.config.norm_weight * (x.norm(dim=-1).mean() - norm).square()
+        return loss
+
+    def _start(
+        self, problem: Inversion, shape: tuple[int, int, int], norm: float, generator: torch.Generator
+    ) -> torch.Tensor:
+        """The best of ``init_candidates`` Gaussian draws by the distance, then of as many permutations of
+        its positions (LAMP's ``get_init``), rescaled to ``norm`` where LAMP rescales (``norm_weight``)."""
+        c = self.config
+        like = problem.target[0]
+
+        def score(d: torch.Tensor) -> float:
+            return float(problem.objective(d.clone().requires_grad_(True), create_graph=False))
+
+        best = min(
+            (torch.randn(shape, generator=generator).to(like) for _ in range(c.init_candidates)), key=score
+        )
+        if c.init_candidates > 1:
+            perms = (best[:, torch.randperm(shape[1], generator=generator)] for _ in range(c.init_candidates))
+            best = min([best, *perms], key=score)
+        if c.norm_weight or c.init_norm is not None:
+            best = best / best.norm(dim=-1, keepdim=True) * norm
+        return best.detach().clone()
+
+    def _swap(
+        self, problem: Inversion, x: torch.Tensor, norm: float, generator: torch.Generator
+    ) -> torch.Tensor:
+        """LAMP's discrete step: for each sequence, the move of its positions that lowers the objective."""
+        out = x.clone()
+        for s in range(x.shape[0]):
+            scored = []
+            for perm in moves(x.shape[1], generator, self.config.swap_tries):
+                trial = out.clone()
+                trial[s] = out[s, perm]
+                with torch.enable_grad():
+                    value = float(self._total(problem, trial.requires_grad_(True), norm).detach())
+                scored.append((value, perm))
+            _, perm = min(scored, key=lambda vp: vp[0])
+            out[s] = out[s, perm]
+        return out
+
+
+class Tag(EmbeddingMatch):
+    def __init__(self, config: EmbeddingMatchConfig | None = None) -> None:
+        super().__init__(config or EmbeddingMatchConfig())
+
+
+class Lamp(EmbeddingMatch):
+    def __init__(self, config: LampConfig | None = None) -> None:
+        super().__init__(config or LampConfig())
+
+
+ATTACKS.register(
+    "tag",
+    Tag,
+    config_cls=EmbeddingMatchConfig,
+    summary="TAG: text from a classifier's gradient, L2+L1 embedding matching (Deng et al. 2021)",
+    modality="text",
+)
+ATTACKS.register(
+    "lamp",
+    Lamp,
+    config_cls=LampConfig,
+    summary="LAMP: cosine embedding matching with discrete moves (Balunovic et al. 2022), no LM prior yet",
+    modality="text",
+)
