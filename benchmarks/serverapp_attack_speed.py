@@ -22,9 +22,6 @@ Nothing else may run on the machine meanwhile.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,10 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from gradleak.experiments.measurement import make_parser, parse_args, write_result
 from gradleak.experiments.store import ResultStore
+from gradleak.integrations.flower.cli_run import run_app
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -47,36 +43,6 @@ CONFIG = HERE / "configs" / "base" / "flower_quickstart_inprocess.toml"
 BIN = Path(sys.executable).parent
 BUDGETS = {"smoke": 20, "small": 300, "paper": 1000}  # PI-SME iterations (300: the quickstart's default)
 LIMIT = 1.5  # the issue's bound on the ratio
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def stop_started(home: Path) -> int:
-    """Stop, by PID, every process started with ``FLWR_HOME = home`` (the SuperLink ``flwr run`` leaves in
-    the background, its simulation, Ray's workers); how many."""
-    mine = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.pid != os.getpid() and proc.environ().get("FLWR_HOME") == str(home):
-                mine.append(proc)
-        except psutil.Error:
-            continue
-    for proc in mine:
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(mine, timeout=15)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    return len(mine)
 
 
 def attack_seconds(store_path: Path) -> list[dict[str, Any]]:
@@ -90,26 +56,13 @@ def attack_seconds(store_path: Path) -> list[dict[str, Any]]:
 
 def flower_route(budget: int, work: Path) -> dict[str, Any]:
     home = work / "flwr"
-    http, control = free_port(), free_port()
-    env = {
-        **os.environ,
-        "FLWR_HOME": str(home),
-        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http),
-        "FLWR_LOCAL_CONTROL_API_PORT": str(control),
-    }
-    command = [str(BIN / "flwr"), "run", str(APP), "--stream", "--federation-config", "num-supernodes=4",
-               "--run-config", "num-server-rounds=1", "--run-config", f"audit-budget={budget}"]  # fmt: skip
     t0 = time.perf_counter()
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3000, check=False)
-    finally:
-        stopped = stop_started(home)
+    done = run_app(APP, home, supernodes=4, run_config=("num-server-rounds=1", f"audit-budget={budget}"),
+                   timeout=3000)  # fmt: skip
     if done.returncode != 0:
-        raise RuntimeError(f"flwr run failed ({done.returncode}): {done.stdout[-2000:]}{done.stderr[-2000:]}")
+        raise RuntimeError(f"flwr run failed ({done.returncode}): {done.tail(2000)}")
     return {"updates": attack_seconds(home / "audit.sqlite"), "wall_seconds": time.perf_counter() - t0,
-            "threads": 1, "stopped_processes": stopped}  # fmt: skip
+            "threads": 1, "stopped_processes": done.stopped}  # fmt: skip
 
 
 def gradleak_route(budget: int, work: Path) -> dict[str, Any]:

@@ -13,13 +13,9 @@ CIFAR-10, FedAvg, server-side evaluation) with gradleak added by ``gradleak.patc
 from __future__ import annotations
 
 import ast
-import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,10 +25,10 @@ pytest.importorskip("flwr")
 from browser import console_lines, probed_dom  # noqa: E402
 from gradleak.cli import main  # noqa: E402
 from gradleak.experiments.store import ResultStore  # noqa: E402
+from gradleak.integrations.flower.cli_run import run_app  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "examples" / "flower"
-BIN = Path(sys.executable).parent
 GRADLEAK_IMPORT = re.compile(r"^\s*(from|import) gradleak(\.| |$)", re.M)  # not gradleak_flower, the app
 
 
@@ -66,62 +62,13 @@ def test_the_patch_is_all_gradleak_adds_to_a_plain_flower_app(tmp_path):
     assert shown == patch
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def stop_started(home: Path) -> list[int]:
-    """Stop, by PID, every process started with this test's ``FLWR_HOME`` (the SuperLink ``flwr run``
-    left in the background, its simulation, Ray's workers); the PIDs stopped."""
-    import psutil
-
-    mine = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.pid != os.getpid() and proc.environ().get("FLWR_HOME") == str(home):
-                mine.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    for proc in mine:
-        with_suppressed(proc.send_signal, signal.SIGTERM)
-    _, alive = psutil.wait_procs(mine, timeout=15)
-    for proc in alive:
-        with_suppressed(proc.kill)
-    return [p.pid for p in mine]
-
-
-def with_suppressed(call, *args) -> None:
-    import psutil
-
-    try:
-        call(*args)
-    except psutil.NoSuchProcess:
-        pass
-
-
 @pytest.mark.timeout(900)
 def test_flwr_run_of_the_quickstart_ends_in_a_report_with_a_verdict_for_every_node_and_round(tmp_path):
     home = tmp_path / "flwr"
-    http, control = free_port(), free_port()
-    env = {
-        **os.environ,
-        "FLWR_HOME": str(home),
-        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http),
-        "FLWR_LOCAL_CONTROL_API_PORT": str(control),
-    }
-    command = [str(BIN / "flwr"), "run", str(APP), "--stream", "--federation-config", "num-supernodes=4",
-               "--run-config", "audit-budget=6"]  # fmt: skip
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=720, check=False)
-    finally:
-        stopped = stop_started(home)
-    log = done.stdout[-4000:] + done.stderr[-4000:]
+    done = run_app(APP, home, supernodes=4, run_config=("audit-budget=6",), timeout=720)
+    log = done.tail(4000)
     assert done.returncode == 0, log
-    assert stopped, "flwr run left no SuperLink behind to stop: the test's bookkeeping is wrong"
+    assert done.stopped, "flwr run left no SuperLink behind to stop: the test's bookkeeping is wrong"
     store = ResultStore(home / "audit.sqlite")  # a relative store is under FLWR_HOME
     (run,) = store.runs()
     assert store.records(run.run_id, "rejected") == []
