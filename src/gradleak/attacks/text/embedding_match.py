@@ -300,8 +300,10 @@ class EmbeddingMatch:
                  "vocabulary": float(len(vocab))}  # fmt: skip
         return Reconstruction(token_ids=ids.tolist(), labels=obs.labels.clone(), stats=stats)
 
-    def _total(self, problem: Inversion, x: torch.Tensor, norm: float) -> torch.Tensor:
-        loss = problem.objective(x)
+    def _total(
+        self, problem: Inversion, x: torch.Tensor, norm: float, *, create_graph: bool = True
+    ) -> torch.Tensor:
+        loss = problem.objective(x, create_graph=create_graph)
         if self.config.norm_weight:
             loss = loss + self.config.norm_weight * (x.norm(dim=-1).mean() - norm).square()
         return loss
@@ -337,8 +339,8 @@ class EmbeddingMatch:
             for perm in moves(x.shape[1], generator, self.config.swap_tries):
                 trial = out.clone()
                 trial[s] = out[s, perm]
-                with torch.enable_grad():
-                    value = float(self._total(problem, trial.requires_grad_(True), norm).detach())
+                with torch.enable_grad():  # a score only: no graph through the gradient
+                    value = float(self._total(problem, trial.requires_grad_(True), norm, create_graph=False))
                 scored.append((value, perm))
             _, perm = min(scored, key=lambda vp: vp[0])
             out[s] = out[s, perm]
