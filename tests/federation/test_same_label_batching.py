@@ -11,6 +11,7 @@ import itertools
 import pytest
 import torch
 
+from gradleak.attacks import create_attack
 from gradleak.attacks.image.ig import Matching
 from gradleak.models import build_model
 from gradleak.registry import LOSSES, SAMPLERS
@@ -127,3 +128,48 @@ def test_inverting_gradients_matches_the_gradient_of_the_loss_the_recipe_states(
     expected = torch.autograd.grad(reference_mse(model(data.images), data.labels), params)
     for g, e in zip(grads, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
+
+
+def test_label_recovery_refuses_a_recipe_that_is_not_cross_entropy():
+    """iDLG/LLG read the output layer as cross-entropy's p - y; under MSE every class would look present,
+    so an attack with hidden labels refuses instead of inverting with wrong labels."""
+    from gradleak.attacks.image.labels import recover_label_counts, recover_labels
+    from gradleak.types import AttackInputError, Observation
+
+    data = synthetic_dataset(n=4, shape=(1, 12, 12), classes=3, seed=2)
+    model = small_model()
+    training = LocalTraining("fedsgd", batch_size=4, **SAME_MSE)
+    res = train_client(0, model, data, training, [], torch.Generator().manual_seed(0))
+    obs = Observation(model, res.update, (1, 12, 12), 3, training)
+    for call in (lambda: recover_labels(obs, 4), lambda: recover_label_counts(obs, 4, lr=0.1, steps=1)):
+        with pytest.raises(AttackInputError, match="grant the labels"):
+            call()
+    with pytest.raises(AttackInputError, match="grant the labels"):
+        create_attack("ig", max_iterations=2).reconstruct(obs, generator=torch.Generator())
+    granted = Observation(model, res.update, (1, 12, 12), 3, training, labels=res.truth.labels)
+    rec = create_attack("ig", max_iterations=2).reconstruct(granted, generator=torch.Generator())
+    assert torch.equal(rec.labels, res.truth.labels)
+
+
+def test_a_task_without_a_criterion_refuses_another_loss_before_training():
+    from gradleak.tasks import TextClassification
+
+    with pytest.raises(ValueError, match="'text_classification' trains with its own loss only"):
+        train_client(0, small_model(), synthetic_dataset(n=4), LocalTraining(loss="mse"), [],
+                     torch.Generator(), task=TextClassification())  # fmt: skip
+
+
+def test_views_of_same_label_batches_and_unmodelled_recipes_are_named_before_work():
+    from gradleak.audit.preflight import Preflight, run_checks
+    from gradleak.experiments.config import ConfigError, load_config
+    from gradleak.spec import ComponentSpec
+
+    with pytest.raises(ConfigError, match="batching = 'same_label' draws each view"):
+        fedsgd = {"protocol": "fedsgd", "batch_size": 4, "batching": "same_label"}
+        load_config({"audit": {"views": 2, "max_samples": 4, "training": fedsgd}})
+    recipe = LocalTraining("fedavg", batch_size=4, momentum=0.9, batching="same_label")
+    found = run_checks(Preflight([ComponentSpec("pisme"), ComponentSpec("ig")], small_model(), "delta",
+                                 recipe=recipe))  # fmt: skip
+    (warning,) = [f for f in found if f.check == "recipe model"]
+    assert warning.level == "warning" and warning.message.startswith("pisme models the local steps")
+    assert "momentum 0.9 and batching 'same_label'" in warning.message

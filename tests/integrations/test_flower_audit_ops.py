@@ -233,3 +233,22 @@ def test_public_images_give_the_floors_and_a_normalising_pipeline_is_refused_bef
     normalised = DataLoader(TensorDataset((public.images - 0.5) / 0.25, public.labels), batch_size=5)
     with pytest.raises(ValueError, match="normalise inside its forward"):
         audit(tmp_path / "n", public=normalised)
+
+
+def test_a_truth_that_fails_for_a_clients_claim_never_stops_the_audit(tmp_path):
+    """The truth key may be a client's claim: a negative one, or one the user's loader fails on, leaves
+    that update scored without truth (the reason in its record) and the federation going."""
+
+    def fragile(k: int):
+        if k == 1:
+            raise IndexError("no partition 1 here")
+        return DATA[k]
+
+    nodes = {21: app(claim=-3), 22: app()}  # node 21 claims partition -3, node 22 its own, 1
+    strategy, store = audit(tmp_path, truth=fragile)
+    strategy.start(AppGrid(nodes, NODES), ArrayRecord(torch_state_dict=model().state_dict()), num_rounds=1)
+    (run,) = store.runs()
+    records = {r["node_id"]: r for r in store.records(run.run_id, "attack")}
+    assert records[21]["truth_error"] == "no truth for the negative key -3" and "psnr" not in records[21]
+    assert records[22]["truth_error"].startswith("truth(1) failed: IndexError: no partition 1 here")
+    assert "fit_margin" in records[22] and run.status == "complete"

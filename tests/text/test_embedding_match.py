@@ -78,3 +78,14 @@ def test_a_causal_lm_and_hidden_labels_are_refused_before_work(case):
     causal = Observation(lm.model, update, (enc["input_ids"].shape[1],), 2, labels=torch.tensor([0]))
     with pytest.raises(AttackInputError, match="no classification head"):
         create_attack("lamp").reconstruct(causal, generator=torch.Generator())
+
+
+def test_a_fedavg_delta_is_refused_before_work(case):
+    import dataclasses
+
+    _, obs, _ = case
+    delta = dataclasses.replace(obs.update, kind="delta")
+    fedavg = Observation(obs.model, delta, obs.input_shape, 2, labels=obs.labels)
+    for name in ("tag", "lamp"):
+        with pytest.raises(AttackInputError, match="one FedSGD gradient"):
+            create_attack(name).reconstruct(fedavg, generator=torch.Generator())

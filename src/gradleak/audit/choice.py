@@ -65,7 +65,8 @@ def auto_attacks(
         default = default_budget(name)
         options = {} if budget is None or default is None else {default[0]: budget}
         specs.append(ComponentSpec(name, options))
-    return specs, why if budget is None else f"{why}; budget {budget}"
+    applied = [s.name for s in specs if s.options]
+    return specs, why if not applied else f"{why}; budget {budget} ({', '.join(applied)})"
 
 
 def resolve_attacks(

@@ -28,7 +28,8 @@ from torch import nn
 from gradleak.audit.choice import budget_warnings, is_transformer
 from gradleak.registry import ATTACKS, decorator_into
 from gradleak.spec import ComponentSpec
-from gradleak.types import AttackNeeds
+from gradleak.types import AttackNeeds, LocalTraining
+from gradleak.update import DEFAULT_BATCHING
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class Preflight:
     update_kind: str
     recipe_known: bool = True
     images: torch.Tensor | None = None
+    recipe: LocalTraining | None = None  # the clients' recipe, where stated
 
 
 Check = Callable[[Preflight], list[Finding]]
@@ -111,6 +113,28 @@ def _fit(context: Preflight) -> list[Finding]:
             out.append(
                 Finding("error", "attack fit", f"{spec.name} is a {modality} attack; the model is {what}")
             )
+    return out
+
+
+@register_check("recipe model")
+def _recipe_model(context: Preflight) -> list[Finding]:
+    """An attack that simulates the clients' local steps (it needs the recipe) models plain SGD on random
+    batches: say so where the stated recipe adds momentum or same-label batches (the attack then reads a
+    path it does not model; expect it to be weaker than it could be, not the update to be safer)."""
+    recipe = context.recipe
+    if recipe is None or (not recipe.momentum and recipe.batching == DEFAULT_BATCHING):
+        return []
+    extras = [f"momentum {recipe.momentum:g}"] if recipe.momentum else []
+    extras += [f"batching {recipe.batching!r}"] if recipe.batching != DEFAULT_BATCHING else []
+    out = []
+    for spec in context.attacks:
+        if spec.name not in ATTACKS:
+            continue  # "attack fit" names it
+        if getattr(ATTACKS.entry(spec.name).factory, "needs", AttackNeeds()).public_recipe:
+            out.append(Finding("warning", "recipe model", (
+                f"{spec.name} models the local steps as plain SGD on random batches; the recipe's "
+                f"{' and '.join(extras)} is not modelled: a weak result shows the attack's limit, not "
+                "safety")))  # fmt: skip
     return out
 
 

@@ -286,6 +286,12 @@ class ExperimentConfig:
                 "each time: set audit.max_samples <= audit.training.batch_size (the batch is then all of "
                 "them)"
             )
+        if a.views > 1 and a.training.protocol == "fedsgd" and a.training.batching != DEFAULT_BATCHING:
+            raise ConfigError(
+                f"audit.views = {a.views} needs every view computed on the same samples, but "
+                f"batching = {a.training.batching!r} draws each view's FedSGD batch from one class of a "
+                "fresh shuffle: use random batching with audit.max_samples <= audit.training.batch_size"
+            )
         averaging = [i for i, spec in enumerate(a.attacks) if spec.options.get("average_views")]
         if averaging and a.views == 1 and a.clients > 0:
             raise ConfigError(

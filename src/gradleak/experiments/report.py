@@ -26,6 +26,7 @@ from gradleak.experiments.config import ComponentSpec, cell_label, defenses_labe
 from gradleak.experiments.store import ResultStore, RunRow
 from gradleak.experiments.verdicts import node_verdicts, withheld_lines
 from gradleak.registry import ATTACKS, DEFENSES
+from gradleak.update import DEFAULT_BATCHING, DEFAULT_LOSS
 from gradleak.validation import RUN_ID
 
 CSS = """
@@ -254,8 +255,9 @@ def setup_text(run: RunRow) -> list[str]:
         f"Model: {model['name']}{task}. FL: {fl['rounds']} rounds, {fl['fraction']:.0%} of clients "
         "per round, "
         f"{tr['protocol']} ({tr.get('optimizer', 'sgd')}, lr {tr['lr']}, batch {tr['batch_size']}, "
-        f"{tr.get('epochs', 1)} epoch(s)).",
-        f"Audit: {audit['clients']} sampled client(s), {at['protocol']} on batches of {at['batch_size']}; "
+        f"{tr.get('epochs', 1)} epoch(s){recipe_extras(tr)}).",
+        f"Audit: {audit['clients']} sampled client(s), {at['protocol']} on batches of {at['batch_size']}"
+        f"{recipe_extras(at)}; "
         f"recipe {'known' if audit.get('training_public', True) else 'hidden'} to the attacker; labels "
         f"{'granted' if audit.get('grant_labels') else 'recovered by the attack'}.",
         *(f"Warning: {w}" for w in budget_warnings([ComponentSpec(a["name"], a.get("options", {}))
@@ -372,6 +374,18 @@ def _figure(path: Path, caption: str) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
     return (f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
             f"<figcaption>{html.escape(caption)}</figcaption></figure>")  # fmt: skip
+
+
+def recipe_extras(recipe: Mapping[str, Any]) -> str:
+    """A recipe's momentum, loss and batching where they are not the defaults (``", mse loss"``)."""
+    out = [f"momentum {recipe['momentum']:g}"] if recipe.get("momentum") else []
+    out += [f"{recipe['loss']} loss"] if recipe.get("loss", DEFAULT_LOSS) != DEFAULT_LOSS else []
+    out += (
+        [f"{recipe['batching']} batches"]
+        if recipe.get("batching", DEFAULT_BATCHING) != DEFAULT_BATCHING
+        else []
+    )
+    return "".join(f", {x}" for x in out)
 
 
 def figure_subject(r: Mapping[str, Any]) -> str:

@@ -311,7 +311,7 @@ def preflight(cfg: ExperimentConfig, model: nn.Module, train: Dataset) -> list[s
         return []
     a = cfg.audit
     images = train.images[:256] if isinstance(train, ImageDataset) else None
-    context = Preflight(a.attacks, model, update_kind(a.training), a.training_public, images)
+    context = Preflight(a.attacks, model, update_kind(a.training), a.training_public, images, a.training)
     try:
         return enforce(run_checks(context), "audit")
     except PreflightError as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -63,10 +64,20 @@ def _batches(data: Dataset, training: LocalTraining, generator: torch.Generator)
 
 def _loss(task: Task, model: nn.Module, batch: Dataset, training: LocalTraining) -> torch.Tensor:
     """The task's loss on ``batch``; a recipe's other criterion (``training.loss``) is passed to the task
-    (the image task takes one; a task without that keyword trains with its own loss only)."""
+    (the image task takes one: :func:`check_criterion`)."""
     if training.loss == DEFAULT_LOSS:
         return task.loss(model, batch)
     return task.loss(model, batch, criterion=training.loss)  # type: ignore[call-arg]
+
+
+def check_criterion(task: Task, training: LocalTraining) -> None:
+    """A recipe with another loss than cross-entropy needs a task whose ``loss`` takes ``criterion=``
+    (the image task does; the text tasks and a plugin's may not): refused before any training."""
+    if training.loss != DEFAULT_LOSS and "criterion" not in inspect.signature(task.loss).parameters:
+        raise ValueError(
+            f"loss = {training.loss!r} needs a task that takes a criterion; {task.name!r} trains with its "
+            "own loss only"
+        )
 
 
 def reported_samples(training: LocalTraining, available: int) -> int:
@@ -138,6 +149,7 @@ def train_client(
     Fail closed: if a defense raises, or the outgoing update is invalid (non-finite after a diverged step),
     the result carries ``update=None`` and the error text.
     """
+    check_criterion(task, training)
     model = copy.deepcopy(global_model)
     model.train(task.mode == "train")
     fedavg = training.protocol == "fedavg"

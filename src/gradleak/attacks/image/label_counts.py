@@ -34,7 +34,12 @@ from typing import Literal
 import torch
 
 from gradleak.attacks.checks import require_image_input
-from gradleak.attacks.image.labels import fill_greedily, last_linear, mean_output_bias_gradient
+from gradleak.attacks.image.labels import (
+    fill_greedily,
+    last_linear,
+    mean_output_bias_gradient,
+    require_cross_entropy,
+)
 from gradleak.attacks.image.surrogate import local_steps
 from gradleak.device import DEVICE_TYPES, module_device, uniform
 from gradleak.registry import ATTACKS
@@ -89,6 +94,7 @@ class LabelCounts:
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         require_image_input(obs)
+        require_cross_entropy(obs)
         n = self.config.num_samples or obs.update.num_samples
         if n < 1:
             raise AttackInputError("cannot tell the batch size: the update reports 0 samples")

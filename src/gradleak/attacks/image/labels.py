@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from gradleak.types import AttackInputError, Observation
+from gradleak.update import DEFAULT_LOSS
 
 
 def last_linear(model: nn.Module) -> tuple[str, nn.Linear]:
@@ -22,6 +23,18 @@ def last_linear(model: nn.Module) -> tuple[str, nn.Linear]:
     if not found:
         raise AttackInputError("label recovery needs a model whose output layer is nn.Linear")
     return found[-1]
+
+
+def require_cross_entropy(obs: Observation) -> None:
+    """Label recovery reads the output layer's update as cross-entropy's ``p - y``: refuse a recipe that
+    states another loss (an MSE's bias gradient at near-uniform predictions is cross-entropy's scaled by
+    about 2 / C^2, and every class would look present) rather than return wrong labels."""
+    loss = DEFAULT_LOSS if obs.training is None else obs.training.loss
+    if loss != DEFAULT_LOSS:
+        raise AttackInputError(
+            f"label recovery reads the output layer as cross-entropy's, but the recipe trains with loss = "
+            f"{loss!r}: grant the labels (audit.grant_labels = true) to attack this recipe"
+        )
 
 
 def output_layer_gradient(obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -43,6 +56,7 @@ def recover_labels(obs: Observation, num_samples: int) -> torch.Tensor:
     """Labels (num_samples,) int64 from the output layer's update, sorted ascending."""
     if num_samples < 1:
         raise AttackInputError(f"num_samples must be >= 1, got {num_samples}")
+    require_cross_entropy(obs)
     gw, gb = output_layer_gradient(obs)
     row = gw.sum(dim=1) if gb is None else gb  # (C,) signed per-class score
     if num_samples == 1:
@@ -83,6 +97,7 @@ def recover_label_counts(obs: Observation, num_samples: int, *, lr: float, steps
     """
     if num_samples < 1:
         raise AttackInputError(f"num_samples must be >= 1, got {num_samples}")
+    require_cross_entropy(obs)
     g = mean_output_bias_gradient(obs, lr=lr, steps=steps).detach().to(torch.float64)
     gaining = g < 0
     if not bool(gaining.any()):

@@ -52,7 +52,7 @@ from gradleak.attacks.text.family import embedding_param, family_of, update_tens
 from gradleak.attacks.text.rownorm import RowNormConfig, select_rows
 from gradleak.progress import bar
 from gradleak.registry import ATTACKS
-from gradleak.types import AttackInputError, Observation, Reconstruction
+from gradleak.types import AttackInputError, AttackNeeds, Observation, Reconstruction
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +236,8 @@ def moves(tokens: int, generator: torch.Generator, tries: int) -> list[torch.Ten
 class EmbeddingMatch:
     """TAG, or LAMP with :class:`LampConfig` (module docstring)."""
 
+    needs = AttackNeeds(update_kinds=("gradient",))  # a FedSGD gradient: TAG's distance is scale-bound
+
     def __init__(self, config: EmbeddingMatchConfig | None = None) -> None:
         self.config = config or EmbeddingMatchConfig()
 
@@ -256,6 +258,8 @@ class EmbeddingMatch:
                 f"{spec.model_type}: TAG and LAMP invert a classification model's gradient; this model has "
                 "no classification head (a causal language model's labels are its own next tokens)"
             )
+        if obs.update.kind != "gradient":
+            raise AttackInputError("TAG and LAMP invert one FedSGD gradient; this update is a FedAvg delta")
         if obs.labels is None:
             raise AttackInputError(
                 "TAG and LAMP need the labels (grant them: audit.grant_labels = true, as LAMP assumes)"

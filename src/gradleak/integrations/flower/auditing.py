@@ -119,6 +119,11 @@ class Auditing:
         self.figures = None if figures is None else under_flower_home(figures)
         if isinstance(store, str | Path):
             store = ResultStore(under_flower_home(store))
+            log.info("audit: results store %s", store.path)
+        if self.figures is not None:
+            log.info("audit: reconstructions in %s", self.figures)
+            if self.figures.exists() and self.figures.stat().st_mode & 0o077:
+                log.warning("audit: %s is open to other users; each run's folder in it is 0700", self.figures)
         self.partitions = None if partitions is None else {int(k): int(v) for k, v in partitions.items()}
         show_progress()
         self.model = model
@@ -151,7 +156,9 @@ class Auditing:
         known = self.training is not None
         if images is None and self.public is not None:
             images = self.public.images
-        context = Preflight(attacks, self.model, "delta", recipe_known=known, images=images)
+        context = Preflight(
+            attacks, self.model, "delta", recipe_known=known, images=images, recipe=self.training
+        )
         self.warnings = enforce(run_checks(context), f"{type(self).__name__}")
 
     def reject(self, unit: str, server_round: int, node: int | None, exc: Exception, **extra: Any) -> None:
@@ -195,11 +202,25 @@ class Auditing:
 
     def truth_of(self, key: int | None) -> ImageDataset | None:
         """The data ``truth`` gives for ``key`` (a partition or node id), the app's own loader read into a
-        data set."""
+        data set; ``None`` where there is none or it fails (:meth:`truth_lookup`)."""
+        return self.truth_lookup(key)[0]
+
+    def truth_lookup(self, key: int | None) -> tuple[ImageDataset | None, str | None]:
+        """``truth(key)`` and why it is missing. The key may come from a client (its reported partition
+        id), so a negative one, or a ``truth`` that raises or returns unusable data for it, never stops
+        the audit: that update is scored without truth, and the reason goes into its record."""
         if self.truth is None or key is None:
-            return None
-        data = self.truth(key)
-        return None if data is None else image_data(f"partition {key}", data, self.num_classes)
+            return None, None
+        if key < 0:
+            return None, f"no truth for the negative key {key}"
+        try:
+            data = self.truth(key)
+            return (None, f"truth({key}) gave nothing") if data is None else (
+                image_data(f"partition {key}", data, self.num_classes), None)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the user's loader on a client's claim: recorded, not raised
+            reason = f"truth({key}) failed: {type(exc).__name__}: {exc}"[:500]
+            log.warning("audit: %s; the update is scored without truth", reason)
+            return None, reason
 
     def run_config(self) -> dict[str, Any]:
         """What the store keeps as the audit run's configuration (wrappers add their own options)."""
@@ -281,7 +302,8 @@ class Auditing:
         clients' data): beside the matched originals where ``truth`` scores them, else alone."""
         if self.figures is None or self.run_id is None:
             return
-        self.figures.mkdir(parents=True, exist_ok=True, mode=0o700)  # the root too: it lists the runs
+        if not self.figures.exists():
+            self.figures.mkdir(parents=True, mode=0o700)  # the root too: it lists the runs
         folder = self.figures / self.run_id
         folder.mkdir(exist_ok=True, mode=0o700)
         if isinstance(truth, ImageDataset) and "matching" in record:
@@ -317,7 +339,7 @@ class Auditing:
                           aggregated=aggregated, num_clients=count)  # fmt: skip
         part = update.metadata.get("partition_id")  # the client's own claim, recorded as such
         key = self.truth_key(node, part)
-        data = truth if truth is not None else self.truth_of(key)
+        data, truth_error = (truth, None) if truth is not None else self.truth_lookup(key)
         k, self.attacked = self.attacked, self.attacked + 1  # the audit's k-th attacked update
         who = "the secure aggregate" if node is None else f"node {node}"
         for i, spec in enumerate(attacks):
@@ -337,4 +359,6 @@ class Auditing:
             progress_log.info("round %d, %s: %s %s in %.1f s", server_round, who, spec.name, status, seconds)
             record = {**outcome.record, "round": server_round, "node_id": node, "aggregate": aggregate,
                       "malicious": malicious, "partition_id": part, "audit_index": k}  # fmt: skip
+            if truth_error is not None:
+                record["truth_error"] = truth_error
             self.commit(f"round/{server_round}/{where}/attack/{i}", record)

@@ -4,9 +4,9 @@
 runs on one machine share ``~/.flwr`` and Flower's default ports. :func:`run_app` gives a run its own
 ``FLWR_HOME`` and free ports, runs the app from the Python environment that calls it (Flower does not
 install the app's dependencies: ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION``), and afterwards stops,
-by PID, every process started with that ``FLWR_HOME`` (the SuperLink, its simulation, Ray's workers), and
-nothing else. What gradleak's tests and benchmarks drive the quickstart with; a CI job can drive its own
-audited app so.
+by PID, every process that inherited this run's own token (``GRADLEAK_FLWR_RUN``, a fresh UUID in the
+environment ``flwr run`` starts with: the SuperLink, its simulation, Ray's workers), and nothing else.
+gradleak's tests and benchmarks drive the quickstart with it; a CI job can drive its own audited app so.
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ import signal
 import socket
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+TOKEN = "GRADLEAK_FLWR_RUN"  # the environment variable that marks one run's processes
 
 
 @dataclass(frozen=True)
@@ -39,15 +42,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def stop_started(home: Path) -> int:
-    """Stop, by PID, every process whose environment names ``FLWR_HOME = home`` (SIGTERM, then SIGKILL
-    after 15 s); how many there were."""
+def stop_started(token: str) -> int:
+    """Stop, by PID, every process whose environment holds ``GRADLEAK_FLWR_RUN = token`` (SIGTERM, then
+    SIGKILL after 15 s); how many there were."""
     import psutil  # Ray's dependency: present wherever Flower's simulation is
 
     mine = []
     for proc in psutil.process_iter():
         try:
-            if proc.pid != os.getpid() and proc.environ().get("FLWR_HOME") == str(home):
+            if proc.pid != os.getpid() and proc.environ().get(TOKEN) == token:
                 mine.append(proc)
         except psutil.Error:
             continue
@@ -74,9 +77,11 @@ def run_app(
     timeout: float = 600.0,
 ) -> FlwrRun:
     """``flwr run app --stream`` on ``supernodes`` simulated SuperNodes with ``run_config`` overrides
-    (``key=value``), in Flower home ``home``, on free ports; then :func:`stop_started`."""
+    (``key=value``), in Flower home ``home``, on free ports; then :func:`stop_started` of its token."""
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "FLWR_HOME": str(home), "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+    token = uuid.uuid4().hex
+    env = {**os.environ, TOKEN: token, "FLWR_HOME": str(home),
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
            "FLWR_LOCAL_CONTROL_API_PORT": str(free_port())}  # fmt: skip
@@ -87,5 +92,5 @@ def run_app(
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     finally:
-        stopped = stop_started(home)
+        stopped = stop_started(token)
     return FlwrRun(done.returncode, done.stdout, done.stderr, stopped)
