@@ -42,21 +42,26 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gradleak.attacks.text.family import embedding_param, family_of, update_tensor, vocab_size
-from gradleak.attacks.text.rownorm import RowNormConfig, select_rows
+from gradleak.attacks.text.family import (
+    embedding_param,
+    family_of,
+    input_embedding,
+    update_tensor,
+    vocab_size,
+)
 from gradleak.progress import bar
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, AttackNeeds, Observation, Reconstruction
 
 log = logging.getLogger(__name__)
 
-DISTANCES = ("l2_l1", "cosine")
+DISTANCES = ("l2_l1", "cosine")  # the names of DISTANCE_OF, checked on construction
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,13 @@ def mean_cosine(grads: list[torch.Tensor], target: list[torch.Tensor]) -> torch.
     return total / len(grads)
 
 
+# config.distance -> the distance at the config's settings
+DISTANCE_OF: dict[str, Callable[[EmbeddingMatchConfig], Distance]] = {
+    "l2_l1": lambda c: partial(l2_l1, l1_weight=c.l1_weight),
+    "cosine": lambda c: mean_cosine,
+}
+
+
 @dataclass
 class Inversion:
     """One inversion problem: the attacker's model, the parameters matched, the target, the labels."""
@@ -156,7 +168,7 @@ def sequence_length(obs: Observation, model: nn.Module) -> int:
     spec = family_of(model)
     if spec.positions != "learned":
         raise AttackInputError(f"{spec.model_type}: TAG and LAMP read T from learned position embeddings")
-    names = [f"{n}.weight" for n, _ in model.named_modules() if n and _matches(spec.other_embeddings, n)]
+    names = [f"{n}.weight" for n, _ in model.named_modules() if n and re.search(spec.other_embeddings, n)]
     positions = [n for n in names if "position" in n or n.endswith("wpe.weight")]
     if not positions or positions[0] not in obs.update.tensors:
         raise AttackInputError("the update does not carry the position embedding, which gives T")
@@ -167,32 +179,15 @@ def sequence_length(obs: Observation, model: nn.Module) -> int:
     return int(used.max()) + 1
 
 
-def _matches(pattern: str, name: str) -> bool:
-    return re.search(pattern, name) is not None
-
-
 def candidate_vocab(obs: Observation, model: nn.Module, mode: str) -> torch.Tensor:
-    """The token ids a position may take (module docstring)."""
-    size = vocab_size(model)
+    """The token ids a position may take (module docstring): the embedding gradient's non-zero rows, else
+    the whole vocabulary."""
     name = embedding_param(model)
     if mode == "embedding" and name in obs.update.tensors:
-        grad = update_tensor(obs, name)
-        nonzero = torch.nonzero(grad.abs().sum(dim=1) > 0).flatten()
+        nonzero = torch.nonzero(update_tensor(obs, name).abs().sum(dim=1) > 0).flatten()
         if nonzero.numel():
             return nonzero
-        tokens, _ = select_rows(grad, RowNormConfig())
-        if tokens:
-            return torch.tensor(sorted(tokens))
-    return torch.arange(size)
-
-
-def input_table(model: nn.Module) -> torch.Tensor:
-    """The input token embedding matrix (vocabulary x d), detached."""
-    getter: Any = getattr(model, "get_input_embeddings", None)
-    emb = getter() if getter is not None else None
-    if not isinstance(emb, nn.Embedding):
-        raise AttackInputError("the model exposes no input token embedding")
-    return emb.weight.detach()
+    return torch.arange(vocab_size(model))
 
 
 def nearest_tokens(x: torch.Tensor, table: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
@@ -242,10 +237,7 @@ class EmbeddingMatch:
         self.config = config or EmbeddingMatchConfig()
 
     def distance(self) -> Distance:
-        c = self.config
-        if c.distance == "cosine":
-            return mean_cosine
-        return lambda g, t: l2_l1(g, t, c.l1_weight)
+        return DISTANCE_OF[self.config.distance](self.config)
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         start = time.perf_counter()
@@ -269,12 +261,10 @@ class EmbeddingMatch:
             raise AttackInputError(f"{len(obs.labels)} labels granted for a batch of {b}")
         for p in model.parameters():
             p.requires_grad_(True)
-        params = [p for n, p in model.named_parameters() if n in obs.update.tensors]
-        target = [
-            update_tensor(obs, n).to(p.dtype) for n, p in model.named_parameters() if n in obs.update.tensors
-        ]
-        problem = Inversion(model, params, target, obs.labels.long(), self.distance())
-        table = input_table(model)
+        carried = [(n, p) for n, p in model.named_parameters() if n in obs.update.tensors]
+        target = [update_tensor(obs, n).to(p.dtype) for n, p in carried]
+        problem = Inversion(model, [p for _, p in carried], target, obs.labels.long(), self.distance())
+        table = input_embedding(model).weight.detach()
         vocab = candidate_vocab(obs, model, c.vocab)
         norm = c.init_norm if c.init_norm is not None else float(table[vocab].norm(dim=-1).mean())
         x = self._start(problem, (b, t, table.shape[1]), norm, generator)

@@ -217,12 +217,17 @@ def layer_inputs(
     return torch.cat(outs)
 
 
-def vocab_size(model: nn.Module) -> int:
+def input_embedding(model: nn.Module) -> nn.Embedding:
+    """The model's input token embedding (``AttackInputError`` where it exposes none)."""
     getter: Any = getattr(model, "get_input_embeddings", None)
     emb = getter() if getter is not None else None
     if not isinstance(emb, nn.Embedding):
         raise AttackInputError("the model exposes no input token embedding")
-    return int(emb.num_embeddings)
+    return emb
+
+
+def vocab_size(model: nn.Module) -> int:
+    return int(input_embedding(model).num_embeddings)
 
 
 def embedding_param(model: nn.Module) -> str:

@@ -200,15 +200,11 @@ class Auditing:
             return None if node is None else self.partitions.get(node)
         return reported if isinstance(reported, int) else node
 
-    def truth_of(self, key: int | None) -> ImageDataset | None:
-        """The data ``truth`` gives for ``key`` (a partition or node id), the app's own loader read into a
-        data set; ``None`` where there is none or it fails (:meth:`truth_lookup`)."""
-        return self.truth_lookup(key)[0]
-
     def truth_lookup(self, key: int | None) -> tuple[ImageDataset | None, str | None]:
-        """``truth(key)`` and why it is missing. The key may come from a client (its reported partition
-        id), so a negative one, or a ``truth`` that raises or returns unusable data for it, never stops
-        the audit: that update is scored without truth, and the reason goes into its record."""
+        """``truth(key)``, the app's own loader read into a data set, and why it is missing. The key may
+        come from a client (its reported partition id), so a negative one, or a ``truth`` that raises or
+        returns unusable data for it, never stops the audit: that update is scored without truth, and the
+        reason goes into its record."""
         if self.truth is None or key is None:
             return None, None
         if key < 0:

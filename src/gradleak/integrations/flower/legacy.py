@@ -265,7 +265,7 @@ class LegacyAuditStrategy(Auditing, Strategy):
             truth = None
             if self.truth is not None:
                 keys = [self.truth_key(int(proxy.node_id), _partition(r)) for proxy, r in results]
-                parts = [self.truth_of(p) for p in keys]
+                parts = [self.truth_lookup(p)[0] for p in keys]
                 known = [d for d in parts if d is not None]
                 truth = ImageDataset.concat(known) if known and len(known) == count else None
             self.attack(server_round, "sum", None, update, count, self.model_at(w0), self.attacks, {},
