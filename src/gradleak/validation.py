@@ -31,6 +31,24 @@ RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=-]{0,254}")
 ``..``; a name from a config or a store cannot point a write or a read outside its folder."""
 
 
+ERROR_TEXT_LIMIT = 4000
+"""The most characters of an error text a record keeps (a client's reason is untrusted and unbounded)."""
+
+
+def error_text(error: BaseException | str, limit: int = ERROR_TEXT_LIMIT) -> str:
+    """An error's text for a record, at most ``limit`` characters: ``Type: message`` for an exception, the
+    text itself otherwise. A longer text keeps its first quarter and its end, where a traceback (a Ray
+    actor's, a ClientApp's) names the error that was raised."""
+    if limit < 100:
+        raise ValueError(f"error_text: limit must be at least 100 characters, got {limit}")
+    text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
+    if len(text) <= limit:
+        return text
+    marker = f"\n[... {len(text) - limit} characters left out ...]\n"
+    head = max(0, limit // 4 - len(marker))
+    return text[:head] + marker + text[len(text) - (limit - head - len(marker)) :]
+
+
 def safe_name(value: object, what: str) -> str:
     """``value`` if it is a :data:`SAFE_NAME`; else a ValueError naming ``what`` and the rule."""
     if not isinstance(value, str) or not SAFE_NAME.fullmatch(value) or ".." in value:

@@ -15,7 +15,7 @@ from gradleak.federation import FederatedSimulation, FLConfig, screen, train_cli
 from gradleak.tasks.client import ClientResult
 from gradleak.types import AttackInputError, LocalTraining, Observation, Update
 from gradleak.update_io import load_update, save_update
-from gradleak.validation import InvalidUpdateError, check_update
+from gradleak.validation import InvalidUpdateError, check_update, error_text
 
 
 def small_model() -> nn.Module:
@@ -239,3 +239,23 @@ def test_batchnorm_statistics_must_be_possible_values():
         check_update(
             Update(tensors, 1, "delta", {}, dict(buffers, **{"1.num_batches_tracked": torch.tensor(3)})), net
         )
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(min_size=0, max_size=1500), limit=st.integers(min_value=100, max_value=1000))
+def test_an_error_text_is_bounded_and_keeps_its_head_and_its_last_line(text: str, limit: int) -> None:
+    """A record keeps at most ``limit`` characters of an error; a longer one keeps its start and its end, where
+    a traceback names the error (a Ray actor's trace once put ``IndexError: ... out of bounds`` past a
+    2000-character head cut)."""
+    out = error_text(text, limit)
+    if len(text) <= limit:
+        assert out == text
+        return
+    assert len(out) == limit
+    marker = f"\n[... {len(text) - limit} characters left out ...]\n"
+    head, tail = out.split(marker)
+    assert text.startswith(head) and text.endswith(tail) and len(head) == max(0, limit // 4 - len(marker))
+
+
+def test_an_exception_is_recorded_with_its_type() -> None:
+    assert error_text(IndexError("Target 11 is out of bounds.")) == "IndexError: Target 11 is out of bounds."

@@ -39,6 +39,7 @@ from gradleak.metrics.floors import LEAKS_ABOVE_DB
 from gradleak.registry import ATTACKS
 from gradleak.spec import ComponentSpec, as_spec
 from gradleak.types import LocalTraining, ModelModifyingAttack, Observation, Update
+from gradleak.validation import error_text
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class LeakageGate:
         try:
             record = self.measure(model, update, truth, training, generator)
         except Exception as exc:  # noqa: BLE001 - no score (the update does not fit, scoring failed): act
-            record = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            record = {"error": error_text(exc)}
         value = record.get(LEAKAGE)
         leakage = float(value) if isinstance(value, int | float) and math.isfinite(value) else None
         triggered = leakage is None or leakage > self.config.threshold_db

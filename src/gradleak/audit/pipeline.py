@@ -35,6 +35,7 @@ from gradleak.federation.simulation import derive_seed
 from gradleak.registry import ATTACKS
 from gradleak.spec import ComponentSpec
 from gradleak.types import Attack, AttackInputError, Observation, Reconstruction
+from gradleak.validation import error_text
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +108,7 @@ def attack_update(
         refused, rec = str(exc), Reconstruction(token_ids=[])
     except Exception as exc:  # noqa: BLE001 - one attack's failure is recorded, never raised
         log.exception("audit: %s failed on the update of %s", spec.name, obs.update.metadata.get("client_id"))
-        return AttackOutcome(
-            {"kind": "attack_error", **base, "error": f"{type(exc).__name__}: {exc}"[:2000]}, None
-        )
+        return AttackOutcome({"kind": "attack_error", **base, "error": error_text(exc)}, None)
     seconds = time.perf_counter() - started
     shown = rec.images if rec.images is not None else rec.token_ids
     record: dict[str, Any] = {

@@ -67,7 +67,7 @@ from gradleak.models.architecture import describe
 from gradleak.models.malicious import MaliciousModel
 from gradleak.spec import as_spec
 from gradleak.types import ClientCustomizingAttack, LocalTraining, ModelModifyingAttack, Update
-from gradleak.validation import InvalidUpdateError, reference_of
+from gradleak.validation import InvalidUpdateError, error_text, reference_of
 
 log = logging.getLogger(__name__)
 
@@ -260,8 +260,9 @@ class AuditStrategy(Auditing, Strategy):
         for j, reply in enumerate(replies):
             node = int(reply.metadata.src_node_id)
             if reply.has_error():
+                reason = error_text(str(reply.error.reason))
                 failed = {"kind": "client_error", "round": server_round, "node_id": node, "stage": stage,
-                          "code": int(reply.error.code), "error": str(reply.error.reason)[:2000]}  # fmt: skip
+                          "code": int(reply.error.code), "error": reason}  # fmt: skip
                 self.commit(f"round/{server_round}/{stage}/{j}/error", failed)
                 continue
             source = f"node {node}, round {server_round}" + ("" if train else " (evaluate)")

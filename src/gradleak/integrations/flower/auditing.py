@@ -37,6 +37,7 @@ from gradleak.federation.server import secure_sum
 from gradleak.integrations.flower.replies import CheckedReply, ReplyPolicy
 from gradleak.spec import ComponentSpec, as_spec
 from gradleak.types import LocalTraining, Observation, Update
+from gradleak.validation import error_text
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -163,7 +164,7 @@ class Auditing:
 
     def reject(self, unit: str, server_round: int, node: int | None, exc: Exception, **extra: Any) -> None:
         """Record a reply (or aggregate) that failed its checks: its node and the reason, never raised."""
-        reason = str(exc)[:2000]
+        reason = error_text(str(exc))
         log.warning("audit: rejected %s", reason)
         self.commit(
             unit, {"kind": "rejected", "round": server_round, "node_id": node, "error": reason, **extra}
@@ -189,7 +190,7 @@ class Auditing:
                 "audit: round %d: the wrapped strategy's %s aggregation failed: %s", server_round, stage, exc
             )
             failed = {"kind": "aggregate_error", "round": server_round, "stage": stage,
-                      "error": f"{type(exc).__name__}: {exc}"[:2000]}  # fmt: skip
+                      "error": error_text(exc)}  # fmt: skip
             self.commit(f"round/{server_round}/{stage}/aggregate_error", failed)
             return fallback
 

@@ -62,7 +62,7 @@ from gradleak.integrations.flower.replies import (
     whole_number,
 )
 from gradleak.types import LocalTraining, Update
-from gradleak.validation import InvalidUpdateError, check_update, check_weights, reference_of
+from gradleak.validation import InvalidUpdateError, check_update, check_weights, error_text, reference_of
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,12 @@ class LegacyAuditStrategy(Auditing, Strategy):
             node = None if isinstance(failure, BaseException) else int(failure[0].node_id)
             reasons[(node, repr(failure) if node is None else str(failure[1].status.message))] = None  # type: ignore[index]
         for j, (node, reason) in enumerate(reasons):
-            failed = {"kind": "client_error", "round": server_round, "node_id": node, "error": reason}
+            failed = {
+                "kind": "client_error",
+                "round": server_round,
+                "node_id": node,
+                "error": error_text(reason),
+            }
             self.commit(f"round/{server_round}/error/{j}", failed)
         w0 = self._broadcast.pop(server_round)
         # flwr 1.42's SecAggPlusWorkflow hands every FitRes the same Parameters object, the aggregate
