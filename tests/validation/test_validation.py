@@ -244,9 +244,9 @@ def test_batchnorm_statistics_must_be_possible_values():
 @settings(max_examples=200, deadline=None)
 @given(text=st.text(min_size=0, max_size=1500), limit=st.integers(min_value=100, max_value=1000))
 def test_an_error_text_is_bounded_and_keeps_its_head_and_its_last_line(text: str, limit: int) -> None:
-    """A record keeps at most ``limit`` characters of an error; a longer one keeps its start and its end, where
-    a traceback names the error (a Ray actor's trace once put ``IndexError: ... out of bounds`` past a
-    2000-character head cut)."""
+    """A record keeps at most ``limit`` characters of an error; a longer one keeps its start and its end,
+    where a traceback names the error (a Ray actor's trace once put ``IndexError: ... out of bounds`` past
+    a 2000-character head cut)."""
     out = error_text(text, limit)
     if len(text) <= limit:
         assert out == text
