@@ -89,3 +89,34 @@ def test_a_fedavg_delta_is_refused_before_work(case):
     for name in ("tag", "lamp"):
         with pytest.raises(AttackInputError, match="one FedSGD gradient"):
             create_attack(name).reconstruct(fedavg, generator=torch.Generator())
+
+
+def test_lamps_moves_add_the_prior_term_of_each_trial(case):
+    """The moves are scored by distance + the language-model term of the moved sequence: a term that makes
+    every trial but one cost 1e6 picks that one, whatever the distance says."""
+    from gradleak.attacks.text.embedding_match import Inversion, Lamp, LampConfig, moves
+
+    tm, obs, _ = case
+    lamp = Lamp(LampConfig(swap_tries=12))
+    model = obs.client_model()
+    params = [p.requires_grad_(True) for p in model.parameters()]
+    target = [obs.update.tensors[n] for n, _ in model.named_parameters()]
+    problem = Inversion(model, params, target, obs.labels, lamp.distance())
+    x = torch.randn(1, 7, 64, generator=torch.Generator().manual_seed(0))
+    perms = moves(7, torch.Generator().manual_seed(3), 12)
+    chosen = 5
+    assert not torch.equal(perms[chosen], perms[0])
+
+    def term(trials: torch.Tensor) -> torch.Tensor:  # trials (12, 7, d): the moved sequences
+        wanted = x[0, perms[chosen]]
+        return torch.tensor([0.0 if torch.equal(t, wanted) else 1e6 for t in trials])
+
+    out = lamp._swap(problem, x, 1.0, torch.Generator().manual_seed(3), term)
+    assert torch.equal(out[0], x[0, perms[chosen]])
+
+
+def test_a_prior_for_another_vocabulary_is_refused_before_work(case):
+    _, obs, _ = case
+    attack = create_attack("lamp", steps=1, init_candidates=1, prior={"tokenizer": "gpt2_tiny"})
+    with pytest.raises(AttackInputError, match="50257 tokens, the model's embedding 30522"):
+        attack.reconstruct(obs, generator=torch.Generator().manual_seed(0))

