@@ -49,6 +49,7 @@ from gradleak.attacks.text.family import (
     with_thresholds,
 )
 from gradleak.attacks.text.rownorm import RowNormConfig, select_rows
+from gradleak.device import module_device
 from gradleak.progress import bar
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, AttackNeeds, Observation, Reconstruction
@@ -87,10 +88,11 @@ class Alignment:
         self.model = model
         params = dict(model.named_parameters())
         self.params = [params[n] for n in names]
-        self.target = target
+        self.device = module_device(model)
+        self.target = [t.to(self.device) for t in target]
 
     def gradient(self, ids: list[int]) -> list[torch.Tensor]:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=self.device)
         loss = self.model(input_ids=x, labels=x, use_cache=False).loss
         return [g.detach().double() for g in torch.autograd.grad(loss, self.params)]
 

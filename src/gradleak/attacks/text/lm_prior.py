@@ -101,10 +101,11 @@ class TransformerPrior:
 
     @torch.no_grad()
     def nll(self, ids: torch.Tensor) -> torch.Tensor:
-        ids = ids[:, -self.context :].to(torch.long)  # the last ``context`` tokens
+        device = ids.device  # the prior stays where it was built (the CPU); the result goes back
+        ids = ids[:, -self.context :].to(torch.long).to(next(self.model.parameters()).device)
         logits = self.model(input_ids=ids).logits[:, :-1]
         loss = nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        return loss.mean(dim=1)
+        return loss.mean(dim=1).to(device)
 
 
 class BigramPrior:
@@ -125,13 +126,14 @@ class BigramPrior:
 
     @torch.no_grad()
     def nll(self, ids: torch.Tensor) -> torch.Tensor:
-        a, b = ids[:, :-1].long(), ids[:, 1:].long()
+        device, ids = ids.device, ids.cpu().long()  # the counts live on the CPU; the result goes back
+        a, b = ids[:, :-1], ids[:, 1:]
         keys = a * self.vocab_size + b
         at = torch.searchsorted(self.keys, keys).clamp_max(len(self.keys) - 1)
         pair = torch.where(self.keys[at] == keys, self.counts[at], torch.zeros_like(keys)).double()
         ca, ta = self.after[a], self.types[a]
         p = torch.where(ca > 0, (pair + ta * self.unigram[b]) / (ca + ta).clamp_min(1), self.unigram[b])
-        return (-p.log()).mean(dim=1).float()
+        return (-p.log()).mean(dim=1).float().to(device)
 
 
 _MEMO: dict[str, LMPrior] = {}
