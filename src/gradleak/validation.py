@@ -44,7 +44,12 @@ def error_text(error: BaseException | str, limit: int = ERROR_TEXT_LIMIT) -> str
     text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
     if len(text) <= limit:
         return text
-    marker = f"\n[... {len(text) - limit} characters left out ...]\n"
+    left = len(text) - limit
+    while True:  # the marker's own length decides how many characters are left out
+        marker = f"\n[... {left} characters left out ...]\n"
+        if len(text) - (limit - len(marker)) == left:
+            break
+        left = len(text) - (limit - len(marker))
     head = max(0, limit // 4 - len(marker))
     return text[:head] + marker + text[len(text) - (limit - head - len(marker)) :]
 

@@ -21,7 +21,7 @@ from gradleak.attacks.image.nas_space import (
 from gradleak.data import load_dataset
 from gradleak.metrics import psnr
 from gradleak.models import build_model
-from gradleak.types import Observation, Update
+from gradleak.types import AttackInputError, Observation, Update
 
 
 @pytest.fixture(scope="module")
@@ -62,24 +62,28 @@ def test_skip_bits_are_fair_coins():
     assert abs(share - 0.5) < 0.01  # 10,000 fair bits: sd 0.005
 
 
-def test_the_search_keeps_the_candidate_a_slow_reference_scores_best(ship):
-    """Each candidate rebuilt from its seed and scored on its own: the search's distances equal the
-    reference's (1e-6) and it keeps the argmin, with its initial weights."""
-    img, lab = ship
+@pytest.mark.parametrize("n", [1, 2])
+def test_the_search_keeps_the_candidate_a_slow_reference_scores_best(n):
+    """Each candidate rebuilt from its seed and scored on its own (BatchNorm in eval mode for one image,
+    in training mode for two): the search's distances equal the reference's (1e-6) and it keeps the
+    argmin, with its initial weights."""
+    cifar = load_dataset("cifar10", "test", limit=40)
+    img, lab = cifar.images[32 : 32 + n], cifar.labels[32 : 32 + n]
     model = build_model("sme_cnn", (3, 32, 32), 10, seed=0)
     obs = observation(model, img, lab)
     attack = GINAS(GINASConfig(candidates=6, width=16))
     params = list(model.parameters())
     match = Matching(model, params, [obs.update.tensors[n] for n, _ in model.named_parameters()], lab)
-    z = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    z = torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     best, loss, losses = attack.search(match, z, (3, 32, 32), torch.Generator().manual_seed(2))
     gen = torch.Generator().manual_seed(2)
     archs = sample_architectures(5, 6, gen)
     seeds = torch.randint(2**62, (6,), generator=gen).tolist()
     reference = []
     for arch, seed in zip(archs, seeds, strict=True):
-        torch.manual_seed(seed)
-        candidate = SkipGenerator(arch, (3, 32, 32), 16).eval()  # one image: BatchNorm in eval mode
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            candidate = SkipGenerator(arch, (3, 32, 32), 16).train(n >= 2)
         x = candidate(z).detach()
         grads = torch.autograd.grad(F.cross_entropy(model(x), lab), params)
         reference.append(float(cosine_distance(list(grads), match.target)))
@@ -107,6 +111,12 @@ def test_gi_nas_recovers_a_cifar_image_and_nothing_from_a_null_update(ship):
 
 
 def test_gi_nas_options_are_checked():
+    cifar = load_dataset("cifar10", "test", limit=1)
+    model = build_model("sme_cnn", (3, 32, 32), 10, seed=0)
+    with pytest.raises(AttackInputError, match="batch_norm = 'train' needs two or more images"):
+        create_attack("gi_nas", batch_norm="train", candidates=1, max_iterations=1).reconstruct(
+            observation(model, cifar.images, cifar.labels), generator=torch.Generator().manual_seed(0)
+        )
     bad = {"candidates": 0, "width": 24, "levels": 6, "batch_norm": "x", "max_iterations": 0}
     for option, value in bad.items():
         with pytest.raises(ValueError, match=option):

@@ -144,3 +144,31 @@ def test_an_experiment_on_the_flower_engine_records_what_the_in_process_engine_r
             if key in w:
                 assert g[key] == pytest.approx(w[key], abs=1e-3), key
     assert [r["attack"] for r in got.of_kind("attack")] == ["ig", "ig", "robbing_the_fed", "robbing_the_fed"]
+
+
+@pytest.mark.timeout(400)
+def test_a_lora_text_experiment_on_the_flower_engine_records_what_the_in_process_engine_records():
+    """GPT-2 arch with LoRA on Rotten Tomatoes: the nodes rebuild the peft model from the server's spec
+    (:func:`gradleak.models.build_module`), so a FedAvg round of adapters and an audit of adapter updates
+    give the in-process engine's records and global model."""
+    from gradleak.cli.demo import demo_config_path
+    from gradleak.experiments.runner import build_simulation
+
+    text = [
+        "data.dataset='rotten_tomatoes'", "data.train_split='all'", "data.test_split='all'",
+        "data.train_limit=400", "data.test_limit=16", "data.num_clients=100", "fl.rounds=1",
+        "fl.fraction=0.1",
+        "fl.training.epochs=1", "fl.training.batch_size=2", "model.name='gpt2_tiny'",
+        "model.adapter={r = 64, alpha = 64}", "audit.clients=2", "audit.training.batch_size=2",
+        "audit.attacks=[{name = 'dager_lora'}]",
+    ]  # fmt: skip
+    cfg = load_config(demo_config_path(), text)
+    on_flower = load_config(demo_config_path(), [*text, 'engine.name="flower"', "engine.options.timeout=300"])
+    want, got = run_experiment(cfg), run_experiment(on_flower)
+    assert [r["kind"] for r in got.records] == [r["kind"] for r in want.records]
+    assert [r["kind"] for r in want.records].count("attack") == 2
+    keys = ("kind", "clients", "dropped", "client_id", "batch_size", "rouge1", "rouge2", "exact")
+    for g, w in zip(got.records, want.records, strict=True):
+        assert {k: g.get(k) for k in keys} == {k: w.get(k) for k in keys}
+    sims = [build_simulation(c) for c in (cfg, on_flower)]
+    assert sims[0].model.state_dict().keys() == sims[1].model.state_dict().keys()

@@ -107,16 +107,50 @@ def test_lamps_moves_add_the_prior_term_of_each_trial(case):
     chosen = 5
     assert not torch.equal(perms[chosen], perms[0])
 
-    def term(trials: torch.Tensor) -> torch.Tensor:  # trials (12, 7, d): the moved sequences
-        wanted = x[0, perms[chosen]]
-        return torch.tensor([0.0 if torch.equal(t, wanted) else 1e6 for t in trials])
+    def term(seq: torch.Tensor, tried: list[torch.Tensor]) -> torch.Tensor:  # each move of the sequence
+        assert torch.equal(seq, x[0]) and len(tried) == 12
+        return torch.tensor([0.0 if torch.equal(p, perms[chosen]) else 1e6 for p in tried])
 
     out = lamp._swap(problem, x, 1.0, torch.Generator().manual_seed(3), term)
     assert torch.equal(out[0], x[0, perms[chosen]])
 
 
-def test_a_prior_for_another_vocabulary_is_refused_before_work(case):
+def test_the_prior_term_is_the_weighted_nll_of_each_moved_sequences_tokens_over_b(case, monkeypatch):
+    """LAMP adds prior_weight x the batch-mean LM loss: one moved sequence of B weighs 1/B."""
+    from gradleak.attacks.text import embedding_match
+    from gradleak.attacks.text.embedding_match import Lamp, LampConfig, nearest_tokens
+    from gradleak.attacks.text.lm_prior import LMPriorConfig
+
+    tm, obs, _ = case
+    seen: list[torch.Tensor] = []
+
+    class Counting:  # an NLL that is the sum of the ids: easy to predict
+        def nll(self, ids: torch.Tensor) -> torch.Tensor:
+            seen.append(ids)
+            return ids.double().sum(dim=1)
+
+    monkeypatch.setattr(embedding_match, "load_prior", lambda config: Counting())
+    lamp = Lamp(LampConfig(prior_weight=0.3, prior=LMPriorConfig(tokenizer="bert_tiny")))
+    model = obs.client_model()
+    table = model.get_input_embeddings().weight.detach()
+    vocab = torch.tensor([101, 102, 1996, 2143, 2001])
+    term = lamp._prior(model, table, vocab, 2, 5)
+    assert term is not None
+    seq = table[torch.tensor([101, 2143, 1996, 2001, 102])] * 1.5
+    perms = [torch.arange(5), torch.tensor([0, 2, 1, 3, 4])]
+    got = term(seq, perms)
+    ids = nearest_tokens(seq.unsqueeze(0), table, vocab)[0]
+    assert ids.tolist() == [101, 2143, 1996, 2001, 102]
+    assert torch.equal(seen[0], torch.stack([ids, ids[perms[1]]]))
+    assert torch.allclose(got, 0.3 / 2 * ids.double().sum() * torch.ones(2, dtype=torch.float64))
+
+
+def test_a_prior_for_another_vocabulary_or_without_moves_is_refused_before_work(case):
     _, obs, _ = case
     attack = create_attack("lamp", steps=1, init_candidates=1, prior={"tokenizer": "gpt2_tiny"})
-    with pytest.raises(AttackInputError, match="50257 tokens, the model's embedding 30522"):
+    with pytest.raises(ValueError, match="50257 tokens, the model's embedding 30522"):
         attack.reconstruct(obs, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="prior_weight > 0 and swap_every > 0"):
+        create_attack("tag", prior={"tokenizer": "bert_tiny"})
+    with pytest.raises(ValueError, match="prior tokenizer must be a text model's"):
+        create_attack("lamp", prior={"tokenizer": "nope"})

@@ -73,6 +73,8 @@ def test_what_fedspy_cannot_read_is_refused_before_work(gpt2):
     no_rows = Observation(obs.model, Update(frozen, 1, kind="gradient"), obs.input_shape, 50257)
     with pytest.raises(AttackInputError, match="use tokens='span'"):
         run(no_rows)
+    with pytest.raises(AttackInputError, match="5 tokens and 1 sequences .at most 4"):
+        run(obs, max_tokens=4)
     bert = build_model("bert_tiny", (16,), 2, seed=0)
     enc = encode(["the film was great fun"], bert.tokenizer, max_tokens=16, labels=[1])
     cls = Observation(bert.model, fedsgd_text_update(bert.model, enc, "classification"), (16,), 2)

@@ -59,6 +59,15 @@ def test_the_gpt2_prior_is_stored_and_reloaded_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(lm_prior, "_train", lambda *a: pytest.fail("retrained instead of reloaded"))
     again = load_prior(stored)
     assert again is not first and torch.equal(again.nll(ids), first.nll(ids))
+    with file.open("r+b") as f:  # a tensor's bytes changed to NaN: refused, not loaded
+        raw = bytearray(f.read())
+    (tmp_path / "nan").mkdir()
+    nan_store = dataclasses.replace(stored, store=str(tmp_path / "nan"))
+    header = 8 + int.from_bytes(raw[:8], "little")
+    raw[header : header + 4] = bytes.fromhex("0000c07f")  # float32 NaN as the first value
+    lm_prior._file(nan_store).write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="non-finite values"):
+        load_prior(nan_store)
     other = dataclasses.replace(stored, seed=1)
     file.rename(lm_prior._file(other))  # a file under another key's name: refused, not trusted
     with pytest.raises(ValueError, match="written for other options"):
@@ -68,5 +77,5 @@ def test_the_gpt2_prior_is_stored_and_reloaded_exactly(tmp_path, monkeypatch):
 def test_prior_options_are_checked():
     with pytest.raises(ValueError, match="multiple of heads"):
         LMPriorConfig(tokenizer="bert_tiny", width=30, heads=4)
-    with pytest.raises(ValueError, match="no text model"):
-        load_prior(LMPriorConfig(tokenizer="nope"))
+    with pytest.raises(ValueError, match="prior tokenizer must be a text model's"):
+        LMPriorConfig(tokenizer="nope")

@@ -320,8 +320,7 @@ class ExperimentConfig:
                 engine.check_federation(secure_aggregation=self.fl.secure_aggregation, per_round=per_round,
                                         audited=self.audit.clients,
                                         random_subset=self.audit.pick == "random"
-                                        and self.audit.max_samples is not None,
-                                        adapters=self.model.adapter is not None)  # fmt: skip
+                                        and self.audit.max_samples is not None)  # fmt: skip
             except ValueError as exc:
                 raise ConfigError(f"engine.options: {exc}") from None
 

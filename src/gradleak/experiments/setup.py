@@ -17,6 +17,7 @@ The scoring itself is :mod:`gradleak.audit.scoring`'s, shared with the Flower wr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from gradleak.experiments.config import ConfigError, ExperimentConfig
 from gradleak.federation import derive_seed
 from gradleak.models import build_model
 from gradleak.models.adapters import apply_adapter
+from gradleak.models.architecture import SPEC_ATTRIBUTE, RegisteredModel
 from gradleak.models.text import TextModel
 from gradleak.registry import DATASETS, MODELS, TASKS
 from gradleak.tasks import (
@@ -210,6 +212,13 @@ def text_setup(cfg: ExperimentConfig) -> TextSetup:
             model = apply_adapter(model, cfg.model.adapter, task_name, model_seed(cfg))
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"model.adapter: {exc}") from None
+    options = {"task": task_name, **cfg.model.options}
+    if cfg.model.adapter is not None:
+        options["adapter"] = dataclasses.asdict(cfg.model.adapter)
+    spec = RegisteredModel(
+        cfg.model.name, (max_tokens,), max(1, raw_train.num_labels), model_seed(cfg), options
+    )
+    setattr(model, SPEC_ATTRIBUTE, spec)  # the Flower engine's nodes rebuild it from this (build_module)
     train = TokenDataset.from_texts(raw_train, tm.tokenizer, max_tokens=max_tokens)
     test = TokenDataset.from_texts(raw_test, tm.tokenizer, max_tokens=max_tokens)
     mode = {} if cfg.model.mode is None else {"mode": cfg.model.mode}

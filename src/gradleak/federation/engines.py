@@ -45,7 +45,6 @@ class FederationCheck(Protocol):
         per_round: int,
         audited: int,
         random_subset: bool = False,
-        adapters: bool = False,
     ) -> None: ...
 
 

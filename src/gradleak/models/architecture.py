@@ -199,9 +199,9 @@ def _build(
             _int(d, "seed", 0, 2**63), options,
         )  # fmt: skip
         if registered is None:
-            from gradleak.models import build_model
+            from gradleak.models import build_module
 
-            return build_model(spec.name, spec.input_shape, spec.num_classes, seed=spec.seed, **spec.options)  # type: ignore[arg-type]
+            return build_module(spec)
         return registered(spec)
     raise ArchitectureError(f"unknown spec node kind {kind!r}"[:200])
 

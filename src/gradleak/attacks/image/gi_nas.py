@@ -37,7 +37,7 @@ from gradleak.attacks.image.nas_space import Architecture, SkipGenerator, genera
 from gradleak.device import DEVICE_TYPES, normal
 from gradleak.progress import bar
 from gradleak.registry import ATTACKS
-from gradleak.types import Observation, Reconstruction
+from gradleak.types import AttackInputError, Observation, Reconstruction
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +84,13 @@ class GINAS(InvertingGradients):
 
     def __init__(self, config: GINASConfig | None = None) -> None:
         super().__init__(config or GINASConfig())
-        self.search_stats: dict[str, float] = {}  # the search of the last restart
+        self.restart_stats: list[tuple[float, dict[str, float]]] = []  # each restart's final loss, search
 
     def _build(self, arch: Architecture, image: tuple[int, int, int], batch: int, seed: int) -> SkipGenerator:
         """A candidate for ``batch`` images of shape ``image``, its initial weights drawn from ``seed`` (the
         global RNG is left untouched); BatchNorm in training mode per ``batch_norm``."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with torch.random.fork_rng(devices=[]):  # the CPU generator only: no accelerator's is touched
+            torch.default_generator.manual_seed(seed)
             gen = SkipGenerator(arch, image, self.config.width)
         mode = self.config.batch_norm
         return gen.train(mode == "train" or (mode == "auto" and batch >= 2))
@@ -106,12 +106,15 @@ class GINAS(InvertingGradients):
         losses: list[float] = []
         best: tuple[float, SkipGenerator] | None = None
         for arch, seed in zip(bar(archs, desc="GI-NAS search", force=cfg.progress), seeds, strict=True):
-            gen = self._build(arch, image, z.shape[0], seed).to(z.device)
-            loss = self.matching_loss(match, gen(z).detach())
+            gen = self._build(arch, image, z.shape[0], seed).to(z)  # the noise's device and dtype
+            with torch.no_grad():
+                x = gen(z)
+            loss = self.matching_loss(match, x)
             losses.append(loss)
-            if best is None or loss < best[0]:
+            if math.isfinite(loss) and (best is None or loss < best[0]):
                 best = (loss, gen)
-        assert best is not None
+        if best is None:
+            raise AttackInputError(f"GI-NAS: no candidate of {len(archs)} gave a finite matching distance")
         return best[1], best[0], losses
 
     def _optimise(
@@ -121,15 +124,20 @@ class GINAS(InvertingGradients):
         weights; the last iterate and its matching distance."""
         cfg = self.config
         n, c, h, w = shape
+        if n == 1 and cfg.batch_norm == "train":
+            raise AttackInputError(
+                "GI-NAS: batch_norm = 'train' needs two or more images (one image gives the generator's "
+                "bottleneck one value per channel); use batch_norm = 'auto' or 'eval'"
+            )
         z = normal(
             (n, c, *generated_size(h, w, cfg.levels or default_levels(h, w))), generator, match.params[0]
         )
         start = time.perf_counter()
         gen, searched, losses = self.search(match, z, (c, h, w), generator)
-        self.search_stats = {
+        stats = {
             "search_seconds": time.perf_counter() - start,
             "search_loss": searched,
-            "search_loss_median": float(torch.tensor(losses).median()),
+            "search_loss_median": float(torch.tensor(losses).nanquantile(0.5)),
         }
         weights = list(gen.parameters())
         opt = torch.optim.Adam(weights, lr=cfg.lr)
@@ -142,12 +150,15 @@ class GINAS(InvertingGradients):
             opt.step()
         with torch.no_grad():
             x = gen(z).clamp(0, 1)
-        return x, self.matching_loss(match, x)
+        final = self.matching_loss(match, x)
+        self.restart_stats.append((final, stats))
+        return x, final
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
-        self.search_stats = {}
+        self.restart_stats = []
         rec = super().reconstruct(obs, generator=generator)
-        return Reconstruction(images=rec.images, labels=rec.labels, stats={**rec.stats, **self.search_stats})
+        _, search = min(self.restart_stats, key=lambda ls: ls[0])  # the restart IG's loop kept
+        return Reconstruction(images=rec.images, labels=rec.labels, stats={**rec.stats, **search})
 
     def objective(self, match: Matching, x: torch.Tensor) -> torch.Tensor:
         grads = self.gradients(match, x, create_graph=True)

@@ -100,8 +100,15 @@ class EmbeddingMatchConfig:
             raise ValueError("need swap_every >= 0, swap_tries >= 1 and swap_burnin in [0, 1)")
         if self.lr <= 0 or not 0 < self.lr_decay <= 1 or self.l1_weight < 0 or self.norm_weight < 0:
             raise ValueError("need lr > 0, lr_decay in (0, 1], l1_weight >= 0, norm_weight >= 0")
-        if not self.prior_weight >= 0:
-            raise ValueError(f"prior_weight must be >= 0, got {self.prior_weight}")
+        if not 0 <= self.prior_weight < float("inf"):
+            raise ValueError(f"prior_weight must be a finite number >= 0, got {self.prior_weight}")
+        if not isinstance(self.prior, LMPriorConfig):
+            raise TypeError(f"prior must be an LMPriorConfig, got {type(self.prior).__name__}")
+        if self.prior.tokenizer is not None and (self.prior_weight == 0 or self.swap_every == 0):
+            raise ValueError(
+                "prior.tokenizer names a language-model prior, which scores LAMP's discrete moves: it needs "
+                f"prior_weight > 0 and swap_every > 0 (got {self.prior_weight} and {self.swap_every})"
+            )
         if self.init_norm is not None and self.init_norm <= 0:
             raise ValueError(f"init_norm must be > 0, got {self.init_norm}")
 
@@ -122,6 +129,9 @@ class LampConfig(EmbeddingMatchConfig):
 
 
 Distance = Callable[[list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
+PriorTerm = Callable[
+    [torch.Tensor, list[torch.Tensor]], torch.Tensor
+]  # (sequence, moves) -> each move's term
 
 
 def l2_l1(grads: list[torch.Tensor], target: list[torch.Tensor], l1_weight: float) -> torch.Tensor:
@@ -246,7 +256,6 @@ class EmbeddingMatch:
         return DISTANCE_OF[self.config.distance](self.config)
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
-        start = time.perf_counter()
         c = self.config
         model = obs.client_model()
         spec = family_of(model)
@@ -273,7 +282,8 @@ class EmbeddingMatch:
         table = input_embedding(model).weight.detach()
         vocab = candidate_vocab(obs, model, c.vocab)
         norm = c.init_norm if c.init_norm is not None else float(table[vocab].norm(dim=-1).mean())
-        lm = self._prior(model, table, vocab, b)
+        lm = self._prior(model, table, vocab, b, t)
+        start = time.perf_counter()  # a prior built (or trained) above is not the attack's own time
         x = self._start(problem, (b, t, table.shape[1]), norm, generator)
         x.requires_grad_(True)
         opt = torch.optim.Adam([x], lr=c.lr)
@@ -331,24 +341,31 @@ class EmbeddingMatch:
         return best.detach().clone()
 
     def _prior(
-        self, model: nn.Module, table: torch.Tensor, vocab: torch.Tensor, batch: int
-    ) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """The moves' language-model term (None without a prior): ``prior_weight`` times the prior's mean
-        NLL of each trial's nearest tokens, over ``batch`` (LAMP adds the batch-mean loss of all B
-        sequences, in which one moved sequence weighs 1/B)."""
+        self, model: nn.Module, table: torch.Tensor, vocab: torch.Tensor, batch: int, length: int
+    ) -> PriorTerm | None:
+        """The moves' language-model term (None without a prior): for a sequence's embeddings and the
+        moves tried on it, ``prior_weight`` times the prior's mean NLL of each moved sequence's nearest
+        tokens, over ``batch`` (LAMP adds the batch-mean loss of all B sequences, in which one moved
+        sequence weighs 1/B). A prior for another vocabulary, or too short a context for ``length``
+        tokens, is a configuration error, raised before any work."""
         c = self.config
-        if c.prior.tokenizer is None or c.prior_weight == 0:
+        if c.prior.tokenizer is None:
             return None
         lm_vocab = len(load_tokenizer(c.prior.tokenizer))  # checked before a prior is trained
         if lm_vocab != vocab_size(model):
-            raise AttackInputError(
+            raise ValueError(
                 f"the prior's tokenizer ({c.prior.tokenizer!r}) has {lm_vocab} tokens, the model's embedding "
                 f"{vocab_size(model)}: name the victim's tokenizer in prior.tokenizer"
             )
+        if c.prior.kind == "gpt2" and length > c.prior.context:
+            raise ValueError(
+                f"the GPT-2 prior reads {c.prior.context} tokens (prior.context), the batch {length}"
+            )
         prior = load_prior(c.prior)
 
-        def term(x: torch.Tensor) -> torch.Tensor:
-            return c.prior_weight / batch * prior.nll(nearest_tokens(x, table, vocab))
+        def term(seq: torch.Tensor, perms: list[torch.Tensor]) -> torch.Tensor:
+            ids = nearest_tokens(seq.unsqueeze(0), table, vocab)[0]  # per position: moves permute the ids
+            return c.prior_weight / batch * prior.nll(torch.stack([ids[p.to(ids.device)] for p in perms]))
 
         return term
 
@@ -358,14 +375,14 @@ class EmbeddingMatch:
         x: torch.Tensor,
         norm: float,
         generator: torch.Generator,
-        lm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        lm: PriorTerm | None = None,
     ) -> torch.Tensor:
         """LAMP's discrete step: for each sequence, the move of its positions that lowers the objective
         (plus, with a prior, the language-model term of the moved sequence)."""
         out = x.clone()
         for s in range(x.shape[0]):
             perms = moves(x.shape[1], generator, self.config.swap_tries)
-            prior = lm(torch.stack([out[s, perm] for perm in perms])) if lm is not None else None
+            prior = lm(out[s], perms) if lm is not None else None
             scored = []
             for j, perm in enumerate(perms):
                 trial = out.clone()

@@ -62,7 +62,9 @@ class FedSpyConfig:
     """``tokens`` ``"rows"`` (paper 002's reading) or ``"span"`` (frozen embeddings); ``rows`` the row-norm
     selection; ``l1_threshold`` / ``rank_tol`` the span test's (None: the family's, as DAGER's);
     ``max_length`` tokens a sequence at most; ``min_gain`` the cosine gain an extension must bring;
-    ``beam`` prefixes kept per step. None of these is stated by the paper: the defaults are ours."""
+    ``beam`` prefixes kept per step; ``max_tokens`` / ``max_sequences``: larger token sets or batches are
+    refused before work (a start alone costs |set|^2 backward passes). None of these is stated by the
+    paper: the defaults are ours."""
 
     tokens: str = "rows"
     rows: RowNormConfig = field(default_factory=RowNormConfig)
@@ -71,14 +73,18 @@ class FedSpyConfig:
     max_length: int = 64
     min_gain: float = 1e-4
     beam: int = 1
+    max_tokens: int = 256
+    max_sequences: int = 64
 
     def __post_init__(self) -> None:
         if self.tokens not in ("rows", "span"):
             raise ValueError(f"tokens must be 'rows' or 'span', got {self.tokens!r}")
         if self.max_length < 2 or self.beam < 1:
             raise ValueError(f"need max_length >= 2 and beam >= 1, got {self.max_length}, {self.beam}")
-        if not self.min_gain >= 0:
-            raise ValueError(f"min_gain must be >= 0, got {self.min_gain}")
+        if not 0 <= self.min_gain < float("inf"):
+            raise ValueError(f"min_gain must be a finite number >= 0, got {self.min_gain}")
+        if self.max_tokens < 1 or self.max_sequences < 1:
+            raise ValueError("max_tokens and max_sequences must be >= 1")
 
 
 class Alignment:
@@ -160,11 +166,18 @@ class FedSpy:
             if n in obs.update.tensors:
                 p.requires_grad_(True)
         tokens = self.token_set(obs, model)
+        count = max(1, obs.update.num_samples)
+        if len(tokens) > self.config.max_tokens or count > self.config.max_sequences:
+            raise AttackInputError(
+                f"FedSpy-LLM: {len(tokens)} tokens and {count} sequences (at most {self.config.max_tokens} "
+                f"and {self.config.max_sequences}: a start alone is {len(tokens) ** 2} backward passes); "
+                "raise max_tokens / max_sequences to run it anyway"
+            )
         align = Alignment(model, names, [update_tensor(obs, n) for n in names])
         seqs: list[list[int]] = []
         scores: list[float] = []
         if tokens:
-            for _ in bar(range(max(1, obs.update.num_samples)), desc="FedSpy-LLM sequences"):
+            for _ in bar(range(count), desc="FedSpy-LLM sequences"):
                 seq, score = self.grow(align, tokens)
                 seqs.append(seq)
                 scores.append(score)

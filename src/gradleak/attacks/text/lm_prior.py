@@ -33,7 +33,7 @@ from torch import nn
 
 from gradleak.data.text import load_text_dataset
 from gradleak.fileio import atomic_write
-from gradleak.models.text import load_tokenizer
+from gradleak.models.text import TOKENIZERS, load_tokenizer
 from gradleak.progress import bar
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,10 @@ class LMPriorConfig:
     store: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tokenizer is not None and self.tokenizer not in TOKENIZERS:
+            raise ValueError(
+                f"prior tokenizer must be a text model's, one of {sorted(TOKENIZERS)}, got {self.tokenizer!r}"
+            )
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {sorted(KINDS)}, got {self.kind!r}")
         for name in ("layers", "width", "heads", "context", "steps", "batch_size"):
@@ -73,8 +77,8 @@ class LMPriorConfig:
             raise ValueError(f"width ({self.width}) must be a multiple of heads ({self.heads})")
         if self.context < 2:
             raise ValueError(f"context must be >= 2, got {self.context}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < float("inf"):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
 
     @property
     def key(self) -> str:
@@ -101,8 +105,12 @@ class TransformerPrior:
 
     @torch.no_grad()
     def nll(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.shape[1] > self.context:
+            raise ValueError(f"the GPT-2 prior reads {self.context} tokens; a sequence holds {ids.shape[1]}")
+        if ids.shape[1] < 2:
+            return torch.zeros(ids.shape[0], device=ids.device)  # no next token to predict
         device = ids.device  # the prior stays where it was built (the CPU); the result goes back
-        ids = ids[:, -self.context :].to(torch.long).to(next(self.model.parameters()).device)
+        ids = ids.to(torch.long).to(next(self.model.parameters()).device)
         logits = self.model(input_ids=ids).logits[:, :-1]
         loss = nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         return loss.mean(dim=1).to(device)
@@ -126,6 +134,8 @@ class BigramPrior:
 
     @torch.no_grad()
     def nll(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.shape[1] < 2:
+            return torch.zeros(ids.shape[0], device=ids.device)  # no next token to predict
         device, ids = ids.device, ids.cpu().long()  # the counts live on the CPU; the result goes back
         a, b = ids[:, :-1], ids[:, 1:]
         keys = a * self.vocab_size + b
@@ -136,16 +146,26 @@ class BigramPrior:
         return (-p.log()).mean(dim=1).float().to(device)
 
 
-_MEMO: dict[str, LMPrior] = {}
+_MEMO: dict[tuple[str, str | None], LMPrior] = {}
+MEMO_SIZE = 4  # priors kept in memory (a GPT-2 prior holds its weights)
 
 
 def load_prior(config: LMPriorConfig) -> LMPrior:
-    """The prior for ``config``: from memory, or built now (``kind``'s builder) and kept there."""
+    """The prior for ``config``: from memory, or built now (``kind``'s builder) and kept there (the last
+    :data:`MEMO_SIZE`; a ``store`` is part of the key, so a prior asked for with one is saved there)."""
     if config.tokenizer is None:
         raise ValueError("LMPriorConfig.tokenizer is None: no prior was asked for")
-    if config.key not in _MEMO:
-        _MEMO[config.key] = KINDS[config.kind](config, len(load_tokenizer(config.tokenizer)))
-    return _MEMO[config.key]
+    key = (config.key, config.store)
+    if key not in _MEMO:
+        if len(_MEMO) >= MEMO_SIZE:
+            _MEMO.pop(next(iter(_MEMO)))
+        _MEMO[key] = KINDS[config.kind](config, len(load_tokenizer(config.tokenizer)))
+    return _MEMO[key]
+
+
+def clear_priors() -> None:
+    """Forget the priors kept in memory (stored files stay)."""
+    _MEMO.clear()
 
 
 def _bigram(config: LMPriorConfig, vocab: int) -> LMPrior:
@@ -181,17 +201,25 @@ def _file(config: LMPriorConfig) -> Path | None:
 
 
 def _load_into(model: nn.Module, file: Path, config: LMPriorConfig) -> None:
-    """The stored weights, refused unless the file was written for exactly these options."""
+    """The stored weights, checked before any is read: written for exactly these options, exactly this
+    model's tensors (names, shapes, float32; the tied head left out), every value finite."""
+    want = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # the head is tied
     with safe_open(str(file), "pt") as f:
         key = (f.metadata() or {}).get("key")
-    if key != config.key:
-        raise ValueError(f"{file}: written for other options ({key!r}); remove it or change the store")
+        if key != config.key:
+            raise ValueError(f"{file}: written for other options ({key!r}); remove it or change the store")
+        names = set(f.keys())
+        if names != set(want):
+            raise ValueError(f"{file}: does not hold this prior's tensors ({sorted(names ^ set(want))[:5]})")
+        for name in names:
+            part = f.get_slice(name)
+            if list(part.get_shape()) != list(want[name].shape) or part.get_dtype() != "F32":
+                raise ValueError(f"{file}: {name} is {part.get_dtype()} {part.get_shape()}, not this prior's")
     state = load_file(str(file))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or any(not m.endswith("lm_head.weight") for m in missing):  # the head is tied
-        raise ValueError(
-            f"{file}: does not hold this prior's weights (missing {missing}, extra {unexpected})"
-        )
+    bad = [k for k, v in state.items() if not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ValueError(f"{file}: non-finite values in {bad[:5]}")
+    model.load_state_dict(state, strict=False)
 
 
 def _build(config: LMPriorConfig, vocab: int) -> nn.Module:
@@ -202,8 +230,8 @@ def _build(config: LMPriorConfig, vocab: int) -> nn.Module:
         n_head=config.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
         eos_token_id=None,
     )  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
+    with torch.random.fork_rng(devices=[]):  # the CPU generator only: no accelerator's is touched
+        torch.default_generator.manual_seed(config.seed)
         return GPT2LMHeadModel(gpt)
 
 

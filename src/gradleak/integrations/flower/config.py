@@ -81,17 +81,10 @@ class FlowerEngineConfig:
         per_round: int,
         audited: int,
         random_subset: bool = False,
-        adapters: bool = False,
     ) -> None:
         """SecAgg+ is the protocol of a secure-aggregation threat model, with rounds it can run; a node is
         told how many of its first samples an audit trains on (``random_subset``: a random subset, which it
-        cannot be told); a node rebuilds the model from its spec, which a LoRA model (``adapters``) has
-        not yet."""
-        if adapters:
-            raise ValueError(
-                "the Flower engine's nodes rebuild the model from its spec, which a model with model.adapter "
-                "(peft LoRA) does not have yet: run adapters with engine.name = 'inprocess'"
-            )
+        cannot be told)."""
         if random_subset:
             raise ValueError(
                 "the Flower engine sends an audited node a sample count, so audit.pick = 'random' (a random "
