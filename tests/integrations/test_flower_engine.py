@@ -146,7 +146,7 @@ def test_an_experiment_on_the_flower_engine_records_what_the_in_process_engine_r
     assert [r["attack"] for r in got.of_kind("attack")] == ["ig", "ig", "robbing_the_fed", "robbing_the_fed"]
 
 
-@pytest.mark.slow  # 4.5 min here (in-process: 17 s); the audit's replies took more than 120 s
+@pytest.mark.slow  # 4.5 min beside a benchmark using both cores (in-process: 17 s)
 @pytest.mark.timeout(900)
 def test_a_lora_text_experiment_on_the_flower_engine_records_what_the_in_process_engine_records():
     """GPT-2 arch with LoRA on Rotten Tomatoes: the nodes rebuild the peft model from the server's spec
