@@ -194,6 +194,7 @@ ATTACK_CASES = {  # each device-ready image attack, a few iterations, on the upd
     "gradinversion": ("fedsgd", {"max_iterations": 3, "group": 2}),
     "label_counts": ("fedsgd", {}),
     "dlg": ("fedsgd", {"max_iterations": 2, "lbfgs_max_iter": 2}),
+    "gi_nas": ("fedsgd", {"max_iterations": 3, "candidates": 2, "width": 16}),
     "sme": ("fedavg", {"max_iterations": 3}),
     "nlsme": ("fedavg", {"max_iterations": 3}),
     "pisme": ("fedavg", {"max_iterations": 3, "nodes": 2}),

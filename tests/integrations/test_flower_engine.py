@@ -146,24 +146,24 @@ def test_an_experiment_on_the_flower_engine_records_what_the_in_process_engine_r
     assert [r["attack"] for r in got.of_kind("attack")] == ["ig", "ig", "robbing_the_fed", "robbing_the_fed"]
 
 
-@pytest.mark.slow  # 4.5 min beside a benchmark using both cores (in-process: 17 s)
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(400)
 def test_a_lora_text_experiment_on_the_flower_engine_records_what_the_in_process_engine_records():
-    """GPT-2 arch with LoRA on Rotten Tomatoes: the nodes rebuild the peft model from the server's spec
-    (:func:`gradleak.models.build_module`), so a FedAvg round of adapters and an audit of adapter updates
-    give the in-process engine's records (the round's clients, the audit's ROUGE and exact sequences)."""
+    """GPT-2 arch with LoRA on Rotten Tomatoes, 20 nodes, 4 a round: the nodes rebuild the peft model from
+    the server's spec (:func:`gradleak.models.build_module`), so a FedAvg round of adapters and an audit
+    of adapter updates give the in-process engine's records (the round's clients, the audit's ROUGE and
+    exact sequences). 25 s here on an idle machine."""
     from gradleak.cli.demo import demo_config_path
 
     text = [
         "data.dataset='rotten_tomatoes'", "data.train_split='all'", "data.test_split='all'",
-        "data.train_limit=400", "data.test_limit=16", "data.num_clients=100", "fl.rounds=1",
-        "fl.fraction=0.1",
+        "data.train_limit=200", "data.test_limit=16", "data.num_clients=20", "fl.rounds=1",
+        "fl.fraction=0.2",
         "fl.training.epochs=1", "fl.training.batch_size=2", "model.name='gpt2_tiny'",
         "model.adapter={r = 64, alpha = 64}", "audit.clients=2", "audit.training.batch_size=2",
         "audit.attacks=[{name = 'dager_lora'}]",
     ]  # fmt: skip
     cfg = load_config(demo_config_path(), text)
-    on_flower = load_config(demo_config_path(), [*text, 'engine.name="flower"', "engine.options.timeout=300"])
+    on_flower = load_config(demo_config_path(), [*text, 'engine.name="flower"', "engine.options.timeout=120"])
     want, got = run_experiment(cfg), run_experiment(on_flower)
     assert [r["kind"] for r in got.records] == [r["kind"] for r in want.records]
     assert [r["kind"] for r in want.records].count("attack") == 2
