@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gradleak.attacks.image.ig import IGConfig, InvertingGradients, Matching, total_variation
+from gradleak.attacks.image.ig import IGConfig, InvertingGradients, Matching
 from gradleak.attacks.image.nas_space import Architecture, SkipGenerator, generated_size, sample_architectures
 from gradleak.device import DEVICE_TYPES, normal
 from gradleak.progress import bar
@@ -159,10 +159,6 @@ class GINAS(InvertingGradients):
         rec = super().reconstruct(obs, generator=generator)
         _, search = min(self.restart_stats, key=lambda ls: ls[0])  # the restart IG's loop kept
         return Reconstruction(images=rec.images, labels=rec.labels, stats={**rec.stats, **search})
-
-    def objective(self, match: Matching, x: torch.Tensor) -> torch.Tensor:
-        grads = self.gradients(match, x, create_graph=True)
-        return self.distance(grads, match.target) + self.config.tv_weight * total_variation(x)
 
 
 ATTACKS.register(

@@ -57,8 +57,7 @@ from gradleak.attacks.text.family import (
     update_tensor,
     vocab_size,
 )
-from gradleak.attacks.text.lm_prior import LMPriorConfig, load_prior
-from gradleak.models.text import load_tokenizer
+from gradleak.attacks.text.lm_prior import LMPriorConfig, load_prior, vocabulary_size
 from gradleak.progress import bar
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, AttackNeeds, Observation, Reconstruction
@@ -351,7 +350,7 @@ class EmbeddingMatch:
         c = self.config
         if c.prior.tokenizer is None:
             return None
-        lm_vocab = len(load_tokenizer(c.prior.tokenizer))  # checked before a prior is trained
+        lm_vocab = vocabulary_size(c.prior.tokenizer)  # checked before a prior is trained
         if lm_vocab != vocab_size(model):
             raise ValueError(
                 f"the prior's tokenizer ({c.prior.tokenizer!r}) has {lm_vocab} tokens, the model's embedding "

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from gradleak.attacks.image.ig import cosine_distance
 from gradleak.attacks.text.dager.core import Dager, DagerConfig
 from gradleak.attacks.text.family import (
     embedding_param,
@@ -103,11 +104,7 @@ class Alignment:
         return [g.detach().double() for g in torch.autograd.grad(loss, self.params)]
 
     def cosine(self, ids: list[int]) -> float:
-        g = self.gradient(ids)
-        dot = sum(float((a * b).sum()) for a, b in zip(g, self.target, strict=True))
-        norm = sum(float(a.square().sum()) for a in g) ** 0.5
-        tnorm = sum(float(b.square().sum()) for b in self.target) ** 0.5
-        return dot / max(norm * tnorm, 1e-300)
+        return 1.0 - float(cosine_distance(self.gradient(ids), self.target))
 
     def remove(self, ids: list[int]) -> None:
         """The target without its component along the gradient of ``ids``."""

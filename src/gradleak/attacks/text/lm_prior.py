@@ -18,6 +18,7 @@ the two apart (the docs say which prior each run used).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -159,8 +160,14 @@ def load_prior(config: LMPriorConfig) -> LMPrior:
     if key not in _MEMO:
         if len(_MEMO) >= MEMO_SIZE:
             _MEMO.pop(next(iter(_MEMO)))
-        _MEMO[key] = KINDS[config.kind](config, len(load_tokenizer(config.tokenizer)))
+        _MEMO[key] = KINDS[config.kind](config, vocabulary_size(config.tokenizer))
     return _MEMO[key]
+
+
+@functools.cache
+def vocabulary_size(tokenizer: str) -> int:
+    """The number of tokens of a registered text model's tokenizer (loaded once per process)."""
+    return len(load_tokenizer(tokenizer))
 
 
 def clear_priors() -> None:
