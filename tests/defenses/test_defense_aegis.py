@@ -125,6 +125,33 @@ def test_optimizer_state_is_irrelevant_for_a_stateless_optimizer() -> None:
     assert torch.equal(updates[0], updates[1])
 
 
+def test_the_synthetic_step_descends_the_recipes_loss() -> None:
+    """Under Eloul et al.'s recipe (``loss = "mse"``) Aegis' synthetic step descends the softmax MSE, as the
+    real steps do, not cross-entropy: one real SGD step on the whole share, then the lambda-weighted
+    synthetic step, against a hand-written reference of both (the delta within 1e-5 relative)."""
+    from gradleak.tasks.losses import softmax_mse
+
+    data = synthetic_dataset(n=16, shape=SHAPE, classes=3, seed=1)
+    cache = cache_of(40)
+    model = build_model("aegis_cnn", SHAPE, 3, seed=0)
+    lr, weight = 0.5, 40 / 16
+    training = LocalTraining("fedavg", epochs=1, batch_size=16, lr=lr, optimizer="sgd", loss="mse")
+    aegis = aegis_for_client(cache, cache={"size": 40}, micro_batch=16, real_batch_size=16)
+    res = train_client(0, model, data, training, [aegis], torch.Generator().manual_seed(0))
+    assert res.update is not None and aegis.steps == 1
+    ref = build_model("aegis_cnn", SHAPE, 3, seed=0)
+    w0 = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    for images, labels, w in ((data.images, data.labels, 1.0), (cache.images, cache.labels, weight)):
+        ref.zero_grad()
+        softmax_mse(ref(images), labels).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= lr * w * p.grad  # type: ignore[operator]
+    for n, p in ref.named_parameters():
+        delta = res.update.tensors[n]
+        torch.testing.assert_close(delta, p.detach() - w0[n], rtol=1e-5, atol=1e-8)
+
+
 def test_cache_never_leaves_the_client() -> None:
     data = synthetic_dataset(n=20, shape=SHAPE, classes=3, seed=1)
     cache = cache_of(40)

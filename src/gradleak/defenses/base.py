@@ -114,12 +114,16 @@ class SetupContext:
     for data-aware defenses (Aegis builds its synthetic cache from it); it never leaves the client.
     ``train_data``: what local training draws its batches from (``data`` when not given; DP-SGD accounts
     its sampling rate from it). ``data_root``: where this party's data files are (``experiment.data_root``;
-    None: ``$GRADLEAK_DATA`` or ``../shared/data``), for a defense that reads a public split."""
+    None: ``$GRADLEAK_DATA`` or ``../shared/data``), for a defense that reads a public split.
+    ``criterion``: the classification loss local training minimises (``LocalTraining.loss``, a
+    ``(logits, labels) -> mean loss`` callable; None: cross-entropy), for a defense that takes steps of its
+    own (Aegis' synthetic step must descend the loss the real steps descend)."""
 
     generator: torch.Generator
     data: ImageDataset | TokenDataset | None = None
     train_data: object | None = None
     data_root: str | os.PathLike[str] | None = None
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.generator, torch.Generator):

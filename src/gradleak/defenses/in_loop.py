@@ -92,6 +92,7 @@ class DefendedLoop:
         train_data: object | None = None,
         data_root: str | os.PathLike[str] | None = None,
         source: str = "client",
+        criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.model, self.source = model, source
         self.chain = DefenseChain(build_defenses(defenses))
@@ -105,7 +106,7 @@ class DefendedLoop:
         self.w0 = {n: p.detach().clone() for n, p in self.reference.items()} if optimizer else None
         params = {n for n, _ in model.named_parameters()}
         self.b0 = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in params}
-        context = SetupContext(generator, data, train_data, data_root)
+        context = SetupContext(generator, data, train_data, data_root, criterion)
         self._guard(lambda: self.chain.setup(model, context))
         self.optimizer: torch.optim.Optimizer | None = None
         if optimizer is not None:
@@ -231,6 +232,7 @@ def defend(
     data_root: str | os.PathLike[str] | None = None,
     copy_model: bool = False,
     source: str = "client",
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> DefendedLoop:
     """Apply ``defenses`` to training ``model`` in the caller's loop (see the module docstring).
 
@@ -241,13 +243,15 @@ def defend(
     it stays on the client. ``train_data`` is what local training draws its batches from, when not all
     of ``data`` (DP-SGD accounts its sampling rate from it). ``data_root``: where this party's data files
     are, for a defense that reads a public split (Aegis' generators; default ``$GRADLEAK_DATA``).
-    ``copy_model`` trains a private copy (then
+    ``criterion``: the loss the caller's loop minimises, when not cross-entropy (a ``(logits, labels) ->
+    mean loss`` callable; Aegis' synthetic step descends it too). ``copy_model`` trains a private copy (then
     use ``loop.model``). ``source`` names the client in errors. Raises :class:`DefenseFailure` if a
     ``setup`` fails.
     """
     work = copy.deepcopy(model) if copy_model else model
     return DefendedLoop(work, optimizer, defenses, generator=generator or private_generator(), data=data,
-                        train_data=train_data, data_root=data_root, source=source)  # fmt: skip
+                        train_data=train_data, data_root=data_root, source=source,
+                        criterion=criterion)  # fmt: skip
 
 
 def private_generator() -> torch.Generator:

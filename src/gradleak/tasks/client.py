@@ -23,7 +23,7 @@ from torch import nn
 from gradleak.defenses.base import Defense, DefenseFailure
 from gradleak.defenses.in_loop import DefendedLoop
 from gradleak.device import CPU
-from gradleak.registry import OPTIMIZERS, SAMPLERS
+from gradleak.registry import LOSSES, OPTIMIZERS, SAMPLERS
 from gradleak.tasks import IMAGE_CLASSIFICATION, Dataset, Task
 from gradleak.types import MODE, LocalTraining, Update
 from gradleak.update import DEFAULT_LOSS
@@ -163,6 +163,7 @@ def train_client(
             train_data=data,
             data_root=data_root,
             source=f"client {client_id}",
+            criterion=None if training.loss == DEFAULT_LOSS else LOSSES.create(training.loss),
         )
         index: tuple[int, ...] | None = None
         if fedavg:

@@ -61,7 +61,7 @@ import math
 import os
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,16 +190,26 @@ def batch_dependent(model: nn.Module) -> list[str]:
 
 
 def accumulate_mean_gradient(
-    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, micro_batch: int, weight: float = 1.0
+    model: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    micro_batch: int,
+    weight: float = 1.0,
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> float:
-    """Set ``p.grad = weight * d/dw mean_n CE(model(x_n), y_n)`` over all ``images``, in micro-batches at
-    fixed parameters; returns the mean loss."""
+    """Set ``p.grad = weight * d/dw mean_n L(model(x_n), y_n)`` over all ``images``, in micro-batches at
+    fixed parameters; returns the mean loss. ``L``: ``criterion`` (a per-batch *mean* loss, the local
+    recipe's: :class:`~gradleak.defenses.base.SetupContext`), cross-entropy when None."""
     n = len(images)
     for p in model.parameters():
         p.grad = None
     total, device = 0.0, module_device(model)
     for x, y in zip(images.split(micro_batch), labels.split(micro_batch), strict=True):
-        loss = F.cross_entropy(model(x.to(device)), y.to(device), reduction="sum")
+        out, target = model(x.to(device)), y.to(device)
+        if criterion is None:
+            loss = F.cross_entropy(out, target, reduction="sum")
+        else:  # a mean over the micro-batch: times its size, the sum
+            loss = criterion(out, target) * len(x)
         (loss * (weight / n)).backward()
         total += float(loss.detach())
     return total / n
@@ -330,6 +340,7 @@ class AegisSynthetic(Defense):
         self._real_shape: tuple[int, ...] | None = None
         self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._synthetic_state: defaultdict[torch.Tensor, dict[str, object]] = defaultdict(dict)
+        self._criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         if cache is not None:
             self.bind(cache)
 
@@ -343,7 +354,8 @@ class AegisSynthetic(Defense):
         """Pick this run's cache: the bound one, else one built from ``context.data`` (the client's private
         data, :func:`cache_from_data`; a public split is read under ``context.data_root``); neither: fail
         closed. ``context.generator`` (the client's training randomness) is not consumed, so real batches
-        are drawn as without the defense."""
+        are drawn as without the defense; ``context.criterion`` (the recipe's loss: Eloul et al.'s MSE, say)
+        is the loss the synthetic step descends, as the real steps do."""
         self.active_cache = None
         data = context.data
         if self.cache is not None:
@@ -361,6 +373,7 @@ class AegisSynthetic(Defense):
         if bad and self.config.micro_batch < self.config.cache_size:
             raise RuntimeError(f"batch-dependent layers {bad[:3]} break micro-batch accumulation")
         self.active_cache = active
+        self._criterion = context.criterion  # the synthetic step descends the real steps' loss
         self.steps = 0
         self._synthetic_state = defaultdict(dict)  # a fresh synthetic stream for each local training run
         self._real_shape = None
@@ -383,7 +396,7 @@ class AegisSynthetic(Defense):
             raise ValueError(f"cache images are {tuple(images.shape[1:])}, the task's are {self._real_shape}")
         optimizer.zero_grad(set_to_none=True)
         self.last_loss = accumulate_mean_gradient(
-            model, images, labels, self.config.micro_batch, self.config.synthetic_weight
+            model, images, labels, self.config.micro_batch, self.config.synthetic_weight, self._criterion
         )
         for n, p in model.named_parameters():
             if p.grad is not None and not torch.isfinite(p.grad).all():
