@@ -67,7 +67,7 @@ def check_value(value: Any, hint: Any, where: str) -> Any:
 def build_dataclass(cls: type, values: Mapping[str, Any], *, where: str) -> Any:
     """Instantiate dataclass ``cls`` from a mapping: unknown keys (with the valid ones), wrong types and the
     dataclass' own validation errors are :class:`OptionError` naming ``where`` and the key. Fields whose
-    type is a dataclass are built from nested mappings the same way."""
+    type is a dataclass (or a dataclass or None) are built from nested mappings the same way."""
     if not isinstance(values, Mapping):
         raise OptionError(f"{where}: expected a table of options, got {type(values).__name__}")
     fields = {f.name for f in dataclasses.fields(cls)}
@@ -78,6 +78,9 @@ def build_dataclass(cls: type, values: Mapping[str, Any], *, where: str) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
         hint = hints[key]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType) and isinstance(value, Mapping):
+            tables = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]  # ``Gate | None``
+            hint = tables[0] if len(tables) == 1 else hint
         if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
             kwargs[key] = build_dataclass(hint, value, where=f"{where}.{key}")  # type: ignore[arg-type]
         elif dataclasses.is_dataclass(hint) and isinstance(value, hint):  # type: ignore[arg-type]

@@ -141,3 +141,36 @@ def test_the_store_option_is_checked_and_a_plain_generator_has_no_fingerprint() 
         with pytest.raises(ValueError, match="store must be a folder name or None"):
             AegisConfig(store=bad)  # type: ignore[arg-type]
     assert fingerprint(object()) == ""
+
+
+def test_an_audit_builds_each_clients_cache_once_across_its_attacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 56, item 3: every attack of an audit trains its clients again (two read-outs of Robbing the
+    Fed here, and the round's clients before them), and each client's share is built into a cache once: as
+    many builds as distinct shares, each a different share, none per attack."""
+    from gradleak.cli.demo import demo_config_path
+    from gradleak.defenses.aegis.generators.base import data_digest
+    from gradleak.experiments import load_config, run_experiment
+
+    built: list[bytes] = []
+    build = aegis_synthetic.build_cache
+
+    def counted(source, data, *args, **kwargs):  # type: ignore[no-untyped-def]
+        built.append(data_digest(data))
+        return build(source, data, *args, **kwargs)
+
+    monkeypatch.setattr(aegis_synthetic, "build_cache", counted)
+    clear_cache_memo()
+    cfg = load_config(
+        demo_config_path(),
+        ["data.train_limit=300", "data.test_limit=100", "data.num_clients=4", "fl.rounds=1",
+         "fl.fraction=0.5", "audit.clients=2", "audit.training.protocol='fedavg'",
+         "audit.training.batch_size=8", "audit.training.epochs=1", "audit.public_limit=50",
+         "defenses=[{name='aegis', cache={size=16}, micro_batch=16}]",
+         "audit.attacks=[{name='robbing_the_fed', num_bins=32}, "
+         "{name='robbing_the_fed', num_bins=32, max_images=32}]"],
+    )  # fmt: skip
+    out = run_experiment(cfg)
+    assert len(out.of_kind("attack")) == 4  # 2 clients x 2 attacks, each retraining its client
+    assert all(a.get("refused") is None for a in out.of_kind("attack"))
+    assert 2 <= len(built) <= 4 and len(set(built)) == len(built)  # round + audit shares, each once
+    clear_cache_memo()

@@ -394,3 +394,41 @@ def test_a_generator_trained_on_the_gpu_samples_on_the_cpu_like_on_the_gpu(tmp_p
     cpu = on_cpu.sample(labels, generator=torch.Generator().manual_seed(2))
     # the same noise, weights and solver: only the kernels' rounding differs (no TF32: fp32 throughout)
     assert gpu.device.type == "cpu" and torch.allclose(gpu, cpu, atol=1e-3), (gpu - cpu).abs().max()
+
+
+def test_quality_gated_training_stops_at_the_first_check_that_passes(tmp_path: Path) -> None:
+    """Issue 56: the training length is the gate's. A seeded small case (the three-halves classes, a tiny
+    UNet, a check every 50 steps up to a 600-step cap) stops at the first check whose class fidelity reaches
+    0.9 x the reference classifier's held-out ceiling: every earlier check failed, the weights are the EMA
+    weights at that step, and a gate no generator can pass (fidelity 1.0 of the ceiling and a Frechet
+    distance of 1e-9) runs to the cap and says it did not pass."""
+    from gradleak.defenses.aegis.generators.quality import TrainingGate
+
+    data = halves(240, seed=0)
+    gate = {"every": 50, "fidelity": 0.9, "heldout": 0.2, "samples_per_class": 16, "classifier_epochs": 20}
+    config = tiny_config(str(tmp_path), steps=600, gate=gate)
+    assert isinstance(config.training.gate, TrainingGate)
+    gen = DiffusionGenerator.fit(data, config, generator=torch.Generator().manual_seed(0))
+    info = gen.info["gate"]
+    history, ceiling = info["history"], info["ceiling"]
+    assert ceiling >= 0.9  # the halves are easy: the reference classifier's held-out accuracy
+    assert info["passed"] and info["passed_at"] == history[-1]["step"] == gen.info["train_steps"] < 600
+    assert [h["step"] for h in history] == list(range(50, info["passed_at"] + 1, 50))
+    assert history[-1]["fidelity"] >= 0.9 * ceiling
+    assert all(h["fidelity"] < 0.9 * ceiling for h in history[:-1])
+    assert gen.info["train_images"] == 240 - 48  # 20 % of each class held out of training
+
+    strict = tiny_config(None, steps=150, gate={**gate, "fidelity": 1.0, "frechet": 1e-9})
+    capped = DiffusionGenerator.fit(data, strict, generator=torch.Generator().manual_seed(0))
+    assert capped.info["train_steps"] == 150 and not capped.info["gate"]["passed"]
+    assert [h["step"] for h in capped.info["gate"]["history"]] == [50, 100, 150]
+
+
+@pytest.mark.parametrize(
+    "gate, message",
+    [({"every": 0}, "every"), ({"fidelity": 1.5}, "fidelity"), ({"heldout": 1}, "heldout"),
+     ({"frechet": -1.0}, "frechet"), ({"evry": 5}, "evry")],
+)  # fmt: skip
+def test_a_bad_gate_is_refused_by_name(gate: dict, message: str) -> None:
+    with pytest.raises(OptionError, match=message):
+        tiny_config(None, gate=gate)

@@ -26,6 +26,7 @@ this generator is a clear error.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import importlib
@@ -45,6 +46,7 @@ from torch import nn
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.aegis.generators.base import PublicSplit, check_labels, data_digest
 from gradleak.defenses.aegis.generators.pool import PoolDraws, SamplePool
+from gradleak.defenses.aegis.generators.quality import Reference, TrainingGate, split_heldout
 from gradleak.device import DEVICE_TYPES, usable_device
 from gradleak.fileio import kept
 from gradleak.progress import bar
@@ -120,13 +122,15 @@ class UNetConfig:
             raise ValueError(f"unet layers must be an int >= 1, got {self.layers!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class DiffusionTrainingConfig:
     """``steps`` AdamW steps of ``batch_size`` images at learning rate ``lr`` (cosine decay after
     ``warmup`` steps), an EMA of the weights whose decay warms up as ``1 - (1 + step)^(-3/4)`` (diffusers'
     EMAModel) and is capped at ``ema_decay`` (0.996 at step 1,500; the default cap 0.999 binds past 10,000
     steps), labels dropped to the null class with probability ``class_dropout``, a ``timesteps``-step
-    cosine noise schedule (Nichol & Dhariwal 2021)."""
+    cosine noise schedule (Nichol & Dhariwal 2021). ``gate``: stop when the samples pass a quality gate
+    (:class:`~gradleak.defenses.aegis.generators.quality.TrainingGate`; ``steps`` is then the cap), e.g.
+    ``gate = { every = 500, fidelity = 0.9 }``; None: train exactly ``steps``."""
 
     steps: int = 1500  # measured on OrganAMNIST val (docs/defenses.md): class-faithful samples
     batch_size: int = 64
@@ -135,6 +139,13 @@ class DiffusionTrainingConfig:
     ema_decay: float = 0.999
     class_dropout: float = 0.1
     timesteps: int = 1000
+    gate: TrainingGate | None = None
+
+    def __repr__(self) -> str:
+        # the repr keys stored generators and caches: without a gate it is the repr from before the gate
+        # existed, so what was stored then is found again
+        shown = [f for f in dataclasses.fields(self) if not (f.name == "gate" and self.gate is None)]
+        return f"DiffusionTrainingConfig({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "timesteps"):
@@ -291,6 +302,55 @@ def _schedule(diffusers: Any, cfg: DiffusionTrainingConfig) -> Any:
     )
 
 
+class _Gate:
+    """A training run's quality gate (:class:`~gradleak.defenses.aegis.generators.quality.TrainingGate`):
+    when to check, each check's scores, and whether one passed."""
+
+    def __init__(self, config: TrainingGate, reference: Reference, train: ImageDataset) -> None:
+        self.config, self.reference, self.train = config, reference, train
+        self.history: list[dict[str, float]] = []
+        self.passed_at: int | None = None
+
+    def due(self, step: int) -> bool:
+        return step >= self.config.min_steps and step % self.config.every == 0
+
+    def check(self, step: int, probe: DiffusionGenerator) -> bool:
+        """Score ``probe`` (the weights at ``step``); True when it passes (training stops)."""
+        report = self.reference.score(f"gate, step {step}", probe, self.train)
+        ceiling = self.reference.real_accuracy
+        self.history.append({"step": step, "fidelity": report.accuracy, "frechet": report.frechet})
+        passed = self.config.passed(report, ceiling)
+        log.info(
+            "diffusion generator gate at step %d: class fidelity %.3f (needs %.3f = %.2f x the held-out "
+            "ceiling %.3f), Frechet %.3g%s: %s",
+            step,
+            report.accuracy,
+            self.config.fidelity * ceiling,
+            self.config.fidelity,
+            ceiling,
+            report.frechet,
+            "" if self.config.frechet is None else f" (needs <= {self.config.frechet:.3g})",
+            "passed" if passed else "not yet",
+        )
+        if passed:
+            self.passed_at = step
+        return passed
+
+    def summary(self) -> dict[str, Any]:
+        if self.passed_at is None:
+            log.warning(
+                "diffusion generator: the quality gate did not pass within the cap of training steps "
+                "(last check: %s); raise training.steps or lower the gate",
+                self.history[-1] if self.history else "none ran",
+            )
+        return {
+            "passed": self.passed_at is not None,
+            "passed_at": self.passed_at,
+            "ceiling": self.reference.real_accuracy,
+            "history": self.history,
+        }
+
+
 class DiffusionGenerator:
     """A trained class-conditional diffusion model; a
     :class:`~gradleak.defenses.aegis.generators.ConditionalGenerator`.
@@ -321,7 +381,8 @@ class DiffusionGenerator:
     def fit(
         cls, data: ImageDataset, config: DiffusionGeneratorConfig, *, generator: torch.Generator
     ) -> DiffusionGenerator:
-        """Train on every image of ``data`` (eq. above); a class with no image cannot be sampled later."""
+        """Train on every image of ``data`` (eq. above; with a quality ``gate``, on all but its held-out
+        share); a class with no image cannot be sampled later."""
         diffusers = require_diffusers()
         if len(data) == 0:
             raise ValueError("cannot fit a diffusion generator on no images")
@@ -340,14 +401,19 @@ class DiffusionGenerator:
         lr_at = importlib.import_module("diffusers.optimization").get_cosine_schedule_with_warmup(
             optimizer, num_warmup_steps=min(tc.warmup, tc.steps - 1), num_training_steps=tc.steps
         )
+        start, cpu_start = time.perf_counter(), time.process_time()
+        gate: _Gate | None = None
+        if tc.gate is not None:  # the held-out split and its reference classifier, from the training seed
+            data, heldout = split_heldout(data, tc.gate.heldout, g)
+            gate = _Gate(tc.gate, Reference(data, heldout, tc.gate.quality(seed % 2**31)), data)
         x_all = data.images * 2 - 1  # (N, C, H, W) in [-1, 1]
         y_all = data.labels
         null = data.num_classes
-        start, cpu_start = time.perf_counter(), time.process_time()
+        classes = sorted(int(v) for v in data.labels.unique())
         unet.train()
-        loss_sum, loss_n, last_loss = 0.0, 0, math.nan
+        loss_sum, loss_n, last_loss, steps = 0.0, 0, math.nan, 0
         with _full_precision(), bar(desc="diffusion generator", total=tc.steps, unit="step") as progress:
-            for _ in range(tc.steps):
+            for steps in range(1, tc.steps + 1):
                 idx = torch.randint(0, len(data), (tc.batch_size,), generator=g)
                 x0, y = x_all[idx], y_all[idx].clone()
                 y[torch.rand(len(y), generator=g) < tc.class_dropout] = null
@@ -369,9 +435,14 @@ class DiffusionGenerator:
                     progress.set_postfix(loss=f"{last_loss:.4f}")
                     loss_sum, loss_n = 0.0, 0
                 progress.update(1)
+                if gate is not None and gate.due(steps):
+                    snapshot = copy.deepcopy(unet)  # the EMA weights, as the finished generator has them
+                    ema.copy_to(snapshot.parameters())
+                    probe = cls(snapshot, config, data.input_shape, data.num_classes, classes)
+                    if gate.check(steps, probe):
+                        break
         ema.copy_to(unet.parameters())
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-        classes = sorted(int(v) for v in data.labels.unique())
         info = {
             "train_on": config.train_on,
             "train_images": len(data),
@@ -381,12 +452,15 @@ class DiffusionGenerator:
             "train_loss": last_loss if not math.isnan(last_loss) else loss_sum / max(loss_n, 1),
             "data": data.name,
             "digest": data_digest(data).hex(),
+            "train_steps": steps,
         }
+        if gate is not None:
+            info["gate"] = gate.summary()
         made = cls(unet, config, data.input_shape, data.num_classes, classes, info)
         log.info(
             "diffusion generator: %d parameters trained %d steps on %d images (%s) in %.1fs",
             made.parameters,
-            tc.steps,
+            steps,
             len(data),
             config.train_on,
             seconds,

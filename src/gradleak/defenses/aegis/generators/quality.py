@@ -236,3 +236,74 @@ def nearest_distance(images: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
     dims = t.shape[1]
     out = [torch.cdist(x.flatten(1).to(torch.float64), t).min(1).values for x in images.split(256)]
     return torch.cat(out) / math.sqrt(dims)
+
+
+@dataclass(frozen=True)
+class TrainingGate:
+    """When a generator's training may stop (issue 56): its length chosen by the quality of its samples, not
+    by a step count tuned on one data set. The training images are split (per class, seeded) into
+    ``1 - heldout`` that the generator trains on and ``heldout`` that it never sees; a :class:`Reference`
+    classifier is trained on the first and its accuracy on the held-out images is the fidelity ceiling.
+    Every ``every`` steps from ``min_steps`` on, the EMA weights sample ``samples_per_class`` images of each
+    class and are scored: training stops at the first check whose mean class fidelity is at least
+    ``fidelity`` x that ceiling and, when ``frechet`` is set, whose mean Frechet distance to the held-out
+    images is at most ``frechet`` (compare only at the same ``samples_per_class``). The training config's
+    ``steps`` is then the cap, and its cosine learning-rate decay runs over the cap. A generator that reaches
+    the cap without passing is kept and says so (``info["gate"]``); Aegis' pilot draw then measures whether
+    its samples fill the cache."""
+
+    every: int = 500
+    min_steps: int = 0
+    fidelity: float = 0.9
+    frechet: float | None = None
+    heldout: float = 0.1
+    samples_per_class: int = 16
+    classifier_epochs: int = 5
+
+    def __post_init__(self) -> None:
+        for key in ("every", "samples_per_class", "classifier_epochs"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"gate {key} must be an int >= 1, got {v!r}")
+        if isinstance(self.min_steps, bool) or not isinstance(self.min_steps, int) or self.min_steps < 0:
+            raise ValueError(f"gate min_steps must be an int >= 0, got {self.min_steps!r}")
+        if isinstance(self.fidelity, bool) or not isinstance(self.fidelity, int | float):
+            raise ValueError(f"gate fidelity must be a number in (0, 1], got {self.fidelity!r}")
+        if not 0 < self.fidelity <= 1:
+            raise ValueError(f"gate fidelity must be in (0, 1] (a share of the ceiling), got {self.fidelity}")
+        number = isinstance(self.frechet, int | float) and not isinstance(self.frechet, bool)
+        if self.frechet is not None and (not number or not self.frechet > 0):
+            raise ValueError(f"gate frechet must be a number > 0 or None, got {self.frechet!r}")
+        if isinstance(self.heldout, bool) or not isinstance(self.heldout, float) or not 0 < self.heldout < 1:
+            raise ValueError(f"gate heldout must be a share in (0, 1), got {self.heldout!r}")
+
+    def quality(self, seed: int) -> QualityConfig:
+        return QualityConfig(
+            samples_per_class=self.samples_per_class, classifier_epochs=self.classifier_epochs, seed=seed
+        )
+
+    def passed(self, report: QualityReport, ceiling: float) -> bool:
+        """Whether ``report`` passes: fidelity against ``fidelity x ceiling`` and the optional Frechet bound
+        (a NaN score never passes)."""
+        if not report.accuracy >= self.fidelity * ceiling:
+            return False
+        return self.frechet is None or report.frechet <= self.frechet
+
+
+def split_heldout(
+    data: ImageDataset, share: float, generator: torch.Generator
+) -> tuple[ImageDataset, ImageDataset]:
+    """``data`` split per class into (train, held out): ``round(share x n)`` of a class's n images, at least
+    one, held out of every class with two or more (a class of one stays in training, so the generator can
+    still sample it); refused when nothing would be held out."""
+    train: list[int] = []
+    held: list[int] = []
+    for y in sorted(int(v) for v in data.labels.unique()):
+        idx = torch.nonzero(data.labels == y).flatten()
+        idx = idx[torch.randperm(len(idx), generator=generator)]
+        k = max(1, round(share * len(idx))) if len(idx) >= 2 else 0
+        held += idx[:k].tolist()
+        train += idx[k:].tolist()
+    if not held:
+        raise ValueError("the quality gate needs a class with two or more images to hold one out")
+    return data.subset(sorted(train)), data.subset(sorted(held))
