@@ -1,7 +1,8 @@
 """Offline datasets and federated partitions.
 
 Importing this package registers the loaders (``organamnist``, ``pneumoniamnist``, ``pathmnist``,
-``medmnist`` (any official MedMNIST archive by flag), ``cifar10``, ``femnist``, and the text data sets
+``medmnist`` (any official MedMNIST archive by flag), ``cifar10``, ``femnist``, ``shifted`` (another
+registered image set with shifted intensities), and the text data sets
 ``rotten_tomatoes``, ``wikitext2``, ``financial_phrasebank``, ``emotion``) in
 :data:`gradleak.registry.DATASETS`; :func:`load_dataset` loads one by name.
 """
@@ -12,7 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from gradleak.data import cifar, femnist, medmnist, text  # noqa: F401  (registers the loaders)
+from gradleak.data import cifar, femnist, medmnist, shifted, text  # noqa: F401  (registers the loaders)
 from gradleak.data.base import ImageDataset
 from gradleak.data.partition import (
     as_rng,

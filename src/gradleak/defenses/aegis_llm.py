@@ -94,6 +94,19 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm) or kind.endswith("LayerNorm") or kind.endswith("RMSNorm")
 
 
+# What AEGIS's three channels mean when only LoRA adapters train (issue 52, item 3): the base's attention,
+# embeddings and MLP are frozen already, so channel 1's freeze is moot and channel 2 is closed by
+# construction; what the update carries is the adapters, whose gradients (dL/dB = delta (A x)^T,
+# dL/dA = B^T delta x^T) are the channel dager_lora reads, and paper 002 gives no rule for them (freezing
+# attention adapters stops the training; its MLP flood keeps none of the signal, rho_fc = 0)
+ADAPTERS_REFUSED = (
+    "aegis_llm is defined on full fine-tuning (paper 002); this model trains LoRA adapters only "
+    "({example!r}, ...): the base's attention, embeddings and MLP are frozen already (AEGIS's freeze is "
+    "moot, its embedding channel closed), and the adapters' own gradients, which dager_lora reads, have no "
+    "AEGIS rule. Defend a LoRA update with update_noise, dp_sgd or pruning (docs/lora.md)"
+)
+
+
 @dataclass(frozen=True)
 class AegisLLMConfig:
     """AEGIS hyper-parameters (paper 002 defaults) and component switches (for the ablations)."""
@@ -190,6 +203,7 @@ class AegisLLM(Defense):
     :meth:`on_gradients` (see the module docstring for the equations and defaults)."""
 
     name = "aegis_llm"
+    adapters = False  # ADAPTERS_REFUSED
 
     def __init__(self, config: AegisLLMConfig | None = None) -> None:
         self.config = config or AegisLLMConfig()
@@ -206,6 +220,9 @@ class AegisLLM(Defense):
             raise ValueError(
                 f"aegis_llm: no parameter map for model_type {model_type!r}; known: {FAMILIES.names()}"
             )
+        adapters = [n for n, p in model.named_parameters() if p.requires_grad and ".lora_" in n]
+        if adapters:
+            raise ValueError(ADAPTERS_REFUSED.format(example=adapters[0]))
         self.generator = generator
         self.device_generators = {generator.device: generator}
         self.skipped_steps = 0

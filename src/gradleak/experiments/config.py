@@ -271,6 +271,7 @@ class ExperimentConfig:
                 except OptionError as exc:
                     raise ConfigError(f"{key}[{i}]: {exc}") from None
         self._check_modalities()
+        self._check_adapters()
         if self.audit.clients > 0:
             self._check_attack_needs()
         a = self.audit
@@ -361,6 +362,20 @@ class ExperimentConfig:
                     f"{key} works on {modality} tasks, but data.dataset = {self.data.dataset!r} holds "
                     f"{task} data"
                 )
+
+    def _check_adapters(self) -> None:
+        """A model that trains LoRA adapters only gets no defense that is defined on full fine-tuning
+        (``Defense.adapters``), refused now rather than in every client's setup."""
+        if self.model.adapter is None:
+            return
+        for key, specs in (("defenses", self.defenses), ("grid.defenses", self.grid.defenses)):
+            for i, spec in enumerate(specs):
+                if not getattr(DEFENSES.get(spec.name), "adapters", True):
+                    raise ConfigError(
+                        f"{key}[{i}] {spec.name!r} is defined on full fine-tuning, but model.adapter trains "
+                        "LoRA adapters only; defend a LoRA update with update_noise, dp_sgd or pruning "
+                        "(docs/lora.md)"
+                    )
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))

@@ -12,7 +12,13 @@ extractor, matched private samples) is made concrete here, every choice a parame
 - distance: mean squared feature difference to those matches, features standardised by the private
   features' per-dimension spread;
 - budget: ``H`` given, or calibrated as ``budget_scale`` x the ``budget_quantile`` of the private samples'
-  own leave-one-out distances (same matching rule) on the client's split.
+  own leave-one-out distances (same matching rule) on the client's split: with the default 0.9, a candidate
+  is accepted when it lies as close to the client's images of its class as 90 % of those images lie to
+  each other (the nearest other one), so H measures the client's own spread, not the generator's;
+- ``normalize = "per_image"``: each image (private and candidate) is standardised per channel before the
+  features, so a generator whose images differ from the client's by an affine intensity change (contrast,
+  brightness, a stain's gain: another site's acquisition) is judged on structure alone. What that admits
+  changes what the cache masks: its privacy effect is measured (docs/defenses.md), not assumed.
 
 Candidates are drawn in rounds until ``M`` are accepted or ``max_candidates`` were tried; then
 :class:`CacheError`. The rejection rate is logged and kept in :attr:`SyntheticCache.stats`.
@@ -51,6 +57,9 @@ class CacheError(RuntimeError):
     """The generator could not supply enough in-distribution candidates."""
 
 
+NORMALIZE = ("none", "per_image")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     size: int = 2048  # M
@@ -62,6 +71,7 @@ class CacheConfig:
     chunk: int = 512
     feature_seed: int = 0
     pilot: int = 256  # candidates drawn first to decide whether the build can succeed (0: no pilot)
+    normalize: str = "none"  # "per_image": each image standardised per channel before the features
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or self.size < 1:
@@ -78,6 +88,8 @@ class CacheConfig:
             raise ValueError(f"max_candidates_factor must be >= 1, got {self.max_candidates_factor}")
         if isinstance(self.pilot, bool) or not isinstance(self.pilot, int) or self.pilot < 0:
             raise ValueError(f"pilot must be an int >= 0 (0: no pilot draw), got {self.pilot!r}")
+        if self.normalize not in NORMALIZE:
+            raise ValueError(f"normalize must be one of {NORMALIZE}, got {self.normalize!r}")
 
 
 @dataclass(frozen=True)
@@ -143,6 +155,15 @@ def frozen_features(channels: int, seed: int = 0) -> nn.Module:
     return _FrozenFeatures(channels, seed).requires_grad_(False).eval()
 
 
+def standardise(images: torch.Tensor) -> torch.Tensor:
+    """Each image's channels to mean 0 and standard deviation 1 (a flat channel to 0): an affine change of a
+    channel's intensities (contrast, brightness, a stain's or white balance's gain) leaves the result as it
+    was, where it does not clip."""
+    mean = images.mean(dim=(2, 3), keepdim=True)
+    std = images.std(dim=(2, 3), keepdim=True)
+    return (images - mean) / std.clamp_min(1e-6)
+
+
 class AcceptanceFilter:
     """Feature-space MSE to the matched private samples of the same label, within the budget H."""
 
@@ -157,6 +178,8 @@ class AcceptanceFilter:
 
     @torch.no_grad()
     def _raw(self, images: torch.Tensor) -> torch.Tensor:
+        if self.config.normalize == "per_image":
+            images = standardise(images)
         return torch.cat([self.extractor(x) for x in images.split(512)]).to(torch.float64)
 
     def _calibrate(self) -> float:
@@ -195,7 +218,8 @@ class AcceptanceFilter:
 
 LEVERS = (
     "the levers: a larger budget (budget_scale or budget), a smaller cache (size M), more generator training "
-    "steps or a generator trained on data closer to the clients', or the PCA generator (docs/defenses.md)"
+    "steps or a generator trained on data closer to the clients', a filter that ignores another site's "
+    "intensities (cache.normalize = 'per_image'), or the PCA generator (docs/defenses.md)"
 )
 
 
