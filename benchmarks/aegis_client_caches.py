@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -44,11 +44,12 @@ def stored_arms(config: Path, scale: str, seed: int) -> list[tuple[Any, list[tup
     labels them) that have a cache store (checked before any work); SystemExit where there are none."""
     out = []
     for _, _, cfg in load_benchmark(config).configs(scale, [seed]):
-        arms = [
-            (cell_label(s), DEFENSES.make_config(s.name, {**s.options, "memo_size": 0}))
-            for s in cfg.grid.defenses
+        arms = [(cell_label(s), DEFENSES.make_config(s.name, s.options)) for s in cfg.grid.defenses]
+        stored = [
+            (n, replace(a, memo_size=0))
+            for n, a in arms
+            if isinstance(a, AegisConfig) and a.store is not None
         ]
-        stored = [(n, a) for n, a in arms if isinstance(a, AegisConfig) and a.store is not None]
         if stored:
             out.append((cfg, stored))
     if not out:
@@ -91,9 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     start = time.perf_counter()
                     try:
                         cache, wall, cpu = timed(build)
-                    except (
-                        CacheError
-                    ) as exc:  # refused (the pilot, or the candidate budget): how fast, and why
+                    except (CacheError, ValueError) as exc:  # refused: the pilot, the candidate budget, or
+                        # a public split that holds the client's own images; how fast, and why
                         row.update({"cache": 0, "refused": str(exc), "seconds": time.perf_counter() - start})
                         rows.append(row)
                         progress.write(f"seed {seed} client {cid} {label}: refused ({exc})")
