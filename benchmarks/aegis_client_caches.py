@@ -94,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         cache, wall, cpu = timed(build)
                     except (CacheError, ValueError) as exc:  # refused: the pilot, the candidate budget, or
                         # a public split that holds the client's own images; how fast, and why
+                        if not isinstance(exc, CacheError) and "public split" not in str(exc):
+                            raise  # any other ValueError is a bug, not a refusal
                         row.update({"cache": 0, "refused": str(exc), "seconds": time.perf_counter() - start})
                         rows.append(row)
                         progress.write(f"seed {seed} client {cid} {label}: refused ({exc})")

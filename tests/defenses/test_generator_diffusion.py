@@ -399,9 +399,9 @@ def test_a_generator_trained_on_the_gpu_samples_on_the_cpu_like_on_the_gpu(tmp_p
 def test_quality_gated_training_stops_at_the_first_check_that_passes(tmp_path: Path) -> None:
     """Issue 56: the training length is the gate's. A seeded small case (the three-halves classes, a tiny
     UNet, a check every 50 steps up to a 600-step cap) stops at the first check whose class fidelity reaches
-    0.9 x the reference classifier's held-out ceiling: every earlier check failed, the weights are the EMA
-    weights at that step, and a gate no generator can pass (fidelity 1.0 of the ceiling and a Frechet
-    distance of 1e-9) runs to the cap and says it did not pass."""
+    0.9 x the reference classifier's held-out ceiling: every earlier check failed, the weights kept are the
+    EMA weights that check scored, and a gate no generator can pass (fidelity 1.0 of the ceiling and a
+    Frechet distance of 1e-9) runs to the cap, is checked there, and says it did not pass."""
     from gradleak.defenses.aegis.generators.quality import TrainingGate
 
     data = halves(240, seed=0)
@@ -417,6 +417,8 @@ def test_quality_gated_training_stops_at_the_first_check_that_passes(tmp_path: P
     assert history[-1]["fidelity"] >= 0.9 * ceiling
     assert all(h["fidelity"] < 0.9 * ceiling for h in history[:-1])
     assert gen.info["train_images"] == 240 - 48  # 20 % of each class held out of training
+    assert history[-1]["weights"] == gen.weights_digest()  # the kept weights are the EMA weights scored
+    assert len({h["weights"] for h in history}) == len(history)
 
     strict = tiny_config(None, steps=150, gate={**gate, "fidelity": 1.0, "frechet": 1e-9})
     capped = DiffusionGenerator.fit(data, strict, generator=torch.Generator().manual_seed(0))
@@ -427,8 +429,24 @@ def test_quality_gated_training_stops_at_the_first_check_that_passes(tmp_path: P
 @pytest.mark.parametrize(
     "gate, message",
     [({"every": 0}, "every"), ({"fidelity": 1.5}, "fidelity"), ({"heldout": 1}, "heldout"),
-     ({"frechet": -1.0}, "frechet"), ({"evry": 5}, "evry")],
+     ({"frechet": -1.0}, "frechet"), ({"evry": 5}, "evry"), ({"every": 500}, "must not exceed steps"),
+     ({"min_steps": 301}, "must not exceed steps")],
 )  # fmt: skip
 def test_a_bad_gate_is_refused_by_name(gate: dict, message: str) -> None:
     with pytest.raises(OptionError, match=message):
         tiny_config(None, gate=gate)
+
+
+def test_the_held_out_split_keeps_every_class_in_training() -> None:
+    """A large held-out share never takes a class's last training image (it could not be sampled)."""
+    from gradleak.defenses.aegis.generators.quality import split_heldout
+
+    labels = torch.tensor([0, 0, 1, 1, 1, 1, 1, 2])
+    data = ImageDataset("t", torch.rand(8, *SHAPE), labels, 3)
+    train, held = split_heldout(data, 0.9, torch.Generator().manual_seed(0))
+    assert sorted(train.labels.tolist()) == [0, 1, 2]  # one of each kept; class 2 (one image) not held out
+    assert sorted(held.labels.tolist()) == [0, 1, 1, 1, 1]
+    with pytest.raises(ValueError, match="two or more"):
+        split_heldout(
+            ImageDataset("t", torch.rand(2, *SHAPE), torch.tensor([0, 1]), 2), 0.5, torch.Generator()
+        )

@@ -271,9 +271,9 @@ def test_aegis_llm_is_refused_on_a_lora_model_at_config_time_and_in_setup():
                  "test_limit": 8, "num_clients": 4, "partition": "iid"},
         "model": {"name": "gpt2_tiny", "adapter": {"r": 4, "alpha": 8}},
         "audit": {"clients": 0},
-        "grid": {"defenses": ["none", "update_noise", "aegis_llm"]},
+        "grid": {"defenses": ["none", "update_noise", "aegis_2ch"]},
     }  # fmt: skip
-    with pytest.raises(ConfigError, match=r"grid.defenses\[2\] 'aegis_llm' is defined on full fine-tuning"):
+    with pytest.raises(ConfigError, match=r"grid.defenses\[2\] 'aegis_2ch' is defined on full fine-tuning"):
         load_config(raw, [])
     raw["grid"]["defenses"] = ["none", "update_noise", "pruning"]  # type: ignore[index]
     load_config(raw, [])  # the defenses that mean something on adapters pass

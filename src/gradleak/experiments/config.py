@@ -372,9 +372,9 @@ class ExperimentConfig:
             for i, spec in enumerate(specs):
                 if not getattr(DEFENSES.get(spec.name), "adapters", True):
                     raise ConfigError(
-                        f"{key}[{i}] {spec.name!r} is defined on full fine-tuning, but model.adapter trains "
-                        "LoRA adapters only; defend a LoRA update with update_noise, dp_sgd or pruning "
-                        "(docs/lora.md)"
+                        f"{key}[{i}] {cell_label(spec)!r} is defined on full fine-tuning, but model.adapter "
+                        "trains LoRA adapters only; defend a LoRA update with update_noise, dp_sgd or "
+                        "pruning (docs/lora.md)"
                     )
 
     def to_dict(self) -> dict[str, Any]:

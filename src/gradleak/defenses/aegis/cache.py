@@ -12,9 +12,10 @@ extractor, matched private samples) is made concrete here, every choice a parame
 - distance: mean squared feature difference to those matches, features standardised by the private
   features' per-dimension spread;
 - budget: ``H`` given, or calibrated as ``budget_scale`` x the ``budget_quantile`` of the private samples'
-  own leave-one-out distances (same matching rule) on the client's split: with the default 0.9, a candidate
-  is accepted when it lies as close to the client's images of its class as 90 % of those images lie to
-  each other (the nearest other one), so H measures the client's own spread, not the generator's;
+  own leave-one-out distances (same matching rule) on the client's split, pooled over its classes: with the
+  default 0.9, a candidate is accepted when it lies as close to the client's images of its class as 90 % of
+  the client's images lie to their nearest other image of their class, so H measures the client's own
+  spread, not the generator's;
 - ``normalize = "per_image"``: each image (private and candidate) is standardised per channel before the
   features, so a generator whose images differ from the client's by an affine intensity change (contrast,
   brightness, a stain's gain: another site's acquisition) is judged on structure alone. What that admits
@@ -36,7 +37,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -60,7 +61,7 @@ class CacheError(RuntimeError):
 NORMALIZE = ("none", "per_image")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class CacheConfig:
     size: int = 2048  # M
     budget: float | None = None  # H; None: calibrated from the private split
@@ -90,6 +91,12 @@ class CacheConfig:
             raise ValueError(f"pilot must be an int >= 0 (0: no pilot draw), got {self.pilot!r}")
         if self.normalize not in NORMALIZE:
             raise ValueError(f"normalize must be one of {NORMALIZE}, got {self.normalize!r}")
+
+    def __repr__(self) -> str:
+        # the repr keys stored caches: with the default normalize it is the repr from before the option
+        # existed, so the caches stored then are found again
+        shown = [f for f in fields(self) if not (f.name == "normalize" and self.normalize == "none")]
+        return f"CacheConfig({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
 
 @dataclass(frozen=True)

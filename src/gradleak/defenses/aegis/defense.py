@@ -105,7 +105,8 @@ class AegisConfig:
     ``public`` split); a plugin's generator with the ``options`` table (validated against the config
     dataclass it registered; its defaults when empty). The nested ``cache`` table is the
     acceptance filter (:class:`~gradleak.defenses.aegis.cache.CacheConfig`: ``size`` M, ``budget`` H (None:
-    calibrated), ``budget_quantile``, ``budget_scale``, ``match_k``, ``max_candidates_factor``);
+    calibrated), ``budget_quantile``, ``budget_scale``, ``match_k``, ``max_candidates_factor``, ``pilot``,
+    ``normalize``);
     ``cache_seed``; ``memo_size`` caches memoised; ``store``: a folder where each built cache is kept
     (safetensors named by its content: the client's data, these options and the generator's
     :func:`~gradleak.defenses.aegis.generators.base.fingerprint`) and reloaded by a later run or process that

@@ -107,7 +107,11 @@ class Reference:
             )
         self.config, self.heldout = config, heldout
         self.classifier = train_classifier(classifier_data, config)
-        self.real_accuracy = float((self.predict(heldout.images) == heldout.labels).float().mean())
+        hits = self.predict(heldout.images) == heldout.labels
+        self.real_accuracy = float(hits.float().mean())
+        self.class_accuracy = {
+            int(y): float(hits[heldout.labels == y].float().mean()) for y in heldout.labels.unique()
+        }
         self._penultimate = _Penultimate(self.classifier)
         raw = self._penultimate(heldout.images)
         self._center = raw.mean(0)
@@ -244,13 +248,16 @@ class TrainingGate:
     by a step count tuned on one data set. The training images are split (per class, seeded) into
     ``1 - heldout`` that the generator trains on and ``heldout`` that it never sees; a :class:`Reference`
     classifier is trained on the first and its accuracy on the held-out images is the fidelity ceiling.
-    Every ``every`` steps from ``min_steps`` on, the EMA weights sample ``samples_per_class`` images of each
-    class and are scored: training stops at the first check whose mean class fidelity is at least
-    ``fidelity`` x that ceiling and, when ``frechet`` is set, whose mean Frechet distance to the held-out
-    images is at most ``frechet`` (compare only at the same ``samples_per_class``). The training config's
-    ``steps`` is then the cap, and its cosine learning-rate decay runs over the cap. A generator that reaches
-    the cap without passing is kept and says so (``info["gate"]``); Aegis' pilot draw then measures whether
-    its samples fill the cache."""
+    At every step that is a multiple of ``every`` and at least ``min_steps``, and at the cap, the EMA weights
+    sample ``samples_per_class`` images of each held-out class and are scored: training stops at the first
+    check whose mean class fidelity is at least ``fidelity`` x the ceiling (the classifier's mean per-class
+    accuracy on the held-out images of the same classes, weighted as the fidelity is) and, when ``frechet``
+    is set, whose mean Frechet distance to the held-out images is at most ``frechet`` (compare only at the
+    same ``samples_per_class``). Each check also records the copy rate (memorisation, not enforced: the
+    quality report's ``memorised`` flag is the gate for that). The training config's ``steps`` is then the
+    cap, and its cosine learning-rate decay runs over the cap. A generator that reaches the cap without
+    passing is kept and says so (``info["gate"]``); Aegis' pilot draw then measures whether its samples fill
+    the cache."""
 
     every: int = 500
     min_steps: int = 0
@@ -276,11 +283,18 @@ class TrainingGate:
             raise ValueError(f"gate frechet must be a number > 0 or None, got {self.frechet!r}")
         if isinstance(self.heldout, bool) or not isinstance(self.heldout, float) or not 0 < self.heldout < 1:
             raise ValueError(f"gate heldout must be a share in (0, 1), got {self.heldout!r}")
+        object.__setattr__(self, "fidelity", float(self.fidelity))  # 1 and 1.0: one config, one stored name
+        if self.frechet is not None:
+            object.__setattr__(self, "frechet", float(self.frechet))
 
     def quality(self, seed: int) -> QualityConfig:
         return QualityConfig(
             samples_per_class=self.samples_per_class, classifier_epochs=self.classifier_epochs, seed=seed
         )
+
+    def due(self, step: int, cap: int) -> bool:
+        """Whether training checks the gate after ``step`` of ``cap`` steps."""
+        return step == cap or (step >= self.min_steps and step % self.every == 0)
 
     def passed(self, report: QualityReport, ceiling: float) -> bool:
         """Whether ``report`` passes: fidelity against ``fidelity x ceiling`` and the optional Frechet bound
@@ -294,14 +308,14 @@ def split_heldout(
     data: ImageDataset, share: float, generator: torch.Generator
 ) -> tuple[ImageDataset, ImageDataset]:
     """``data`` split per class into (train, held out): ``round(share x n)`` of a class's n images, at least
-    one, held out of every class with two or more (a class of one stays in training, so the generator can
-    still sample it); refused when nothing would be held out."""
+    one and at most n - 1, held out of every class with two or more (every class keeps an image in
+    training, so the generator can still sample it); refused when nothing would be held out."""
     train: list[int] = []
     held: list[int] = []
     for y in sorted(int(v) for v in data.labels.unique()):
         idx = torch.nonzero(data.labels == y).flatten()
         idx = idx[torch.randperm(len(idx), generator=generator)]
-        k = max(1, round(share * len(idx))) if len(idx) >= 2 else 0
+        k = min(max(1, round(share * len(idx))), len(idx) - 1) if len(idx) >= 2 else 0  # one stays
         held += idx[:k].tolist()
         train += idx[k:].tolist()
     if not held:
