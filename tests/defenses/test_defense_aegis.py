@@ -128,7 +128,8 @@ def test_optimizer_state_is_irrelevant_for_a_stateless_optimizer() -> None:
 def test_the_synthetic_step_descends_the_recipes_loss() -> None:
     """Under Eloul et al.'s recipe (``loss = "mse"``) Aegis' synthetic step descends the softmax MSE, as the
     real steps do, not cross-entropy: one real SGD step on the whole share, then the lambda-weighted
-    synthetic step, against a hand-written reference of both (the delta within 1e-5 relative)."""
+    synthetic step, against a hand-written reference of both (the delta within 1e-4 relative, 1e-6
+    absolute: the CPU kernel sets round differently; cross-entropy in its place moves it by 1e-3 and more)."""
     from gradleak.tasks.losses import softmax_mse
 
     data = synthetic_dataset(n=16, shape=SHAPE, classes=3, seed=1)
@@ -149,7 +150,7 @@ def test_the_synthetic_step_descends_the_recipes_loss() -> None:
                 p -= lr * w * p.grad  # type: ignore[operator]
     for n, p in ref.named_parameters():
         delta = res.update.tensors[n]
-        torch.testing.assert_close(delta, p.detach() - w0[n], rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(delta, p.detach() - w0[n], rtol=1e-4, atol=1e-6)  # kernels round
 
 
 def test_cache_never_leaves_the_client() -> None:
