@@ -27,6 +27,7 @@ from typing import Any
 from gradleak.data import ImageDataset
 from gradleak.defenses.aegis.cache import CacheError
 from gradleak.defenses.aegis.defense import AegisConfig, cache_from_data
+from gradleak.defenses.aegis.generators.base import GeneratorRefusal
 from gradleak.experiments.benchmark import load_benchmark
 from gradleak.experiments.config import cell_label
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, timed, write_result
@@ -92,10 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     start = time.perf_counter()
                     try:
                         cache, wall, cpu = timed(build)
-                    except (CacheError, ValueError) as exc:  # refused: the pilot, the candidate budget, or
-                        # a public split that holds the client's own images; how fast, and why
-                        if not isinstance(exc, CacheError) and "public split" not in str(exc):
-                            raise  # any other ValueError is a bug, not a refusal
+                    except (CacheError, GeneratorRefusal) as exc:  # refused (the pilot, the candidate
+                        # budget, a public split that holds the client's own images): how fast, and why
                         row.update({"cache": 0, "refused": str(exc), "seconds": time.perf_counter() - start})
                         rows.append(row)
                         progress.write(f"seed {seed} client {cid} {label}: refused ({exc})")

@@ -64,6 +64,15 @@ def check_value(value: Any, hint: Any, where: str) -> Any:
     )
 
 
+def repr_without_defaults(obj: Any, *later: str) -> str:
+    """``obj``'s dataclass repr leaving out the fields named in ``later`` while they hold their defaults. For
+    a config whose repr keys stored files: fields added after those files were written keep their names."""
+    shown = [
+        f for f in dataclasses.fields(obj) if not (f.name in later and getattr(obj, f.name) == f.default)
+    ]
+    return f"{type(obj).__name__}({', '.join(f'{f.name}={getattr(obj, f.name)!r}' for f in shown)})"
+
+
 def build_dataclass(cls: type, values: Mapping[str, Any], *, where: str) -> Any:
     """Instantiate dataclass ``cls`` from a mapping: unknown keys (with the valid ones), wrong types and the
     dataclass' own validation errors are :class:`OptionError` naming ``where`` and the key. Fields whose

@@ -37,7 +37,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ from torch import nn
 
 from gradleak.data.base import ImageDataset
 from gradleak.defenses.aegis.generators.base import ConditionalGenerator
+from gradleak.options import repr_without_defaults
 from gradleak.progress import bar
 from gradleak.update_io import read_keyed, write_keyed
 
@@ -93,10 +94,7 @@ class CacheConfig:
             raise ValueError(f"normalize must be one of {NORMALIZE}, got {self.normalize!r}")
 
     def __repr__(self) -> str:
-        # the repr keys stored caches: with the default normalize it is the repr from before the option
-        # existed, so the caches stored then are found again
-        shown = [f for f in fields(self) if not (f.name == "normalize" and self.normalize == "none")]
-        return f"CacheConfig({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
+        return repr_without_defaults(self, "normalize")  # the repr keys stored caches
 
 
 @dataclass(frozen=True)

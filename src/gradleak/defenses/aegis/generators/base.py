@@ -23,6 +23,11 @@ if TYPE_CHECKING:
     from gradleak.data.base import ImageDataset
 
 
+class GeneratorRefusal(ValueError):
+    """A generator that will not serve this client as configured (e.g. an oracle whose public split holds
+    the client's own images): Aegis fails closed with the reason."""
+
+
 @runtime_checkable
 class ConditionalGenerator(Protocol):
     """labels ``(N,)`` int64 -> images ``(N, *image_shape)`` float32 in [0, 1]."""

@@ -49,6 +49,7 @@ from gradleak.defenses.aegis.generators.pool import PoolDraws, SamplePool
 from gradleak.defenses.aegis.generators.quality import Reference, TrainingGate, split_heldout
 from gradleak.device import DEVICE_TYPES, usable_device
 from gradleak.fileio import kept
+from gradleak.options import repr_without_defaults
 from gradleak.progress import bar
 from gradleak.registry import GENERATORS
 from gradleak.update_io import read_tensors, tensor_digest, write_tensors
@@ -142,10 +143,7 @@ class DiffusionTrainingConfig:
     gate: TrainingGate | None = None
 
     def __repr__(self) -> str:
-        # the repr keys stored generators and caches: without a gate it is the repr from before the gate
-        # existed, so what was stored then is found again
-        shown = [f for f in dataclasses.fields(self) if not (f.name == "gate" and self.gate is None)]
-        return f"DiffusionTrainingConfig({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
+        return repr_without_defaults(self, "gate")  # the repr keys stored generators and caches
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "timesteps"):
@@ -315,15 +313,14 @@ class _Gate:
         self.config, self.reference, self.train = config, reference, train
         self.history: list[dict[str, Any]] = []
         self.passed_at: int | None = None
-        self.ceiling = math.nan
+        self.classes = sorted(reference.class_accuracy)  # the held-out classes, scored and in the ceiling
+        self.ceiling = sum(reference.class_accuracy.values()) / len(self.classes)  # weighted as the fidelity
 
     def check(self, step: int, probe: DiffusionGenerator) -> bool:
         """Score ``probe`` (the EMA weights at ``step``) on the held-out classes; True when it passes
         (training stops)."""
-        classes = sorted(self.reference.class_accuracy)
-        report = self.reference.score(f"gate, step {step}", probe, self.train, classes=classes)
-        ceiling = sum(self.reference.class_accuracy.values()) / len(classes)  # weighted as the fidelity
-        self.ceiling = ceiling
+        report = self.reference.score(f"gate, step {step}", probe, self.train, classes=self.classes)
+        ceiling = self.ceiling
         self.history.append({"step": step, "fidelity": report.accuracy, "frechet": report.frechet,
                              "copy_rate": report.copy_rate, "weights": probe.weights_digest()})  # fmt: skip
         passed = self.config.passed(report, ceiling)

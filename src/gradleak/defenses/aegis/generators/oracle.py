@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gradleak.data.base import ImageDataset
-from gradleak.defenses.aegis.generators.base import PublicSplit, check_labels
+from gradleak.defenses.aegis.generators.base import GeneratorRefusal, PublicSplit, check_labels
 from gradleak.registry import GENERATORS
 
 
@@ -62,7 +62,7 @@ def fit_oracle(
     pool = config.public.load_for(data, root)  # raises when no split is named or it does not fit the task
     shared = _shared_images(pool, data)
     if shared:  # fail closed: the "oracle" would put the client's own images into its cache
-        raise ValueError(
+        raise GeneratorRefusal(
             f"public split {config.public.dataset}/{config.public.split} holds {shared} of the client's own "
             "images; the oracle must draw images the client does not hold"
         )

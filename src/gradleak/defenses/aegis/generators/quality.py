@@ -247,7 +247,7 @@ class TrainingGate:
     """When a generator's training may stop (issue 56): its length chosen by the quality of its samples, not
     by a step count tuned on one data set. The training images are split (per class, seeded) into
     ``1 - heldout`` that the generator trains on and ``heldout`` that it never sees; a :class:`Reference`
-    classifier is trained on the first and its accuracy on the held-out images is the fidelity ceiling.
+    classifier is trained on the first, and its accuracy on the held-out images bounds the fidelity.
     At every step that is a multiple of ``every`` and at least ``min_steps``, and at the cap, the EMA weights
     sample ``samples_per_class`` images of each held-out class and are scored: training stops at the first
     check whose mean class fidelity is at least ``fidelity`` x the ceiling (the classifier's mean per-class
