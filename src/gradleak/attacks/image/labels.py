@@ -10,11 +10,15 @@ remaining estimates.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from gradleak.types import AttackInputError, Observation
 from gradleak.update import DEFAULT_LOSS
+
+log = logging.getLogger(__name__)
 
 
 def last_linear(model: nn.Module) -> tuple[str, nn.Linear]:
@@ -94,6 +98,11 @@ def recover_label_counts(obs: Observation, num_samples: int, *, lr: float, steps
     others, then normalise the estimates to sum to N and round greedily as :func:`recover_labels` does
     (every class with a negative mean gradient first). Paper 001: labels are recovered from the last
     layer, then held fixed.
+
+    Clean cross-entropy bias gradients sum to zero, so some class always gains; noise added to the update
+    (update DP, a client's noise mod) can leave none. The labels are then still a best guess, not a refusal:
+    every class is weighted by ``max(1/C - g_bar_b[c], 0)`` (uniformly where that is zero everywhere), so the
+    attack runs and its score, not a missing record, tells how much the noise hid.
     """
     if num_samples < 1:
         raise AttackInputError(f"num_samples must be >= 1, got {num_samples}")
@@ -101,7 +110,10 @@ def recover_label_counts(obs: Observation, num_samples: int, *, lr: float, steps
     g = mean_output_bias_gradient(obs, lr=lr, steps=steps).detach().to(torch.float64)
     gaining = g < 0
     if not bool(gaining.any()):
-        raise AttackInputError("no class gains in the output bias update: cannot recover label counts")
+        log.warning("no class gains in the output bias update (noise?): label counts are a best guess")
+        est = (1.0 / g.numel() - g).clamp_min(0)
+        est = est if float(est.sum()) > 0 else torch.ones_like(g)
+        return fill_greedily([], num_samples * est / est.sum(), num_samples)
     est = torch.where(gaining, 1.0 / g.numel() - g, torch.zeros_like(g)).clamp_min(0)
     est = num_samples * est / est.sum().clamp_min(1e-12)
     order = torch.argsort(g)  # most negative first
