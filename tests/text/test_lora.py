@@ -251,6 +251,63 @@ def test_dager_lora_on_a_causal_lm_recovers_whole_sentences_with_their_last_toke
     assert [s[-1] for s in guessed] != [s[-1] for s in truth]
 
 
+def _fedavg_adapter_update(r: int, n: int, epochs: int, lr: float, train_b: bool = True):
+    """A FedAvg delta of a GPT-2 arch classification adapter over ``n`` sentences in batches of 2."""
+    tm = build_gpt2("tiny", "classification", seed=0)
+    model = apply_adapter(tm.model, AdapterConfig(r=r, alpha=2 * r, target=["attention"]), "classification",
+                          seed=0)  # fmt: skip
+    if train_b:
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".lora_B." in name:
+                    p.copy_(0.02 * torch.randn(p.shape, generator=g))
+    data = TokenDataset.from_texts(
+        TextDataset("t", TEXTS[:n], (1, 0, 1, 0)[:n], ("neg", "pos")), tm.tokenizer, max_tokens=12
+    )
+    training = LocalTraining("fedavg", epochs=epochs, batch_size=2, lr=lr)
+    result = train_client(0, model, data, training, [], torch.Generator().manual_seed(0),
+                          task=TextClassification())  # fmt: skip
+    assert result.update is not None and result.update.kind == "delta", result.error
+    assert result.update.metadata["local_steps"] == epochs * -(-n // 2)
+    return model, result.update, training, data.batch().sequences()
+
+
+@pytest.mark.parametrize(("n", "epochs"), [(2, 3), (4, 1)], ids=["one_batch_3_steps", "two_batches_2_steps"])
+def test_dager_lora_fedavg_recovers_every_sentence_of_a_few_small_local_steps(n, epochs):
+    """FedAvg at lr 1e-2 (B trained, r = 16 / 32 above the block-1 rank of 11 / 19): block 1's inputs do
+    not move under LoRA (the embeddings are frozen), block 2's do, read at the midpoint weights: every
+    sentence exactly; a norm-matched random delta in its place gives nothing."""
+    from gradleak.attacks import create_attack
+    from gradleak.attacks.text.baseline import null_observation
+    from gradleak.types import Observation
+
+    model, update, training, truth = _fedavg_adapter_update(16 if n == 2 else 32, n, epochs, 1e-2)
+    obs = Observation(model, update, (12,), 2, training=training)
+    rec = create_attack("dager_lora_fedavg").reconstruct(obs, generator=torch.Generator().manual_seed(0))
+    assert sorted(rec.token_ids) == sorted(truth)
+    assert rec.stats["rank_l1"] == (11 if n == 2 else 19) and rec.stats["side_b"] == 0.0
+    null = create_attack("dager_lora_fedavg").reconstruct(
+        null_observation(obs, torch.Generator().manual_seed(1)), generator=torch.Generator().manual_seed(0)
+    )
+    assert null.token_ids == []
+
+
+def test_a_fresh_adapters_fedavg_delta_is_read_on_side_b():
+    """peft's B = 0 in the broadcast model: after the first step B moves, so the delta's A part is nonzero,
+    but only through a B a few small steps old; the side rule reads the broadcast model and takes B."""
+    from gradleak.attacks import create_attack
+    from gradleak.types import Observation
+
+    model, update, training, _ = _fedavg_adapter_update(16, 2, 3, 1e-2, train_b=False)
+    a = [k for k in update.tensors if ".lora_A." in k]
+    assert a and max(float(update.tensors[k].abs().max()) for k in a) > 0  # A moved after step 1
+    rec = create_attack("dager_lora_fedavg").reconstruct(
+        Observation(model, update, (12,), 2, training=training), generator=torch.Generator()
+    )
+    assert rec.stats["side_b"] == 1.0
+
+
 def test_an_adapter_that_is_not_a_table_is_refused():
     from gradleak.cli.demo import demo_config_path
 

@@ -22,6 +22,16 @@ that sees one client's adapter update (FedSGD, or a FedAvg delta read as DAGER's
   is a subspace of the inputs' and the test rejects true tokens (the record's ``rank_l1`` says which);
 - the attention projections of blocks 1 and 2 adapted (``target`` includes ``attention``).
 
+**FedAvg.** A client's ``T`` local steps sum ``T`` such gradients, each at the weights of its step. Block 1's
+inputs do not move (the embeddings are frozen), so the rows of ``delta A`` still lie in their span exactly;
+block 2's inputs move with block 1's adapters, so its span holds each step's version of them (its rank
+grows with the steps, and ``r`` caps it) and, as in DAGER's FedAvg variant, candidates are evaluated at the
+midpoint weights ``w_0 + delta / 2`` against a relaxed threshold (``dager_lora_fedavg``). Where it stops
+(measured on the GPT-2 arch, tests/text/test_lora.py and docs/lora.md): larger steps (lr 5e-2 over two
+batches: nothing), more steps than ``r`` has room for, and a fresh adapter's side B, where ``A`` starts to
+move after the first step (half the sentences). Side selection reads the broadcast model: a ``B`` still zero
+there (a fresh adapter) means side B even when a FedAvg delta's ``A`` part is nonzero.
+
 A causal LM's last token is only a label: DAGER reads it off the LM head's gradient, which a LoRA update
 does not carry. ``complete_from_adapters`` (off by default: it works on the GPT-2 arch with random weights,
 not yet on SmolLM2) reads it off the adapters' gradient instead, for a FedSGD update
@@ -61,6 +71,19 @@ class DagerLoRAConfig(DagerConfig):
             raise ValueError(f"side must be 'auto', 'A' or 'B', got {self.side!r}")
 
 
+@dataclass(frozen=True)
+class DagerLoRAFedAvgConfig(DagerLoRAConfig):
+    """DAGER on a LoRA FedAvg delta (module docstring, "FedAvg"): candidates at the midpoint weights, the
+    layer-2 threshold relaxed as ``dager_fedavg``'s, and the layer-1 threshold 0.01: the layer-1 inputs do
+    not move (the embeddings are frozen), but ``w_T - w_0`` of small steps loses digits to float32
+    cancellation. Chosen on the GPT-2 arch (tests/text/test_lora.py): 0.01 recovered every sentence of
+    the trained-``B`` cases at lr 1e-2 where the exact 1e-3 missed some."""
+
+    l1_threshold: float | None = 0.01
+    l2_threshold: float | None = 0.1
+    midpoint_weights: bool = True
+
+
 class DagerLoRA(Dager):
     """DAGER whose spans come from the adapters' ``A`` gradients (module docstring)."""
 
@@ -89,11 +112,19 @@ class DagerLoRA(Dager):
         return keys[0]
 
     def side(self, obs: Observation, model: nn.Module, spec: FamilySpec) -> str:
-        """The side to read (module docstring): B where block 1's A gradient is zero (a fresh adapter)."""
+        """The side to read (module docstring): B where block 1's ``B`` is zero in the broadcast model (a
+        fresh adapter). For a FedSGD gradient that is where ``dL/dA`` vanishes; a FedAvg delta of a fresh
+        adapter has a nonzero A part, but only from the steps after the first, through a ``B`` that is
+        itself a few small steps old, so its span is a sliver of the inputs' while side B's ``A_t x_t``
+        stay near ``A_0 x_t``."""
         if self.config.side != "auto":
             return self.config.side
         name, _ = find_module(model, spec.attn_inputs[0].format(i=0))
-        return "B" if float(update_tensor(obs, self._lora(obs, name, "A")).abs().max()) == 0.0 else "A"
+        weights = dict(obs.model.named_parameters())
+        b_name = self._lora(obs, name, "B")
+        fresh = float(weights[b_name].detach().abs().max()) == 0.0 if b_name in weights else False
+        zero_a = float(update_tensor(obs, self._lora(obs, name, "A")).abs().max()) == 0.0
+        return "B" if fresh or zero_a else "A"
 
     def input_gradient(
         self, obs: Observation, model: nn.Module, spec: FamilySpec, layer: int
@@ -124,6 +155,11 @@ class DagerLoRA(Dager):
         return span1, span2, spec, {**stats, "side_b": float(self._side == "B")}
 
 
+class DagerLoRAFedAvg(DagerLoRA):
+    def __init__(self, config: DagerLoRAFedAvgConfig | None = None) -> None:
+        super().__init__(config or DagerLoRAFedAvgConfig())
+
+
 ATTACKS.register(
     "dager_lora",
     DagerLoRA,
@@ -131,5 +167,12 @@ ATTACKS.register(
     summary="DAGER on LoRA adapter updates: spans from the adapters' A gradients (needs B != 0, r >= tokens)",
     modality="text",
 )
+ATTACKS.register(
+    "dager_lora_fedavg",
+    DagerLoRAFedAvg,
+    config_cls=DagerLoRAFedAvgConfig,
+    summary="DAGER on a LoRA FedAvg delta: midpoint weights, relaxed thresholds (a few small local steps)",
+    modality="text",
+)
 
-__all__ = ["DagerLoRA", "DagerLoRAConfig"]
+__all__ = ["DagerLoRA", "DagerLoRAConfig", "DagerLoRAFedAvg", "DagerLoRAFedAvgConfig"]
