@@ -251,8 +251,11 @@ def test_dager_lora_on_a_causal_lm_recovers_whole_sentences_with_their_last_toke
     assert [s[-1] for s in guessed] != [s[-1] for s in truth]
 
 
-def _fedavg_adapter_update(r: int, n: int, epochs: int, lr: float, train_b: bool = True):
-    """A FedAvg delta of a GPT-2 arch classification adapter over ``n`` sentences in batches of 2."""
+def _fedavg_adapter_update(
+    r: int, n: int, epochs: int, lr: float, train_b: bool = True, b_scale: float = 0.02
+):
+    """A FedAvg delta of a GPT-2 arch classification adapter over ``n`` sentences in batches of 2 (B drawn
+    at ``b_scale`` when ``train_b``)."""
     tm = build_gpt2("tiny", "classification", seed=0)
     model = apply_adapter(tm.model, AdapterConfig(r=r, alpha=2 * r, target=["attention"]), "classification",
                           seed=0)  # fmt: skip
@@ -261,7 +264,7 @@ def _fedavg_adapter_update(r: int, n: int, epochs: int, lr: float, train_b: bool
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if ".lora_B." in name:
-                    p.copy_(0.02 * torch.randn(p.shape, generator=g))
+                    p.copy_(b_scale * torch.randn(p.shape, generator=g))
     data = TokenDataset.from_texts(
         TextDataset("t", TEXTS[:n], (1, 0, 1, 0)[:n], ("neg", "pos")), tm.tokenizer, max_tokens=12
     )
@@ -291,6 +294,28 @@ def test_dager_lora_fedavg_recovers_every_sentence_of_a_few_small_local_steps(n,
         null_observation(obs, torch.Generator().manual_seed(1)), generator=torch.Generator().manual_seed(0)
     )
     assert null.token_ids == []
+
+
+def test_a_saturated_side_a_falls_back_to_side_b():
+    """B trained but tiny (1e-5, an adapter one round old at a small lr): the delta's A part is mostly float32
+    cancellation and its span fills all r = 16 dimensions, so side A would find nothing; the rule reads
+    side B, which recovers every sentence (one with a token too many)."""
+    from gradleak.attacks import create_attack
+    from gradleak.attacks.text.family import estimate_span, family_of
+    from gradleak.types import Observation
+
+    model, update, training, truth = _fedavg_adapter_update(16, 2, 1, 1e-2, b_scale=1e-5)
+    a = next(k for k in update.tensors if ".lora_A." in k and ".h.0." in k)
+    assert estimate_span(update.tensors[a].T, family_of(model).rank_tol).rank == 16  # side A saturated
+    rec = create_attack("dager_lora_fedavg").reconstruct(
+        Observation(model, update, (12,), 2, training=training), generator=torch.Generator()
+    )
+    assert rec.stats["side_b"] == 1.0 and len(rec.token_ids) == len(truth)
+    for (
+        t
+    ) in truth:  # every sentence whole, in order; the relaxed L2 test may accept one token more (measured:
+        # one sentence exact, the other with its "." repeated)
+        assert any(r[: len(t)] == t and len(r) - len(t) <= 1 for r in rec.token_ids), (t, rec.token_ids)
 
 
 def test_a_fresh_adapters_fedavg_delta_is_read_on_side_b():

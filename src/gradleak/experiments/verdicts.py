@@ -8,7 +8,8 @@ failure, or a rejection; the report turns each into one line an operator can act
 3. with the leakage above the null floor (the node's data and public images were given): **leaks** when it
    exceeds :data:`~gradleak.metrics.floors.LEAKS_ABOVE_DB` (the report's and the leakage gate's unit and
    threshold), else "no leakage above the floor *by this attack at this budget*" (one-sided: a stronger
-   attack may still leak);
+   attack may still leak); text: ROUGE-1 against the same attack on a norm-matched random update, leaking
+   unless paper 002's rule calls it blocked (at most max(0.05, null + 0.05));
 4. with the node's data but no floor: the raw score, and that a floor needs public images;
 5. without the node's data: only the attack's fit to the update; a failed attack shows its limit, not
    safety.
@@ -20,6 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gradleak.attacks.text.baseline import is_blocked
 from gradleak.metrics.floors import LEAKS_ABOVE_DB
 
 KINDS = ("attack", "attack_error", "rejected", "client_error")
@@ -42,6 +44,22 @@ def _scores(r: Mapping[str, Any]) -> str:
             "random image)")  # fmt: skip
 
 
+def _text_verdict(r: Mapping[str, Any], who: str, name: str) -> str | None:
+    """Rules 3 and 4 for a text record (its ROUGE-1 against the null update's, paper 002's rule: leaks
+    unless at most max(0.05, null + 0.05), :func:`~gradleak.attacks.text.baseline.is_blocked`); None for a
+    record with no ROUGE-1."""
+    r1, null = r.get("rouge1"), r.get("floor_null_rouge1")
+    if not isinstance(r1, int | float) or not math.isfinite(r1):
+        return None
+    if not isinstance(null, int | float) or not math.isfinite(null):
+        return f"{who}: {name} reaches ROUGE-1 {r1:.3f} on the node's text; no null floor to compare (rule 4)"
+    scores = f"ROUGE-1 {r1:.3f} against {null:.3f} from a norm-matched random update"
+    if not is_blocked(float(r1), float(null)):
+        return f"{who}: LEAKS to {name}: {scores} (rule 3: > max(0.05, null + 0.05), paper 002)"
+    return (f"{who}: no leakage above the floor by {name} at this budget: {scores} (rule 3: <= max(0.05, "
+            "null + 0.05); a stronger attack may still leak)")  # fmt: skip
+
+
 def verdict(r: Mapping[str, Any]) -> str:
     """The line for one record (module docstring)."""
     who = _who(r)
@@ -54,6 +72,9 @@ def verdict(r: Mapping[str, Any]) -> str:
         return f"{who}: {name} failed (rule 2), no verdict: {r.get('error')}"
     if r.get("refused"):
         return f"{who}: {name} refused the update (rule 2), no verdict: {r.get('refused')}"
+    text = _text_verdict(r, who, name)
+    if text is not None:
+        return text
     over = r.get("psnr_mean_beyond_floor")
     if isinstance(over, int | float) and not math.isfinite(over):
         return f"{who}: {name} gave no finite score (rule 2), no verdict"

@@ -24,6 +24,12 @@ ClientApp that did not opt in (``client_app(..., accept_architecture=True)``), o
 architecture and loads weights strictly, refuses such a model: its error reply is recorded as
 ``client_error``, which is the audit's answer for that deployment.
 
+What a round exchanges: the model's whole ``state_dict``, or, for a model with frozen parameters (a LoRA
+adapter's base: FlowerTune-style apps send only the adapters), exactly its trainable parameters (and a
+trained head); the wrapper takes the frozen rest from ``model=`` and refuses any other set of arrays. Text
+models are audited the same way, with a text scorer (``scorer=TextScorer(tokenizer)``) and ``truth``
+returning the node's :class:`~gradleak.data.text.TokenDataset` (``examples/flowertune``).
+
 A real server has no ground truth: records carry the attack's statistics and the reconstruction's size.
 ``truth`` (for simulations and tests: the client's data by its ``partition-id`` when the reply's metrics
 carry one, as :func:`gradleak.integrations.flower.apps.client_app` sends, else by node id; a data set or
@@ -145,6 +151,7 @@ class AuditStrategy(Auditing, Strategy):
         self.check_before_round_1([*self.attacks, *planted], public_images)
         self._planted: dict[int, _Planted] = {}
         self._broadcast: dict[int, dict[str, torch.Tensor]] = {}
+        self._exchanged: set[str] = set(model.state_dict())  # the arrays a round sends (exchanged_names)
         self._asked: dict[int, set[int]] = {}  # the nodes each round's train messages went to
         self._asked_eval: dict[int, set[int]] = {}
 
@@ -154,12 +161,11 @@ class AuditStrategy(Auditing, Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         sent = {k: v.clone() for k, v in arrays.to_torch_state_dict().items()}
-        expected = self.model.state_dict()
-        if set(sent) != set(expected) or any(sent[k].shape != v.shape for k, v in expected.items()):
+        self._exchanged = self.exchanged_names(server_round, sent)
+        if self.malicious is not None and self._exchanged != set(self.model.state_dict()):
             raise ValueError(
-                f"AuditStrategy: round {server_round}'s arrays do not match the audited model's state_dict "
-                f"(names or shapes; e.g. {sorted(set(sent) ^ set(expected))[:5]}): pass model= the model "
-                "the strategy trains"
+                "AuditStrategy: a malicious model is sent whole; this federation exchanges only the "
+                "trainable parameters (adapters)"
             )
         self._broadcast[server_round] = sent
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
@@ -313,6 +319,8 @@ class AuditStrategy(Auditing, Strategy):
             sent, model = planted.sent[node], planted.model
         else:
             sent, model = self._broadcast[server_round], self.model
+        state = {k: v for k, v in model.state_dict().items() if k in self._exchanged}
+        params = {k: v for k, v in reference_of(model).items() if k in self._exchanged}
         try:
             arrays: object = next(iter(content.array_records.values())).to_torch_state_dict()
         except Exception as exc:  # noqa: BLE001 - any undecodable array is the reply's fault
@@ -321,7 +329,7 @@ class AuditStrategy(Auditing, Strategy):
             ) from None
         return check_reply(
             node=node, arrays=arrays, num_examples=raw_n, metrics=metrics, sent=sent,
-            model_state=model.state_dict(), params=reference_of(model), policy=self.policy,
+            model_state=state, params=params, policy=self.policy,
             allowed=self.policy.train_metrics, metadata=meta, source=source,
         )  # fmt: skip
 

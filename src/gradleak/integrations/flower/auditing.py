@@ -37,7 +37,7 @@ from gradleak.federation.server import secure_sum
 from gradleak.integrations.flower.replies import CheckedReply, ReplyPolicy
 from gradleak.spec import ComponentSpec, as_spec
 from gradleak.types import LocalTraining, Observation, Update
-from gradleak.validation import error_text
+from gradleak.validation import error_text, trainable_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -259,10 +259,27 @@ class Auditing:
         if self.store is not None and self.run_id is not None:
             self.store.release(self.run_id)
 
+    def exchanged_names(self, server_round: int, sent: Mapping[str, torch.Tensor]) -> set[str]:
+        """The names of the arrays a round exchanges, checked against the audited model: its whole
+        ``state_dict``, or only its trainable parameters where some are frozen (a LoRA adapter's base stays
+        on the server: :func:`gradleak.validation.trainable_of`); anything else raises, naming the
+        difference."""
+        full = self.model.state_dict()
+        trainable = {k: full[k] for k in trainable_of(self.model)}
+        for expected in (full, trainable):
+            if set(sent) == set(expected) and all(sent[k].shape == v.shape for k, v in expected.items()):
+                return set(expected)
+        raise ValueError(
+            f"{type(self).__name__}: round {server_round}'s arrays match neither the audited model's "
+            f"state_dict nor its trainable parameters (names or shapes; e.g. "
+            f"{sorted(set(sent) ^ set(full))[:5]}): pass model= the model the strategy trains"
+        )
+
     def model_at(self, weights: Mapping[str, torch.Tensor]) -> nn.Module:
-        """The audited model at ``weights`` (in eval mode, as attacks differentiate it)."""
+        """The audited model at ``weights`` (in eval mode, as attacks differentiate it): all of its state,
+        or its trainable part over the frozen rest it already holds."""
         model = copy.deepcopy(self.model)
-        model.load_state_dict(dict(weights), strict=True)
+        model.load_state_dict({**model.state_dict(), **dict(weights)}, strict=True)
         return model.eval()
 
     def commit(self, unit: str, record: dict[str, Any]) -> None:

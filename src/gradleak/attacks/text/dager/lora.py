@@ -47,7 +47,14 @@ from torch import nn
 
 from gradleak.attacks.text.dager.core import Dager, DagerConfig, DecoderSearch
 from gradleak.attacks.text.dager.lora_completion import complete_from_adapters
-from gradleak.attacks.text.family import FamilySpec, ProjectedSpan, Span, find_module, update_tensor
+from gradleak.attacks.text.family import (
+    FamilySpec,
+    ProjectedSpan,
+    Span,
+    estimate_span,
+    find_module,
+    update_tensor,
+)
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation
 
@@ -113,18 +120,23 @@ class DagerLoRA(Dager):
 
     def side(self, obs: Observation, model: nn.Module, spec: FamilySpec) -> str:
         """The side to read (module docstring): B where block 1's ``B`` is zero in the broadcast model (a
-        fresh adapter). For a FedSGD gradient that is where ``dL/dA`` vanishes; a FedAvg delta of a fresh
-        adapter has a nonzero A part, but only from the steps after the first, through a ``B`` that is
-        itself a few small steps old, so its span is a sliver of the inputs' while side B's ``A_t x_t``
-        stay near ``A_0 x_t``."""
+        fresh adapter) or where side A's span is saturated (rank ``r``). For a FedSGD gradient a zero ``B``
+        is where ``dL/dA`` vanishes; a FedAvg delta of a fresh adapter has a nonzero A part, but only from
+        the steps after the first, through a ``B`` that is itself a few small steps old, so its span is a
+        sliver of the inputs' while side B's ``A_t x_t`` stay near ``A_0 x_t``."""
         if self.config.side != "auto":
             return self.config.side
         name, _ = find_module(model, spec.attn_inputs[0].format(i=0))
         weights = dict(obs.model.named_parameters())
         b_name = self._lora(obs, name, "B")
         fresh = float(weights[b_name].detach().abs().max()) == 0.0 if b_name in weights else False
-        zero_a = float(update_tensor(obs, self._lora(obs, name, "A")).abs().max()) == 0.0
-        return "B" if fresh or zero_a else "A"
+        grad_a = update_tensor(obs, self._lora(obs, name, "A"))
+        if fresh or float(grad_a.abs().max()) == 0.0:
+            return "B"
+        # saturated: side A's span fills all r dimensions (too many tokens, or a FedAvg delta of a B still
+        # small, whose A part is float32 cancellation noise): side B is then at least as informative
+        saturated = estimate_span(grad_a.T, spec.rank_tol).rank >= min(grad_a.shape)
+        return "B" if saturated else "A"
 
     def input_gradient(
         self, obs: Observation, model: nn.Module, spec: FamilySpec, layer: int
