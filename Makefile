@@ -8,7 +8,7 @@ PIP_VERSION := 26.3
 # where the default index would give a CUDA build (docs/development.md).
 TORCH_PIP_ARGS ?=
 
-.PHONY: demo test test-kernels lint typecheck bench-smoke flower-example browser lock clean
+.PHONY: demo test test-kernels lint typecheck bench-smoke flower-example flowertune-example browser lock clean
 
 # Bootstrap (docs/development.md): every package but torch comes from the hashed requirements.lock, without
 # resolution; then torch, pinned by version in constraints.txt (its dependencies are already there); then the
@@ -73,6 +73,13 @@ flower-example: $(STAMP)
 		$(BIN)/flwr run examples/flower --stream --federation-config "num-supernodes=4"
 	$(BIN)/gradleak report "$${FLWR_HOME:-$$HOME/.flwr}/audit.sqlite" latest \
 		--figures "$${FLWR_HOME:-$$HOME/.flwr}/audit-figures" --out report.html
+
+# The FlowerTune-shaped LLM app (examples/flowertune/README.md): SmolLM2-135M + LoRA, adapters only on the wire,
+# 4 SuperNodes, 2 rounds, gradleak's text audit; then its report (flowertune-report.html).
+flowertune-example: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 \
+		$(BIN)/flwr run examples/flowertune --stream --federation-config "num-supernodes=4"
+	$(BIN)/gradleak report "$${FLWR_HOME:-$$HOME/.flwr}/audit.sqlite" latest --out flowertune-report.html
 
 bench-smoke: $(STAMP)
 	$(BIN)/python benchmarks/fl_overhead.py --scale smoke
