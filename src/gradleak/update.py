@@ -73,6 +73,13 @@ class LocalTraining:
         ):
             raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
 
+    def steps(self, num_samples: int) -> int:
+        """The local steps this recipe takes on ``num_samples`` samples: 1 for FedSGD, else ``epochs`` x
+        ceil(num_samples / batch_size) (at least one batch)."""
+        if self.protocol == "fedsgd":
+            return 1
+        return self.epochs * max(1, -(-num_samples // self.batch_size))
+
 
 UpdateKind = Literal["gradient", "delta"]
 

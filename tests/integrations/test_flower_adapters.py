@@ -61,7 +61,8 @@ def grid(model, tokenizer, cheat: dict[int, str]) -> AppGrid:
         opt = torch.optim.SGD([p for p in local.parameters() if p.requires_grad], lr=0.01)
         local(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=labels).loss.backward()
         opt.step()
-        arrays = adapters(local)
+        whole = len(msg.content["arrays"]) > len(trainable_of(model))  # the server sent the whole state
+        arrays = {k: v.detach().clone() for k, v in local.state_dict().items()} if whole else adapters(local)
         if cheat.get(node) == "base":
             arrays[BASE] = local.state_dict()[BASE] + 1.0
         if cheat.get(node) == "drop":
@@ -99,11 +100,34 @@ def test_an_adapter_only_federation_is_audited_and_a_reply_with_base_weights_is_
     assert any(not torch.equal(final[k], start[k]) for k in start)
 
 
+def test_a_federation_that_sends_the_whole_state_still_keeps_the_frozen_base_frozen(tiny, tmp_path):
+    """The whole state_dict on the wire (allowed): a reply that moves a frozen base weight is rejected, so
+    a client cannot steer the base through the average; the honest reply is attacked."""
+    model, tokenizer = tiny
+    store = ResultStore(tmp_path / "audit.sqlite")
+    strategy = AuditStrategy(
+        FedAvg(fraction_evaluate=0.0, min_available_nodes=3, min_train_nodes=3), model=model,
+        attacks=["dager_lora_fedavg"], input_shape=(10,), num_classes=2, store=store,
+    )  # fmt: skip
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cheats = grid(model, tokenizer, {22: "base", 23: "base"})
+    result = strategy.start(cheats, ArrayRecord(start), num_rounds=1, timeout=60)
+    (run,) = store.runs()
+    rejected = store.records(run.run_id, "rejected")
+    assert sorted(r["node_id"] for r in rejected) == [22, 23]
+    assert all("changes frozen parameters" in r["error"] and BASE in r["error"] for r in rejected)
+    assert [a["node_id"] for a in store.records(run.run_id, "attack")] == [21]
+    assert torch.equal(result.arrays.to_torch_state_dict()[BASE], start[BASE])
+
+
 def test_arrays_that_are_neither_the_state_dict_nor_the_adapters_are_refused(tiny):
     model, _ = tiny
     strategy = AuditStrategy(FedAvg(), model=model, attacks=["dager_lora_fedavg"], input_shape=(10,),
                              num_classes=2)  # fmt: skip
     partial = dict(list(adapters(model).items())[:-1])
-    with pytest.raises(ValueError, match="neither the audited model's state_dict nor its trainable"):
+    with pytest.raises(
+        ValueError,
+        match=r"neither the audited model's state_dict nor \(with frozen parameters\) its trainable.*lora_B",
+    ):
         strategy.exchanged_names(1, partial)
     assert strategy.exchanged_names(1, model.state_dict()) == set(model.state_dict())  # whole: accepted too

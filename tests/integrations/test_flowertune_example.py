@@ -4,8 +4,9 @@ run by ``flwr run`` (4 SuperNodes on Ray, 2 rounds, the GPT-2 arch tiny in place
 
 What it must show: every reply audited (2 of 4 nodes a round), none rejected although a reply holds only
 adapters; the audit reads the adapter deltas (dager_lora_fedavg: side B on round 1's fresh adapter) and
-scores them against the node's sentences beside the norm-matched null, exactly as the same attack does on
-the same node's update computed in this process; the report says the undefended federation leaks.
+scores them against the node's sentences beside the norm-matched null, as the same attack does on the same
+node's update computed in this process (within one token's ROUGE-1, 0.1: the Ray worker's thread count may
+round differently; equal here); the report says the undefended federation leaks.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ TINY = ("model='gpt2_tiny'", "lora-r=32", "lora-alpha=64", "dataset-size=8", "ba
 
 def in_process_rouge1(partition: int) -> float:
     """The slow obvious reference for round 1: the app's own model, data and training for ``partition``, the
-    delta attacked and scored in this process (0.637 / 0.932 / 0.940 / 0.455 for partitions 0-3 measured:
-    the last tokens are only labels, and partitions 0 and 3 have a mixed-up sentence)."""
+    delta attacked and scored in this process (0.971 / 0.932 / 0.940 / 0.955 for partitions 0-3 measured:
+    one SGD step, read with exact DAGER's settings; every token but each sentence's last, only a label)."""
     import copy
     import sys
 

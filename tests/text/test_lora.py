@@ -223,7 +223,7 @@ def test_dager_lora_states_its_rank_limit():
     rec = create_attack("dager_lora").reconstruct(
         Observation(model, update, (12,), 2), generator=torch.Generator()
     )
-    assert rec.stats["rank_l1"] == 8
+    assert rec.stats["rank_l1"] == 8 and rec.stats["side_b"] == 0.0  # side B is full too: A is read
 
 
 @pytest.mark.parametrize("train_b", [True, False], ids=["trained_b", "fresh_adapter"])

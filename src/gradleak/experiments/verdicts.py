@@ -49,8 +49,10 @@ def _text_verdict(r: Mapping[str, Any], who: str, name: str) -> str | None:
     unless at most max(0.05, null + 0.05), :func:`~gradleak.attacks.text.baseline.is_blocked`); None for a
     record with no ROUGE-1."""
     r1, null = r.get("rouge1"), r.get("floor_null_rouge1")
-    if not isinstance(r1, int | float) or not math.isfinite(r1):
+    if not isinstance(r1, int | float):
         return None
+    if not math.isfinite(r1):
+        return f"{who}: {name} gave no finite score (rule 2), no verdict"
     if not isinstance(null, int | float) or not math.isfinite(null):
         return f"{who}: {name} reaches ROUGE-1 {r1:.3f} on the node's text; no null floor to compare (rule 4)"
     scores = f"ROUGE-1 {r1:.3f} against {null:.3f} from a norm-matched random update"

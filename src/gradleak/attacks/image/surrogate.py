@@ -136,10 +136,7 @@ def local_steps(obs: Observation, attack: str) -> int:
             f"{attack} needs the client's public training recipe (Observation.training: lr, epochs, "
             "batch_size) to place the surrogate path and recover label counts; it is None (training hidden)"
         )
-    if tr.protocol == "fedsgd":
-        return 1
-    n = obs.update.num_samples
-    return tr.epochs * max(1, -(-n // tr.batch_size))
+    return tr.steps(obs.update.num_samples)
 
 
 def build_problem(obs: Observation, attack: str, num_samples: int | None) -> Problem:

@@ -151,7 +151,6 @@ class AuditStrategy(Auditing, Strategy):
         self.check_before_round_1([*self.attacks, *planted], public_images)
         self._planted: dict[int, _Planted] = {}
         self._broadcast: dict[int, dict[str, torch.Tensor]] = {}
-        self._exchanged: set[str] = set(model.state_dict())  # the arrays a round sends (exchanged_names)
         self._asked: dict[int, set[int]] = {}  # the nodes each round's train messages went to
         self._asked_eval: dict[int, set[int]] = {}
 
@@ -161,8 +160,8 @@ class AuditStrategy(Auditing, Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         sent = {k: v.clone() for k, v in arrays.to_torch_state_dict().items()}
-        self._exchanged = self.exchanged_names(server_round, sent)
-        if self.malicious is not None and self._exchanged != set(self.model.state_dict()):
+        exchanged = self.exchanged_names(server_round, sent)
+        if self.malicious is not None and exchanged != set(self.model.state_dict()):
             raise ValueError(
                 "AuditStrategy: a malicious model is sent whole; this federation exchanges only the "
                 "trainable parameters (adapters)"
@@ -315,12 +314,13 @@ class AuditStrategy(Auditing, Strategy):
                 f"{source}: expected one ArrayRecord, found {len(content.array_records)}"
             )
         planted = self._planted.get(server_round)
-        if planted is not None and node in planted.sent:  # the malicious model's weights
+        if planted is not None and node in planted.sent:  # the malicious model's weights, sent whole
             sent, model = planted.sent[node], planted.model
-        else:
+            state, params = model.state_dict(), reference_of(model)
+        else:  # what this round exchanges: the whole state, or the trainable parameters (exchanged_names)
             sent, model = self._broadcast[server_round], self.model
-        state = {k: v for k, v in model.state_dict().items() if k in self._exchanged}
-        params = {k: v for k, v in reference_of(model).items() if k in self._exchanged}
+            state = {k: v for k, v in model.state_dict().items() if k in sent}
+            params = {k: v for k, v in reference_of(model).items() if k in sent}
         try:
             arrays: object = next(iter(content.array_records.values())).to_torch_state_dict()
         except Exception as exc:  # noqa: BLE001 - any undecodable array is the reply's fault

@@ -266,13 +266,16 @@ class Auditing:
         difference."""
         full = self.model.state_dict()
         trainable = {k: full[k] for k in trainable_of(self.model)}
-        for expected in (full, trainable):
+        frozen = any(not p.requires_grad for p in self.model.parameters())
+        options = (full, trainable) if frozen else (full,)  # all trainable: buffers (BatchNorm) travel too
+        for expected in options:
             if set(sent) == set(expected) and all(sent[k].shape == v.shape for k, v in expected.items()):
                 return set(expected)
+        nearest = min(options, key=lambda e: len(set(sent) ^ set(e)))
         raise ValueError(
             f"{type(self).__name__}: round {server_round}'s arrays match neither the audited model's "
-            f"state_dict nor its trainable parameters (names or shapes; e.g. "
-            f"{sorted(set(sent) ^ set(full))[:5]}): pass model= the model the strategy trains"
+            f"state_dict nor (with frozen parameters) its trainable parameters (names or shapes; e.g. "
+            f"{sorted(set(sent) ^ set(nearest))[:5]}): pass model= the model the strategy trains"
         )
 
     def model_at(self, weights: Mapping[str, torch.Tensor]) -> nn.Module:

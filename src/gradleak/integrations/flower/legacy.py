@@ -16,6 +16,10 @@ does for the Message API:
   an honest-but-curious server under SecAgg+ can attack). If it is invalid (non-finite), it is recorded
   and the round's model is left unchanged (fail closed) instead of being aggregated.
 
+A legacy federation exchanges the model's whole ``state_dict`` (an adapters-only app fails closed: its
+array count does not match); :class:`~gradleak.integrations.flower.AuditStrategy` also audits one that sends
+only the trainable parameters (LoRA adapters).
+
 Legacy ``Parameters`` are an ordered list of arrays without names: they are named by ``model.state_dict()``
 in order (the NumPyClient convention ``[v.numpy() for v in model.state_dict().values()]``) and checked
 against those shapes; SecAgg+'s float64 aggregate is cast to the model's dtype. The workflow drives the

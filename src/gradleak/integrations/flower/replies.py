@@ -164,6 +164,9 @@ def check_reply(
     buffers = {k: wt[k] for k, v in model_state.items() if k not in params and v.data_ptr() not in tied}
     update = Update({k: delta[k] for k in params}, n, "delta", dict(metadata), buffers)
     check_update(update, params, source=source)
+    moved = [k for k, p in params.items() if not p.requires_grad and bool((delta[k] != 0).any())]
+    if moved:  # a frozen parameter (a LoRA adapter's base) only moves if a client moved it
+        raise InvalidUpdateError(f"{source}: changes frozen parameters of the model: {moved[:5]}")
     forwarded, clipped = wt, False
     if policy.clip_norm is not None and norm > policy.clip_norm:
         scale = policy.clip_norm / norm

@@ -40,7 +40,7 @@ not yet on SmolLM2) reads it off the adapters' gradient instead, for a FedSGD up
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -48,6 +48,7 @@ from torch import nn
 from gradleak.attacks.text.dager.core import Dager, DagerConfig, DecoderSearch
 from gradleak.attacks.text.dager.lora_completion import complete_from_adapters
 from gradleak.attacks.text.family import (
+    FULL_SPAN_FRACTION,
     FamilySpec,
     ProjectedSpan,
     Span,
@@ -56,7 +57,7 @@ from gradleak.attacks.text.family import (
     update_tensor,
 )
 from gradleak.registry import ATTACKS
-from gradleak.types import AttackInputError, Observation
+from gradleak.types import AttackInputError, Observation, Reconstruction
 
 
 @dataclass(frozen=True)
@@ -119,24 +120,29 @@ class DagerLoRA(Dager):
         return keys[0]
 
     def side(self, obs: Observation, model: nn.Module, spec: FamilySpec) -> str:
-        """The side to read (module docstring): B where block 1's ``B`` is zero in the broadcast model (a
-        fresh adapter) or where side A's span is saturated (rank ``r``). For a FedSGD gradient a zero ``B``
-        is where ``dL/dA`` vanishes; a FedAvg delta of a fresh adapter has a nonzero A part, but only from
-        the steps after the first, through a ``B`` that is itself a few small steps old, so its span is a
-        sliver of the inputs' while side B's ``A_t x_t`` stay near ``A_0 x_t``."""
+        """The side to read (module docstring). B where block 1's ``B`` is zero in the broadcast model (a
+        fresh adapter: a FedSGD ``dL/dA`` vanishes; a FedAvg delta's A part comes only from steps after the
+        first, through a ``B`` a few small steps old). Otherwise A, whose test runs in the full input space,
+        unless side B's block-1 span is usable (not full in its r dimensions) and either larger than side
+        A's (a ``B`` so small that the delta's A part holds one direction: rank 1 against side B's 11 in the
+        tests) or side A's is saturated at rank r while side B's is not (float32 cancellation noise in the
+        A part). Where the tokens outnumber r both sides are full and A is read."""
         if self.config.side != "auto":
             return self.config.side
-        name, _ = find_module(model, spec.attn_inputs[0].format(i=0))
+        first, _ = find_module(model, spec.attn_inputs[0].format(i=0))
+        last, _ = find_module(model, spec.attn_inputs[-1].format(i=0))
         weights = dict(obs.model.named_parameters())
-        b_name = self._lora(obs, name, "B")
+        b_name = self._lora(obs, first, "B")
         fresh = float(weights[b_name].detach().abs().max()) == 0.0 if b_name in weights else False
-        grad_a = update_tensor(obs, self._lora(obs, name, "A"))
+        grad_a = update_tensor(obs, self._lora(obs, first, "A"))
         if fresh or float(grad_a.abs().max()) == 0.0:
             return "B"
-        # saturated: side A's span fills all r dimensions (too many tokens, or a FedAvg delta of a B still
-        # small, whose A part is float32 cancellation noise): side B is then at least as informative
-        saturated = estimate_span(grad_a.T, spec.rank_tol).rank >= min(grad_a.shape)
-        return "B" if saturated else "A"
+        rank_a = estimate_span(grad_a.T, spec.rank_tol).rank
+        grad_b = update_tensor(obs, self._lora(obs, last, "B")).T  # (r, d_out): spans A x_t in r dimensions
+        rank_b = estimate_span(grad_b, spec.rank_tol).rank
+        usable_b = 0 < rank_b < FULL_SPAN_FRACTION * grad_b.shape[0]
+        saturated_a = rank_a >= min(grad_a.shape)
+        return "B" if usable_b and (rank_b > rank_a or saturated_a) else "A"
 
     def input_gradient(
         self, obs: Observation, model: nn.Module, spec: FamilySpec, layer: int
@@ -168,8 +174,23 @@ class DagerLoRA(Dager):
 
 
 class DagerLoRAFedAvg(DagerLoRA):
+    """DAGER on a LoRA FedAvg delta; a delta the public recipe says is one plain SGD step is exactly
+    ``-lr`` times the gradient at ``w_0``, so it is read with exact DAGER's settings (the family's
+    thresholds, the broadcast weights): SmolLM2 at r = 256, B = 8, one step at lr 1e-3 gave ROUGE-1 0.14 in
+    170 s with the FedAvg settings (benchmarks/configs/lora_fedavg.toml)."""
+
     def __init__(self, config: DagerLoRAFedAvgConfig | None = None) -> None:
         super().__init__(config or DagerLoRAFedAvgConfig())
+
+    def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
+        tr = obs.training
+        one_step = (tr is not None and tr.optimizer == "sgd" and not tr.momentum and not tr.weight_decay
+                    and tr.steps(obs.update.num_samples) == 1)  # fmt: skip
+        if not one_step:
+            return super().reconstruct(obs, generator=generator)
+        exact = replace(self.config, l1_threshold=None, l2_threshold=None, midpoint_weights=False)
+        rec = DagerLoRA(exact).reconstruct(obs, generator=generator)
+        return replace(rec, stats={**rec.stats, "one_step": 1.0})
 
 
 ATTACKS.register(
