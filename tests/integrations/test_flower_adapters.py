@@ -73,13 +73,18 @@ def grid(model, tokenizer, cheat: dict[int, str]) -> AppGrid:
     return AppGrid(dict.fromkeys(NODES, app), NODES)
 
 
-def test_an_adapter_only_federation_is_audited_and_a_reply_with_base_weights_is_rejected(tiny, tmp_path):
-    model, tokenizer = tiny
+def audited(model, tmp_path) -> tuple[AuditStrategy, ResultStore]:
     store = ResultStore(tmp_path / "audit.sqlite")
     strategy = AuditStrategy(
         FedAvg(fraction_evaluate=0.0, min_available_nodes=3, min_train_nodes=3), model=model,
         attacks=["dager_lora_fedavg"], input_shape=(10,), num_classes=2, store=store,
     )  # fmt: skip
+    return strategy, store
+
+
+def test_an_adapter_only_federation_is_audited_and_a_reply_with_base_weights_is_rejected(tiny, tmp_path):
+    model, tokenizer = tiny
+    strategy, store = audited(model, tmp_path)
     start = adapters(model)
     cheats = grid(model, tokenizer, {22: "base", 23: "drop"})
     result = strategy.start(cheats, ArrayRecord(start), num_rounds=1, timeout=60)
@@ -104,11 +109,7 @@ def test_a_federation_that_sends_the_whole_state_still_keeps_the_frozen_base_fro
     """The whole state_dict on the wire (allowed): a reply that moves a frozen base weight is rejected, so
     a client cannot steer the base through the average; the honest reply is attacked."""
     model, tokenizer = tiny
-    store = ResultStore(tmp_path / "audit.sqlite")
-    strategy = AuditStrategy(
-        FedAvg(fraction_evaluate=0.0, min_available_nodes=3, min_train_nodes=3), model=model,
-        attacks=["dager_lora_fedavg"], input_shape=(10,), num_classes=2, store=store,
-    )  # fmt: skip
+    strategy, store = audited(model, tmp_path)
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cheats = grid(model, tokenizer, {22: "base", 23: "base"})
     result = strategy.start(cheats, ArrayRecord(start), num_rounds=1, timeout=60)
