@@ -23,6 +23,19 @@ def test_each_rule_names_itself():
         assert words in verdict(record), (record, verdict(record))
 
 
+def test_a_text_record_is_judged_by_paper_002s_blocked_rule_against_its_null():
+    """Leaks unless ROUGE-1 <= max(0.05, null + 0.05) (attacks.text.baseline.is_blocked): the boundary
+    both ways, a null that lifts the bar, no null (rule 4) and a non-finite score (rule 2)."""
+    text = {**BASE, "attack": "dager_lora"}
+    leak = verdict({**text, "rouge1": 0.051, "floor_null_rouge1": 0.0})
+    assert "LEAKS to dager_lora: ROUGE-1 0.051 against 0.000" in leak
+    assert "no leakage above the floor" in verdict({**text, "rouge1": 0.05, "floor_null_rouge1": 0.0})
+    assert "no leakage above the floor" in verdict({**text, "rouge1": 0.30, "floor_null_rouge1": 0.26})
+    assert "LEAKS" in verdict({**text, "rouge1": 0.32, "floor_null_rouge1": 0.26})
+    assert "no null floor to compare (rule 4)" in verdict({**text, "rouge1": 0.9})
+    assert "no finite score (rule 2)" in verdict({**text, "rouge1": float("nan"), "floor_null_rouge1": 0.0})
+
+
 def test_the_threshold_is_strict_and_one_sided():
     at = verdict({**BASE, "psnr_mean_beyond_floor": LEAKS_ABOVE_DB})
     above = verdict({**BASE, "psnr_mean_beyond_floor": LEAKS_ABOVE_DB + 1e-9})
