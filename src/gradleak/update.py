@@ -75,7 +75,8 @@ class LocalTraining:
 
     def steps(self, num_samples: int) -> int:
         """The local steps this recipe takes on ``num_samples`` samples: 1 for FedSGD, else ``epochs`` x
-        ceil(num_samples / batch_size) (at least one batch)."""
+        ceil(num_samples / batch_size) (at least one batch). With ``batching = "same_label"`` each label's
+        samples are batched apart, so the client may take more steps than this (up to one more per label)."""
         if self.protocol == "fedsgd":
             return 1
         return self.epochs * max(1, -(-num_samples // self.batch_size))

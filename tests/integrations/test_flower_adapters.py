@@ -26,6 +26,7 @@ TEXTS = ("the movie was surprisingly good", "a dull and lifeless film .", "an ho
          "nothing works here", "a triumph", "too long by half")  # fmt: skip
 NODES = (21, 22, 23)
 BASE = "base_model.model.transformer.wte.weight"
+ALIAS = "base_model.model.lm_head.weight"  # tied to BASE: one storage, two state_dict names
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,8 @@ def grid(model, tokenizer, cheat: dict[int, str]) -> AppGrid:
         arrays = {k: v.detach().clone() for k, v in local.state_dict().items()} if whole else adapters(local)
         if cheat.get(node) == "base":
             arrays[BASE] = local.state_dict()[BASE] + 1.0
+        if cheat.get(node) == "alias":
+            arrays[ALIAS] = local.state_dict()[ALIAS] + 1.0
         if cheat.get(node) == "drop":
             arrays.pop(next(iter(arrays)))
         content = RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord({"num-examples": 2})})
@@ -106,19 +109,25 @@ def test_an_adapter_only_federation_is_audited_and_a_reply_with_base_weights_is_
 
 
 def test_a_federation_that_sends_the_whole_state_still_keeps_the_frozen_base_frozen(tiny, tmp_path):
-    """The whole state_dict on the wire (allowed): a reply that moves a frozen base weight is rejected, so
-    a client cannot steer the base through the average; the honest reply is attacked."""
+    """The whole state_dict on the wire (allowed): a reply that moves a frozen base weight, or only its tied
+    alias (GPT-2's lm_head.weight shares wte's storage), is not aggregated as sent: those arrays are set
+    back to what was sent and the reply is recorded as sanitised, so no client steers the base (and a
+    client's noise mod, which moves every array, does not get honest replies rejected); every reply is
+    still attacked."""
     model, tokenizer = tiny
     strategy, store = audited(model, tmp_path)
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    cheats = grid(model, tokenizer, {22: "base", 23: "base"})
+    cheats = grid(model, tokenizer, {22: "base", 23: "alias"})
     result = strategy.start(cheats, ArrayRecord(start), num_rounds=1, timeout=60)
     (run,) = store.runs()
-    rejected = store.records(run.run_id, "rejected")
-    assert sorted(r["node_id"] for r in rejected) == [22, 23]
-    assert all("changes frozen parameters" in r["error"] and BASE in r["error"] for r in rejected)
-    assert [a["node_id"] for a in store.records(run.run_id, "attack")] == [21]
-    assert torch.equal(result.arrays.to_torch_state_dict()[BASE], start[BASE])
+    assert store.records(run.run_id, "rejected") == []
+    notes = {r["node_id"]: r["frozen_reset"] for r in store.records(run.run_id, "sanitised")}
+    assert set(notes) == {22, 23} and BASE in notes[22] and ALIAS in notes[23], notes
+    assert sorted(a["node_id"] for a in store.records(run.run_id, "attack")) == [21, 22, 23]
+    final = result.arrays.to_torch_state_dict()
+    for key in (BASE, ALIAS):  # FedAvg's weighted mean of equal arrays rounds; a +1 cheat would move 1/3
+        torch.testing.assert_close(final[key], start[key], rtol=1e-6, atol=1e-7)
+    assert any(not torch.equal(final[k], start[k]) for k in adapters(model))  # the adapters trained
 
 
 def test_arrays_that_are_neither_the_state_dict_nor_the_adapters_are_refused(tiny):

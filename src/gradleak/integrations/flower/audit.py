@@ -330,7 +330,7 @@ class AuditStrategy(Auditing, Strategy):
         return check_reply(
             node=node, arrays=arrays, num_examples=raw_n, metrics=metrics, sent=sent,
             model_state=state, params=params, policy=self.policy,
-            allowed=self.policy.train_metrics, metadata=meta, source=source,
+            allowed=self.policy.train_metrics, metadata=meta, source=source, frozen=self.frozen,
         )  # fmt: skip
 
     def forward(

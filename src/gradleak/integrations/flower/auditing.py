@@ -128,6 +128,8 @@ class Auditing:
         self.partitions = None if partitions is None else {int(k): int(v) for k, v in partitions.items()}
         show_progress()
         self.model = model
+        # the parameters that do not train, fixed now (a server that later freezes its copy changes nothing)
+        self.frozen = frozenset(k for k, p in model.named_parameters() if not p.requires_grad)
         self.policy = policy or ReplyPolicy()
         # labelled images the server holds (never a client's): the null floors and the pre-flight range check
         self.public = None if public is None else image_data("public", public, num_classes)
@@ -173,11 +175,14 @@ class Auditing:
     def note_sanitised(
         self, unit: str, server_round: int, stage: str, checked: CheckedReply, dropped: Iterable[str]
     ) -> None:
-        """Record what was dropped (metric keys) or clipped of an accepted reply before it was forwarded."""
+        """Record what was dropped (metric keys), clipped or set back (frozen arrays a client moved) of an
+        accepted reply before it was forwarded."""
         keys = sorted(dropped)
-        if keys or checked.clipped:
+        if keys or checked.clipped or checked.reset:
             note = {"kind": "sanitised", "round": server_round, "node_id": checked.node, "stage": stage,
                     "dropped_metrics": keys, "clipped": checked.clipped, "norm": checked.norm}  # fmt: skip
+            if checked.reset:
+                note["frozen_reset"] = checked.reset[:20]
             self.commit(unit, note)
 
     def inner(self, server_round: int, stage: str, call: Callable[[], T], fallback: T) -> T:

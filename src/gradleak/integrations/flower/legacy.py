@@ -205,7 +205,7 @@ class LegacyAuditStrategy(Auditing, Strategy):
                 c = check_reply(
                     node=node, arrays=wt, num_examples=res.num_examples, metrics=metrics, sent=w0,
                     model_state=state, params=params, policy=self.policy, allowed=self.policy.train_metrics,
-                    metadata=meta, source=source,
+                    metadata=meta, source=source, frozen=self.frozen,
                 )  # fmt: skip
             except (InvalidUpdateError, ValueError, TypeError, KeyError, OverflowError) as exc:
                 self.reject(f"round/{server_round}/reply/{j}/rejected", server_round, node, exc)

@@ -24,7 +24,7 @@ wrapped strategy aggregates them), so that no client moves a FedAvg aggregate by
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +131,7 @@ class CheckedReply:
     dropped: list[str] = field(default_factory=list)
     norm: float = 0.0  # ||w_T - w_0|| of the floating arrays, as sent
     clipped: bool = False
+    reset: list[str] = field(default_factory=list)  # frozen arrays the reply moved, set back to w_0
 
 
 def check_reply(
@@ -146,17 +147,27 @@ def check_reply(
     allowed: tuple[str, ...],
     metadata: Mapping[str, Any],
     source: str,
+    frozen: Collection[str] = (),
 ) -> CheckedReply:
     """Check one reply (module docstring); raise :class:`InvalidUpdateError` naming what is wrong.
 
     ``sent``: the arrays this node was sent (any dtype); ``model_state``: the audited model's state (names,
     shapes, dtypes); ``params``: its parameters (the update attacks read); ``allowed``: the metric keys
-    forwarded besides the weight.
+    forwarded besides the weight; ``frozen``: the names of the parameters that do not train (a LoRA
+    adapter's base, fixed by the wrapper when it was built). No client moves a frozen parameter: every
+    array that shares its storage (a tied alias such as GPT-2's ``lm_head.weight``) is set back to what
+    was sent, in the update and in what is forwarded, and listed in ``reset`` (a client's noise mod moves
+    every array, so this is no reason to reject the reply).
     """
     n = sample_count(num_examples, policy.max_examples, source)
     kept, dropped = metric_values(metrics, allowed, source)
     wt = check_weights(arrays, model_state, sent, max_steps=policy.max_local_steps, source=source)
     w0 = {k: sent[k].detach().to(model_state[k].dtype) for k in model_state}  # integer arrays: truncated
+    still = {params[k].data_ptr() for k in frozen if k in params}
+    reset = sorted(
+        k for k, v in model_state.items() if v.data_ptr() in still and not torch.equal(wt[k], w0[k])
+    )
+    wt = {**wt, **{k: w0[k].clone() for k in reset}}
     floats = [k for k, v in model_state.items() if v.is_floating_point()]
     delta = {k: wt[k] - w0[k] for k in floats}
     norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta.values()))
@@ -164,15 +175,12 @@ def check_reply(
     buffers = {k: wt[k] for k, v in model_state.items() if k not in params and v.data_ptr() not in tied}
     update = Update({k: delta[k] for k in params}, n, "delta", dict(metadata), buffers)
     check_update(update, params, source=source)
-    moved = [k for k, p in params.items() if not p.requires_grad and bool((delta[k] != 0).any())]
-    if moved:  # a frozen parameter (a LoRA adapter's base) only moves if a client moved it
-        raise InvalidUpdateError(f"{source}: changes frozen parameters of the model: {moved[:5]}")
     forwarded, clipped = wt, False
     if policy.clip_norm is not None and norm > policy.clip_norm:
         scale = policy.clip_norm / norm
         forwarded = {k: (w0[k] + scale * delta[k]) if k in delta else wt[k] for k in wt}
         clipped = True
-    return CheckedReply(node, forwarded, update, n, kept, dropped, norm, clipped)
+    return CheckedReply(node, forwarded, update, n, kept, dropped, norm, clipped, reset)
 
 
 def common_metrics(checked: list[CheckedReply]) -> tuple[set[str], dict[int, list[str]]]:

@@ -58,6 +58,7 @@ from gradleak.attacks.text.family import (
 )
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
+from gradleak.update import DEFAULT_BATCHING
 
 
 @dataclass(frozen=True)
@@ -130,19 +131,28 @@ class DagerLoRA(Dager):
         if self.config.side != "auto":
             return self.config.side
         first, _ = find_module(model, spec.attn_inputs[0].format(i=0))
-        last, _ = find_module(model, spec.attn_inputs[-1].format(i=0))
+        last, _ = find_module(model, spec.attn_inputs[-1].format(i=0))  # side B reads the last projection
         weights = dict(obs.model.named_parameters())
         b_name = self._lora(obs, first, "B")
         fresh = float(weights[b_name].detach().abs().max()) == 0.0 if b_name in weights else False
-        grad_a = update_tensor(obs, self._lora(obs, first, "A"))
-        if fresh or float(grad_a.abs().max()) == 0.0:
+        if fresh or float(update_tensor(obs, self._lora(obs, first, "A")).abs().max()) == 0.0:
             return "B"
-        rank_a = estimate_span(grad_a.T, spec.rank_tol).rank
+        grad_a = self._a_gradient(obs, model, spec, 0)  # what side A reads: (d_in, m r)
+        rank_a = estimate_span(grad_a, spec.rank_tol).rank
         grad_b = update_tensor(obs, self._lora(obs, last, "B")).T  # (r, d_out): spans A x_t in r dimensions
         rank_b = estimate_span(grad_b, spec.rank_tol).rank
         usable_b = 0 < rank_b < FULL_SPAN_FRACTION * grad_b.shape[0]
         saturated_a = rank_a >= min(grad_a.shape)
         return "B" if usable_b and (rank_b > rank_a or saturated_a) else "A"
+
+    def _a_gradient(self, obs: Observation, model: nn.Module, spec: FamilySpec, layer: int) -> torch.Tensor:
+        """Side A's matrix of block ``layer``: every attention projection's ``A`` gradient, transposed and
+        side by side (d_in, m r); its column space is in the span of the block's inputs."""
+        cols = []
+        for suffix in spec.attn_inputs:
+            name, _ = find_module(model, suffix.format(i=layer))
+            cols.append(update_tensor(obs, self._lora(obs, name, "A")).T)
+        return torch.cat(cols, dim=1)
 
     def input_gradient(
         self, obs: Observation, model: nn.Module, spec: FamilySpec, layer: int
@@ -150,11 +160,7 @@ class DagerLoRA(Dager):
         if layer == 0:
             self._side, self._projections = self.side(obs, model, spec), {}
         if self._side == "A":
-            cols = []
-            for suffix in spec.attn_inputs:
-                name, _ = find_module(model, suffix.format(i=layer))
-                cols.append(update_tensor(obs, self._lora(obs, name, "A")).T)  # (d_in, r): spans the inputs
-            return torch.cat(cols, dim=1)
+            return self._a_gradient(obs, model, spec, layer)
         # side B: the block's last attention projection (GPT-2's fused c_attn, Llama's v_proj, BERT's value):
         # its B gradient's columns span A x_t in r dimensions. Not the query: under causal attention the
         # first token's query gets no gradient (a softmax over one key), so its span misses tokens.
@@ -176,16 +182,20 @@ class DagerLoRA(Dager):
 class DagerLoRAFedAvg(DagerLoRA):
     """DAGER on a LoRA FedAvg delta; a delta the public recipe says is one plain SGD step is exactly
     ``-lr`` times the gradient at ``w_0``, so it is read with exact DAGER's settings (the family's
-    thresholds, the broadcast weights): SmolLM2 at r = 256, B = 8, one step at lr 1e-3 gave ROUGE-1 0.14 in
-    170 s with the FedAvg settings (benchmarks/configs/lora_fedavg.toml)."""
+    thresholds, the broadcast weights; thresholds set in the config are for the multi-step case). SmolLM2
+    at r = 256, B = 8, one step at lr 1e-3 gave ROUGE-1 0.14 in 170 s with the FedAvg settings, 1.000 in
+    3.5 s with the exact ones (benchmarks/configs/lora_fedavg.toml)."""
 
     def __init__(self, config: DagerLoRAFedAvgConfig | None = None) -> None:
         super().__init__(config or DagerLoRAFedAvgConfig())
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         tr = obs.training
-        one_step = (tr is not None and tr.optimizer == "sgd" and not tr.momentum and not tr.weight_decay
-                    and tr.steps(obs.update.num_samples) == 1)  # fmt: skip
+        one_step = (
+            tr is not None
+            and (tr.optimizer, tr.momentum, tr.weight_decay, tr.batching) == ("sgd", 0, 0, DEFAULT_BATCHING)
+            and tr.steps(obs.update.num_samples) == 1
+        )
         if not one_step:
             return super().reconstruct(obs, generator=generator)
         exact = replace(self.config, l1_threshold=None, l2_threshold=None, midpoint_weights=False)
