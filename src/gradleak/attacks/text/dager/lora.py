@@ -123,11 +123,13 @@ class DagerLoRA(Dager):
     def side(self, obs: Observation, model: nn.Module, spec: FamilySpec) -> str:
         """The side to read (module docstring). B where block 1's ``B`` is zero in the broadcast model (a
         fresh adapter: a FedSGD ``dL/dA`` vanishes; a FedAvg delta's A part comes only from steps after the
-        first, through a ``B`` a few small steps old). Otherwise A, whose test runs in the full input space,
-        unless side B's block-1 span is usable (not full in its r dimensions) and either larger than side
-        A's (a ``B`` so small that the delta's A part holds one direction: rank 1 against side B's 11 in the
-        tests) or side A's is saturated at rank r while side B's is not (float32 cancellation noise in the
-        A part). Where the tokens outnumber r both sides are full and A is read."""
+        first, through a ``B`` a few small steps old). Otherwise both block-1 ranks are estimated: on an
+        exact gradient they agree (each counts the batch's distinct inputs) and A is read, its test running
+        in the full input space; where side B's span is usable (not full in its r dimensions) and they
+        disagree, A's is the wrong one and B is read: smaller, the delta's A part went through a ``B`` so
+        small that it holds few directions (rank 1 against 11 in the tests); larger, float32 cancellation
+        noise in ``w_T - w_0`` (SmolLM2, an adapter one round old: 311 over q, k, v against B's 142). Where
+        the tokens outnumber r, side B is full and A is read."""
         if self.config.side != "auto":
             return self.config.side
         first, _ = find_module(model, spec.attn_inputs[0].format(i=0))
@@ -142,8 +144,7 @@ class DagerLoRA(Dager):
         grad_b = update_tensor(obs, self._lora(obs, last, "B")).T  # (r, d_out): spans A x_t in r dimensions
         rank_b = estimate_span(grad_b, spec.rank_tol).rank
         usable_b = 0 < rank_b < FULL_SPAN_FRACTION * grad_b.shape[0]
-        saturated_a = rank_a >= min(grad_a.shape)
-        return "B" if usable_b and (rank_b > rank_a or saturated_a) else "A"
+        return "B" if usable_b and rank_b != rank_a else "A"
 
     def _a_gradient(self, obs: Observation, model: nn.Module, spec: FamilySpec, layer: int) -> torch.Tensor:
         """Side A's matrix of block ``layer``: every attention projection's ``A`` gradient, transposed and
