@@ -23,11 +23,17 @@ def main(grid: Grid, context: Context) -> None:
     nodes = len(list(grid.get_node_ids()))
     strategy = AuditStrategy(  # gradleak: every reply attacked as this server could (README.md)
         FedAvg(fraction_train=float(run["fraction-train"]), fraction_evaluate=0.0),
-        model=model, attacks=[run["audit-attack"]], input_shape=(int(run["max-tokens"]),), num_classes=2,
-        store="audit.sqlite", scorer=TextScorer(tokenizer),
-        training=LocalTraining("fedavg", epochs=int(run["local-epochs"]), batch_size=int(run["batch-size"]),
-                               lr=float(run["lr"])),
-        truth=lambda k: node_data(k, nodes, int(run["dataset-size"]), tokenizer, int(run["max-tokens"])))
+        model=model,
+        attacks=[run["audit-attack"]],
+        input_shape=(int(run["max-tokens"]),),
+        num_classes=2,
+        store="audit.sqlite",
+        scorer=TextScorer(tokenizer),
+        training=LocalTraining(
+            "fedavg", epochs=int(run["local-epochs"]), batch_size=int(run["batch-size"]), lr=float(run["lr"])
+        ),
+        truth=lambda k: node_data(k, nodes, int(run["dataset-size"]), tokenizer, int(run["max-tokens"])),
+    )
     rounds = int(run["num-server-rounds"])
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(adapter_arrays(model)), num_rounds=rounds,
                             train_config=ConfigRecord({}))  # fmt: skip

@@ -7,6 +7,7 @@ as FlowerTune's apps send only their adapters; the frozen base stays where it wa
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -26,8 +27,6 @@ def _base(name: str) -> TextModel:
 def build(name: str, r: int, alpha: int) -> tuple[nn.Module, object]:
     """A fresh copy of the adapted model (LoRA on the attention, seeded: the same on server and nodes) and
     its tokenizer."""
-    import copy
-
     tm = _base(name)
     model = apply_adapter(copy.deepcopy(tm.model), AdapterConfig(r=r, alpha=alpha, target=["attention"]),
                           "causal_lm", seed=0)  # fmt: skip

@@ -271,8 +271,7 @@ class Auditing:
         difference."""
         full = self.model.state_dict()
         trainable = {k: full[k] for k in trainable_of(self.model)}
-        frozen = any(not p.requires_grad for p in self.model.parameters())
-        options = (full, trainable) if frozen else (full,)  # all trainable: buffers (BatchNorm) travel too
+        options = (full, trainable) if self.frozen else (full,)  # all trainable: buffers (BatchNorm) travel
         for expected in options:
             if set(sent) == set(expected) and all(sent[k].shape == v.shape for k, v in expected.items()):
                 return set(expected)
