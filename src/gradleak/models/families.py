@@ -35,6 +35,11 @@ class TransformerFamily:
     token_types: bool  # BERT: token_type_ids enter the embedding
     causal: bool
     heads: Mapping[str, str] = field(default_factory=dict)  # task -> output head module name
+    # a pre-norm block's parts a malicious server rewrites (peftleak_lora); "": not mapped for this family
+    mlp_norm: str = ""  # template: the norm in front of block i's MLP
+    attn_output: str = ""  # template: block i's attention output projection
+    mlp_output: str = ""  # template: block i's MLP output projection
+    position_embedding: str = ""  # name suffix of the learned position embedding ("": none or unmapped)
     l1_threshold: float = 1e-3
     l2_threshold: float = 1e-3
     rank_tol: float = 1e-8
@@ -60,7 +65,8 @@ FAMILIES.register(
         "gpt2", attn_inputs=("h.{i}.attn.c_attn",), mlp_inputs=("h.{i}.mlp.c_fc",), embedding="wte",
         attention=r"(^|\.)h\.\d+\.attn\.(c_attn|q_attn|c_proj)$", mlp=r"(^|\.)h\.\d+\.mlp\.(c_fc|c_proj)$",
         other_embeddings=r"(^|\.)wpe$", conv1d=True, positions="learned", token_types=False, causal=True,
-        heads={"causal_lm": "lm_head", "classification": "score"},
+        heads={"causal_lm": "lm_head", "classification": "score"}, mlp_norm="h.{i}.ln_2",
+        attn_output="h.{i}.attn.c_proj", mlp_output="h.{i}.mlp.c_proj", position_embedding="wpe",
     ),
 )  # fmt: skip
 FAMILIES.register(
@@ -74,6 +80,8 @@ FAMILIES.register(
         attention=r"(^|\.)layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)$",
         mlp=r"(^|\.)layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)$", other_embeddings=r"$^", conv1d=False,
         positions="rotary", token_types=False, causal=True, heads={"causal_lm": "lm_head"},
+        mlp_norm="layers.{i}.post_attention_layernorm", attn_output="layers.{i}.self_attn.o_proj",
+        mlp_output="layers.{i}.mlp.down_proj",
     ),
 )  # fmt: skip
 FAMILIES.register(
