@@ -5,6 +5,8 @@ drops an adapter. Flower's own FedAvg and round loop over in-process ClientApps 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -141,3 +143,43 @@ def test_arrays_that_are_neither_the_state_dict_nor_the_adapters_are_refused(tin
     ):
         strategy.exchanged_names(1, partial)
     assert strategy.exchanged_names(1, model.state_dict()) == set(model.state_dict())  # whole: accepted too
+
+
+def test_a_malicious_server_plants_peftleak_in_a_whole_state_lora_federation(tmp_path):
+    """The server ships the backbone (the whole state on the wire): AuditStrategy's malicious option sends
+    one node peftleak_lora's pass-through model (a text attack: no public images), attacks its reply against
+    that model, and keeps it out of the aggregate; what it recovers is in that node's batch and nothing
+    else, and the honest nodes' adapters alone make the aggregate."""
+    tm = build_gpt2("tiny", "causal_lm", seed=0)
+    model = apply_adapter(tm.model, AdapterConfig(r=16, alpha=32, target=["attention", "mlp"]), "causal_lm",
+                          seed=0)  # fmt: skip
+    from gradleak.audit import TextScorer
+
+    def node_data(node: int) -> TokenDataset:  # the sentences grid() gives each node
+        k = NODES.index(node)
+        return TokenDataset.from_texts(
+            TextDataset("t", TEXTS[2 * k : 2 * k + 2]), tm.tokenizer, max_tokens=10
+        )
+
+    store = ResultStore(tmp_path / "audit.sqlite")
+    strategy = AuditStrategy(
+        FedAvg(fraction_evaluate=0.0, min_available_nodes=3, min_train_nodes=3), model=model,
+        attacks=["dager_lora_fedavg"], input_shape=(10,), num_classes=2, store=store,
+        malicious=("peftleak_lora", {}), malicious_nodes=1, truth=node_data, scorer=TextScorer(tm.tokenizer),
+    )  # fmt: skip
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    result = strategy.start(grid(model, tm.tokenizer, {}), ArrayRecord(start), num_rounds=1, timeout=60)
+    (run,) = store.runs()
+    planted = [r for r in store.records(run.run_id, "attack") if r["attack"] == "peftleak_lora"]
+    assert len(planted) == 1 and planted[0]["recovered"] >= 3, planted
+    batch = node_data(planted[0]["node_id"]).batch()  # the first node Flower sampled
+    visible = {t for s in batch.sequences() for t in s[:-1]}  # a causal LM's last token is only a label
+    assert planted[0]["rouge1"] > planted[0]["floor_null_rouge1"] == 0.0
+    # the record keeps the recovered set decoded (in position order): the decoding of visible tokens only
+    (text,) = planted[0]["texts"]
+    subsets = itertools.combinations(sorted(visible), int(planted[0]["recovered"]))
+    orders = (order for s in subsets for order in itertools.permutations(s))
+    assert any(tm.tokenizer.decode(list(order)).strip() == text for order in orders), (text, visible)
+    final = result.arrays.to_torch_state_dict()
+    for key in (BASE, "base_model.model.transformer.h.0.attn.c_proj.base_layer.weight"):  # planted zeros: out
+        torch.testing.assert_close(final[key], start[key], rtol=1e-6, atol=1e-7)

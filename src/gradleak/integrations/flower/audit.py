@@ -14,8 +14,9 @@ observation.
 
 The malicious-server option (``malicious=("robbing_the_fed", {...})``, ``public_images=``): in each audited
 round the wrapper lets the attack build its modified model from the round's weights and the server's
-public images, and sends it to the first ``malicious_nodes`` of the nodes the strategy sampled (each its
-own variant for a client-customising attack such as LOKI): the arrays of the modified model and, in a
+public images (a text attack, ``peftleak_lora``, needs none: it rewrites the model's own weights), and
+sends it to the first ``malicious_nodes`` of the nodes the strategy sampled (each its own variant for a
+client-customising attack such as LOKI): the arrays of the modified model and, in a
 ``gradleak.architecture`` record, its architecture as a spec (the imprint block around the node's own
 model; JSON, never a pickle: :mod:`gradleak.models.architecture`), the threat model where the server
 ships the model. Their replies are attacked with that attack only, against the modified model and its
@@ -71,6 +72,7 @@ from gradleak.integrations.flower.replies import (
 )
 from gradleak.models.architecture import describe
 from gradleak.models.malicious import MaliciousModel
+from gradleak.registry import ATTACKS
 from gradleak.spec import as_spec
 from gradleak.types import ClientCustomizingAttack, LocalTraining, ModelModifyingAttack, Update
 from gradleak.validation import InvalidUpdateError, error_text, reference_of
@@ -133,7 +135,8 @@ class AuditStrategy(Auditing, Strategy):
                     f"malicious={self.malicious.name!r} does not modify the model; pass it in attacks= "
                     "instead"
                 )
-            if (
+            reads_images = ATTACKS.entry(self.malicious.name).modality != "text"  # text: the model itself
+            if reads_images and (
                 public_images is None
                 or len(public_images) < 2
                 or tuple(public_images.shape[1:]) != tuple(input_shape)
