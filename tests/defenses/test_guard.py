@@ -190,3 +190,32 @@ def test_guard_model_raises_with_the_reasons():
 def test_bad_config_is_refused(options, message):
     with pytest.raises(ValueError, match=message):
         GuardConfig(**options)
+
+
+def test_a_fresh_lora_model_passes_and_peftleaks_planted_model_is_refused():
+    """peft starts every adapter's B at zero: the weight checks skip the adapters' own matrices (else
+    ``degenerate`` refused every fresh LoRA model, as it did) and read the frozen layers, where
+    peftleak_lora writes its bins (parallel gate rows) and zeroes the attention outputs. A tiny random Llama
+    with LoRA on attention and MLP (on SmolLM2's real weights the checks are not calibrated:
+    docs/security.md)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gradleak.models.adapters import AdapterConfig, apply_adapter
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    adapter = AdapterConfig(r=16, alpha=32, target=["attention", "mlp"])
+    model = apply_adapter(LlamaForCausalLM(cfg).eval(), adapter, "causal_lm", seed=0)
+    probe = torch.randint(0, 300, (8, 12), generator=torch.Generator().manual_seed(0))
+    guard = ModelGuard(model, trusted_start=True)
+    assert guard.inspect(model.state_dict(), probe, remember=False).safe
+    planted, _ = create_attack("peftleak_lora").prepare(
+        model, None, generator=torch.Generator().manual_seed(0)
+    )
+    verdict = guard.inspect(planted.state_dict(), probe, remember=False)
+    checks = {f.check for f in verdict.findings}
+    assert not verdict.safe and {"parallel", "degenerate", "drift"} <= checks, verdict.reason()
+    assert any("gate_proj.base_layer" in f.where for f in verdict.findings if f.check == "parallel")

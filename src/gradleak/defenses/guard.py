@@ -207,7 +207,7 @@ class ModelGuard:
         model.load_state_dict(state)
         inspection = Inspection(
             model,
-            [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)],
+            checked_linears(model),
             probe[: self.config.probe_size].detach().cpu(),
             previous=self.accepted,
         )
@@ -217,6 +217,24 @@ class ModelGuard:
         if not found and remember:
             self.accepted = state
         return GuardVerdict(tuple(found))
+
+
+ADAPTER_MATRICES = ("lora_A", "lora_B")  # peft's LoRA layer keeps its adapter matrices in these ModuleDicts
+
+
+def checked_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The ``nn.Linear`` layers the weight checks read, in order: every one but a LoRA adapter's own
+    matrices. peft starts ``B`` at zero (``degenerate`` would flag every fresh adapter) and ``A`` at random;
+    the layers a malicious server rewrites to leak through adapters are the frozen ones around them
+    (``peftleak_lora``: the MLP gate's bins, the zeroed attention outputs), which are checked."""
+    adapters = {
+        id(sub)
+        for module in model.modules()
+        for key in ADAPTER_MATRICES
+        if isinstance(getattr(module, key, None), nn.ModuleDict)
+        for sub in getattr(module, key).modules()
+    }
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in adapters]
 
 
 @torch.no_grad()
