@@ -184,7 +184,7 @@ def test_the_engine_sends_the_planted_model_and_scores_what_comes_back():
     records = run_experiment(load_config(raw, [])).of_kind("attack")
     assert len(records) == 2
     for r in records:
-        assert r["floor_null_rouge1"] == 0.0 and r["rouge1"] >= 0.4, r
+        assert r["floor_null_rouge1"] == 0.0 and r["rouge1"] >= 0.4 and r["token_precision"] == 1.0, r
 
 
 @pytest.mark.parametrize(
@@ -207,3 +207,22 @@ def test_what_it_cannot_attack_is_refused_by_name(build, message):
 def test_bad_options_are_refused_on_construction(options, message):
     with pytest.raises(ValueError, match=message):
         create_attack("peftleak_lora", **options)
+
+
+def test_the_text_scorer_reports_the_token_overlap_a_token_set_is_read_by():
+    """``token_recall`` / ``token_precision`` over distinct ids, by hand: a set holding every distinct
+    token of a sentence but its last (a causal LM's label) and one foreign id."""
+    from gradleak.audit import TextScorer
+    from gradleak.types import Reconstruction
+
+    _, tokenizer = _gpt2(4)
+    data = TokenDataset.from_texts(TextDataset("t", TEXTS[:2], (1, 0), ("n", "p")), tokenizer, max_tokens=12)
+    seqs = data.batch().sequences()
+    distinct = {t for s in seqs for t in s}
+    held = {t for s in seqs for t in s[:-1]} | {99}  # 99 is in neither sentence
+    assert 99 not in distinct
+    scores = TextScorer(tokenizer).score(Reconstruction(token_ids=[sorted(held)], ordered=False), data)
+    hit = len(held & distinct)
+    assert scores["token_recall"] == pytest.approx(hit / len(distinct), abs=1e-12)
+    assert scores["token_precision"] == pytest.approx(hit / len(held), abs=1e-12)
+    assert 0 < scores["token_recall"] < 1 and 0 < scores["token_precision"] < 1

@@ -14,6 +14,7 @@ wrappers score through the same scorer (:mod:`gradleak.audit.pipeline`).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -78,6 +79,18 @@ class ImageScorer:
         return {**out, **beyond_floor({**scores, **out})}
 
 
+def token_overlap(found: Sequence[Sequence[int]], refs: Sequence[Sequence[int]]) -> dict[str, float]:
+    """Order-blind: the share of the batch's distinct token ids that the reconstruction holds
+    (``token_recall``) and of the reconstruction's distinct ids that the batch holds (``token_precision``);
+    what a token-set attack reads, which its set ROUGE-1 understates (repeated words, one decoding)."""
+    got, true = {t for seq in found for t in seq}, {t for seq in refs for t in seq}
+    hit = len(got & true)
+    return {
+        "token_recall": hit / len(true) if true else 0.0,
+        "token_precision": hit / len(got) if got else 0.0,
+    }
+
+
 @dataclass(frozen=True)
 class TextScorer:
     """Text scores of token sequences decoded with ``tokenizer``; the null-update floor."""
@@ -98,7 +111,8 @@ class TextScorer:
         else:
             scores = score_token_set([t for seq in found for t in seq], refs, self.tokenizer)
             matched = []
-        return {**scores.as_dict(), "label_accuracy": label_accuracy(rec.labels, truth.labels),
+        return {**scores.as_dict(), **token_overlap(found, refs),
+                "label_accuracy": label_accuracy(rec.labels, truth.labels),
                 "recovered_sequences": len(found), "texts": hyps[:SHOWN_TEXTS],
                 "true_texts": true[:SHOWN_TEXTS], "matched_texts": matched[:SHOWN_TEXTS]}  # fmt: skip
 
