@@ -175,11 +175,10 @@ def test_a_malicious_server_plants_peftleak_in_a_whole_state_lora_federation(tmp
     batch = node_data(planted[0]["node_id"]).batch()  # the first node Flower sampled
     visible = {t for s in batch.sequences() for t in s[:-1]}  # a causal LM's last token is only a label
     assert planted[0]["rouge1"] > planted[0]["floor_null_rouge1"] == 0.0
-    # the record keeps the recovered set decoded (in position order): the decoding of visible tokens only
+    # the record keeps the recovered set decoded in id order: the decoding of some of the visible tokens
     (text,) = planted[0]["texts"]
-    subsets = itertools.combinations(sorted(visible), int(planted[0]["recovered"]))
-    orders = (order for s in subsets for order in itertools.permutations(s))
-    assert any(tm.tokenizer.decode(list(order)).strip() == text for order in orders), (text, visible)
+    subsets = itertools.combinations(sorted(visible), int(planted[0]["recovered"]))  # 6 visible here
+    assert any(tm.tokenizer.decode(list(s)).strip() == text for s in subsets), (text, visible)
     final = result.arrays.to_torch_state_dict()
     for key in (BASE, "base_model.model.transformer.h.0.attn.c_proj.base_layer.weight"):  # planted zeros: out
         torch.testing.assert_close(final[key], start[key], rtol=1e-6, atol=1e-7)

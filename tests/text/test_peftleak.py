@@ -202,7 +202,8 @@ def test_what_it_cannot_attack_is_refused_by_name(build, message):
 @pytest.mark.parametrize(
     ("options", "message"),
     [({"blocks": 0}, "blocks"), ({"sharpness": -1.0}, "sharpness"), ({"min_cosine": 1.5}, "min_cosine"),
-     ({"sample": 1}, "sample"), ({"leak_scale": float("nan")}, "leak_scale"), ({"positions": 0}, "positions")],
+     ({"sample": 1}, "sample"), ({"leak_scale": float("nan")}, "leak_scale"), ({"positions": 0}, "positions"),
+     ({"leak_scale": 0.5}, "leak_scale must be <= 0.01"), ({"min_cosine": True}, "min_cosine")],
 )  # fmt: skip
 def test_bad_options_are_refused_on_construction(options, message):
     with pytest.raises(ValueError, match=message):
@@ -226,3 +227,44 @@ def test_the_text_scorer_reports_the_token_overlap_a_token_set_is_read_by():
     assert scores["token_recall"] == pytest.approx(hit / len(distinct), abs=1e-12)
     assert scores["token_precision"] == pytest.approx(hit / len(held), abs=1e-12)
     assert 0 < scores["token_recall"] < 1 and 0 < scores["token_precision"] < 1
+
+
+def test_tokens_of_a_batch_at_distinct_positions_are_not_called_a_sentence():
+    """A classifier's loss reaches only each sentence's last token, at a different position per sentence:
+    positions alone do not make two sentences' tokens one sequence, so a batch gives an unordered set."""
+    tm = build_gpt2("tiny", "classification", seed=0)
+    adapter = AdapterConfig(r=16, alpha=32, target=["attention", "mlp"])
+    model = apply_adapter(tm.model, adapter, "classification", seed=0)
+    attack = create_attack("peftleak_lora")
+    malicious, secrets = attack.prepare(model, None, generator=_gen())
+    data = TokenDataset.from_texts(
+        TextDataset("t", TEXTS[:2], (1, 0), ("n", "p")), tm.tokenizer, max_tokens=12
+    )
+    batch = data.batch()
+    obs = Observation(
+        malicious, fedsgd_text_update(malicious, batch, "classification"), (12,), 2, secrets=secrets
+    )
+    rec = attack.reconstruct(obs, generator=_gen())
+    last = {s[-1] for s in batch.sequences()}
+    assert not rec.ordered and set(rec.token_ids[0]) == last, rec.token_ids  # each sentence's last token
+
+
+def _small_llama(intermediate: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    return apply_adapter(model, AdapterConfig(r=16, alpha=32, target=["mlp"]), "causal_lm", seed=0)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [(lambda: _small_llama(8), "16 bins need at least 16 gate units"),
+     (lambda: _small_llama(128, torch.float16), "underflows in torch.float16")],
+    ids=["fewer_units_than_rank", "float16"],
+)  # fmt: skip
+def test_a_model_the_bins_do_not_fit_is_refused_by_name(build, message):
+    with pytest.raises(AttackInputError, match=message):
+        create_attack("peftleak_lora").prepare(build(), None, generator=_gen())

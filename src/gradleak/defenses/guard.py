@@ -224,9 +224,13 @@ ADAPTER_MATRICES = ("lora_A", "lora_B")  # peft's LoRA layer keeps its adapter m
 
 def checked_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The ``nn.Linear`` layers the weight checks read, in order: every one but a LoRA adapter's own
-    matrices. peft starts ``B`` at zero (``degenerate`` would flag every fresh adapter) and ``A`` at random;
-    the layers a malicious server rewrites to leak through adapters are the frozen ones around them
-    (``peftleak_lora``: the MLP gate's bins, the zeroed attention outputs), which are checked."""
+    matrices. peft starts ``B`` at zero (``degenerate`` would flag every fresh adapter), a trained ``B``'s
+    rows lie in the few directions ``A x_t`` of its batches (``parallel`` would flag it) and it grows from
+    zero (``drift``); the layers a malicious server rewrites to leak through adapters are the frozen ones
+    around them (``peftleak_lora``: the MLP gate's bins, the zeroed attention outputs, the shared output
+    columns), which are checked. Not caught: bins written through the adapter matrices themselves (a rank-r
+    gate term whose per-rank scale places each cut) where the server leaves every frozen layer honest; the
+    pass-through and the shared back-connection a clean read-out also needs are in checked layers."""
     adapters = {
         id(sub)
         for module in model.modules()

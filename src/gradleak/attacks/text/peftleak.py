@@ -21,7 +21,8 @@ writes (:meth:`PeftLeakLoRA.prepare`), for a pre-norm decoder (GPT-2, Llama; the
    quantiles of ``<a, x>`` over the candidates (the server has no public text: candidates drawn uniformly
    over the vocabulary and positions). The cut is the unit's bias; Llama's gate has none, so the server
    gives every token embedding one coordinate ``q`` whose normed value is a constant ``gamma`` (each row
-   rescaled so its RMS is 1; the norm's output is scale-free, so no token changes) and writes
+   rescaled so its RMS is 1; the norm's output is scale-free, so no token's direction changes elsewhere; a
+   tied LM head changes with the embeddings, which the attack does not need) and writes
    ``-k c_j / gamma`` there; Llama's ``up_proj`` rows of the bin units read ``1 / gamma`` times that
    coordinate, so the SiLU gate is multiplied by 1.
 3. **Back-connection and read-out.** Every bin unit's column of the MLP output projection is one shared
@@ -98,11 +99,13 @@ class PeftLeakLoRAConfig:
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{key} must be None or an int >= 1, got {v!r}")
-        for key in ("sharpness", "leak_scale"):
+        for key in ("sharpness", "leak_scale", "min_cosine"):
             v = getattr(self, key)
-            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+            if isinstance(v, bool) or not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{key} must be a positive finite number, got {v!r}")
-        if not 0 < self.min_cosine <= 1:
+        if self.leak_scale > 1e-2:  # later blocks' inputs would move past what the match tolerates
+            raise ValueError(f"leak_scale must be <= 0.01 (module docstring), got {self.leak_scale!r}")
+        if self.min_cosine > 1:
             raise ValueError(f"min_cosine must be in (0, 1], got {self.min_cosine!r}")
         if not 0 <= self.rel_tol < 1:
             raise ValueError(f"rel_tol must be in [0, 1), got {self.rel_tol!r}")
@@ -138,7 +141,11 @@ def lora_param(model: nn.Module, module_name: str, which: str) -> str | None:
     """The name of ``module_name``'s LoRA ``which`` (``"A"``/``"B"``) weight, None where it has no adapter."""
     prefix = f"{module_name}.lora_{which}."
     hits = [n for n, _ in model.named_parameters() if n.startswith(prefix) and n.endswith(".weight")]
-    return hits[0] if len(hits) == 1 else None
+    if len(hits) > 1:
+        raise AttackInputError(
+            f"{module_name!r} carries several LoRA adapters ({hits}): peftleak_lora reads one"
+        )
+    return hits[0] if hits else None
 
 
 def block_count(model: nn.Module) -> int:
@@ -181,9 +188,12 @@ def mlp_inputs(
 
 
 def candidate_positions(model: nn.Module, spec: FamilySpec, max_tokens: int) -> list[int | None]:
-    """The positions a candidate can take: each of ``max_tokens`` with a learned position embedding, one
-    position-free set with rotary positions."""
-    return list(range(max_tokens)) if spec.position_embedding else [None]
+    """The positions a candidate can take: each of the first ``max_tokens`` the learned position embedding
+    has, or one position-free set with rotary positions."""
+    if not spec.position_embedding:
+        return [None]
+    _, pos = find_module(model, spec.position_embedding)
+    return list(range(min(max_tokens, int(weight_of(pos).shape[0]))))
 
 
 class PeftLeakLoRA:
@@ -283,8 +293,15 @@ class PeftLeakLoRA:
         cfg = self.config
         name, module = find_module(model, spec.mlp_inputs[0].format(i=block))
         a_name, b_name = lora_param(model, name, "A"), lora_param(model, name, "B")
-        assert a_name is not None and b_name is not None
+        if a_name is None or b_name is None:
+            raise AttackInputError(f"{name!r} has no LoRA A and B to plant bins in")
         r = model.get_parameter(a_name).shape[0]
+        gate = out_in(module, spec)
+        if r > gate.shape[0] or self.config.sample <= r:
+            raise AttackInputError(
+                f"{name!r}: {r} bins need at least {r} gate units (it has {gate.shape[0]}) and more than {r} "
+                f"sampled candidates to place their cuts (sample = {self.config.sample})"
+            )
         x = mlp_inputs(model, spec, block, *sample)  # (n, d) float64
         direction = torch.randn(x.shape[1], generator=generator, dtype=torch.float64)
         if constant is not None:
@@ -292,7 +309,6 @@ class PeftLeakLoRA:
         direction, measured = normalised_direction(direction, x)
         cuts = cut_points(measured, r)
         kappa = cfg.sharpness
-        gate = out_in(module, spec)
         gate.zero_()
         gate[:r] = (kappa * direction).to(gate.dtype)
         bias = tensor_of(module, "bias")
@@ -313,6 +329,11 @@ class PeftLeakLoRA:
         v = torch.randn(gate.shape[1], generator=generator, dtype=torch.float64)
         out = out_in(find_module(model, spec.mlp_output.format(i=block))[1], spec)
         out[:, :r] = (eps * v / v.norm())[:, None].to(out.dtype)
+        if not bool(out[:, :r].abs().amax(dim=0).gt(0).all()):  # e.g. float16: eps underflows to zero
+            raise AttackInputError(
+                f"{name!r}: the bins' shared output column ({eps:.1e} x a unit vector) underflows in "
+                f"{out.dtype}; raise leak_scale or attack a float32 model"
+            )
         model.get_parameter(b_name)[:r, :r] = torch.eye(r, dtype=gate.dtype)
         return a_name
 
@@ -348,8 +369,11 @@ class PeftLeakLoRA:
             {m for m, c in zip(match, best.tolist(), strict=True) if m is not None and c >= cfg.min_cosine}
         )
         positions = [p for _, p in pairs]
-        ordered = bool(pairs) and None not in positions and len(set(positions)) == len(positions)
-        tokens = [t for t, _ in sorted(pairs, key=lambda tp: (tp[1] or 0, tp[0]))]
+        one = obs.update.num_samples == 1  # positions order a single sentence, not a batch's tokens
+        ordered = one and bool(pairs) and None not in positions and len(set(positions)) == len(positions)
+        tokens = (
+            [t for _, t in sorted((p, t) for t, p in pairs)] if ordered else sorted({t for t, _ in pairs})
+        )
         stats = {
             "seconds": time.perf_counter() - start,
             "bins": float(len(diff)),
