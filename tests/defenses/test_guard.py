@@ -4,6 +4,7 @@ agree with slow references."""
 
 from __future__ import annotations
 
+import copy
 import math
 from itertools import combinations
 
@@ -192,12 +193,7 @@ def test_bad_config_is_refused(options, message):
         GuardConfig(**options)
 
 
-def test_a_fresh_lora_model_passes_and_peftleaks_planted_model_is_refused():
-    """peft starts every adapter's B at zero: the weight checks skip the adapters' own matrices (else
-    ``degenerate`` refused every fresh LoRA model, as it did) and read the frozen layers, where
-    peftleak_lora writes its bins (parallel gate rows) and zeroes the attention outputs. A tiny random Llama
-    with LoRA on attention and MLP (on SmolLM2's real weights the checks are not calibrated:
-    docs/security.md)."""
+def _lora_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from gradleak.models.adapters import AdapterConfig, apply_adapter
@@ -208,14 +204,77 @@ def test_a_fresh_lora_model_passes_and_peftleaks_planted_model_is_refused():
         num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=True,
     )  # fmt: skip
     adapter = AdapterConfig(r=16, alpha=32, target=["attention", "mlp"])
-    model = apply_adapter(LlamaForCausalLM(cfg).eval(), adapter, "causal_lm", seed=0)
-    probe = torch.randint(0, 300, (8, 12), generator=torch.Generator().manual_seed(0))
+    return apply_adapter(LlamaForCausalLM(cfg).eval(), adapter, "causal_lm", seed=0)
+
+
+def _lora_gpt2():
+    """The GPT-2 arch at a 300-token vocabulary (the real one's 50,257-row head makes each check ~40 s)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gradleak.models.adapters import AdapterConfig, apply_adapter
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    adapter = AdapterConfig(r=16, alpha=32, target=["attention", "mlp"])
+    return apply_adapter(GPT2LMHeadModel(cfg).eval(), adapter, "causal_lm", seed=0)
+
+
+@pytest.mark.parametrize("build", [_lora_llama, _lora_gpt2], ids=["llama", "gpt2_conv1d"])
+def test_honest_lora_models_pass_and_peftleaks_planted_model_is_refused(build):
+    """peft starts every adapter's B at zero, and a trained B's rows lie in its batches' few directions: the
+    checks leave B out of parallel / balance / drift and out of degenerate while it is all zero (else every
+    fresh LoRA model was refused, as it was), and read A and the frozen layers, HF's Conv1D (GPT-2) among
+    them, which the guard did not read before. A fresh model and the same after five SGD steps on the
+    adapters pass; peftleak_lora's planted model is refused for its bins (parallel gate rows) and zeroed
+    attention outputs. Tiny random models (on SmolLM2's real weights the checks are not calibrated:
+    docs/security.md)."""
+    model = build()
+    vocab = model.get_input_embeddings().num_embeddings
+    probe = torch.randint(0, vocab, (8, 12), generator=torch.Generator().manual_seed(0))
     guard = ModelGuard(model, trusted_start=True)
-    assert guard.inspect(model.state_dict(), probe, remember=False).safe
+    assert guard.inspect(model.state_dict(), probe).safe
+    trained = copy.deepcopy(model)
+    opt = torch.optim.SGD([p for p in trained.parameters() if p.requires_grad], lr=0.05)
+    for step in range(5):
+        opt.zero_grad()
+        trained(input_ids=probe[step % 2 :: 2], labels=probe[step % 2 :: 2]).loss.backward()
+        opt.step()
+    assert any(bool(p.any()) for n, p in trained.named_parameters() if ".lora_B." in n)
+    assert guard.inspect(trained.state_dict(), probe).safe, guard.inspect(
+        trained.state_dict(), probe
+    ).reason()
     planted, _ = create_attack("peftleak_lora").prepare(
         model, None, generator=torch.Generator().manual_seed(0)
     )
     verdict = guard.inspect(planted.state_dict(), probe, remember=False)
     checks = {f.check for f in verdict.findings}
     assert not verdict.safe and {"parallel", "degenerate", "drift"} <= checks, verdict.reason()
-    assert any("gate_proj.base_layer" in f.where for f in verdict.findings if f.check == "parallel")
+    assert any(".mlp." in f.where for f in verdict.findings if f.check == "parallel")
+
+
+def test_bins_written_through_the_adapters_themselves_are_refused():
+    """A server that leaves every frozen layer honest and writes the bins through the adapters: the gate's
+    A rows one direction (scaled), its B a per-unit gain, the output projection's adapters one shared
+    column. The adapters' A is read: its parallel rows give it away."""
+    model = _lora_llama()
+    probe = torch.randint(0, 300, (8, 12), generator=torch.Generator().manual_seed(0))
+    guard = ModelGuard(model, trusted_start=True)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    a = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    for key, value in state.items():
+        if "gate_proj.lora_A" in key:
+            value[:] = 1e3 * a
+        if "gate_proj.lora_B" in key:
+            value.zero_()
+            value[:16, :16] = torch.diag(torch.linspace(0.5, 2, 16))
+        if "down_proj.lora_A" in key:
+            value.zero_()
+            value[:, :16] = torch.eye(16)
+        if "down_proj.lora_B" in key:
+            value[:] = torch.randn(64, 1, generator=torch.Generator().manual_seed(2))
+    verdict = guard.inspect(state, probe, remember=False)
+    assert not verdict.safe
+    assert any("gate_proj.lora_A" in f.where for f in verdict.findings if f.check == "parallel"), (
+        verdict.reason()
+    )

@@ -9,7 +9,8 @@ of the literature are detectable by a client that looks. This module looks, in t
    in float64, often to no whole number), all finite. Every malicious model that inserts an imprint block
    fails here.
 2. **weight signatures**, for malicious models that keep the client's architecture
-   (:mod:`gradleak.attacks.linear.in_place`), each a registered check over every ``nn.Linear`` layer:
+   (:mod:`gradleak.attacks.linear.in_place`, :mod:`gradleak.attacks.text.peftleak`), each a registered check
+   over every linear map (``nn.Linear`` and HF's ``Conv1D``; a LoRA adapter's ``B`` apart, :func:`linear_maps`):
 
    - ``parallel``: at least ``parallel_rows`` rows (or columns of a layer fed by hidden units) with a near
      parallel partner (|cos| >= ``parallel_cosine``): cumulative bins share one direction and the
@@ -41,6 +42,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -117,13 +119,26 @@ class GuardConfig:
                 raise ValueError(f"{key} must be an int >= 2, got {v!r}")
 
 
+@dataclass(frozen=True)
+class LinearMap:
+    """A layer the checks read as ``y = W x + b``: ``weight`` (out, in) is a view of the module's own (HF's
+    ``Conv1D`` stores (in, out)); ``adapter`` is ``"A"`` or ``"B"`` for a LoRA adapter's own matrix."""
+
+    name: str
+    module: nn.Module
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    stored: torch.Tensor  # the weight as the state dict holds it (what ``drift`` compares)
+    adapter: str | None = None
+
+
 @dataclass
 class Inspection:
-    """What the checks read: the received model (loaded into a copy of the client's own), its linear layers
+    """What the checks read: the received model (loaded into a copy of the client's own), its linear maps
     in order, and what each computes on the probe (``w x`` without bias, (N, out))."""
 
     model: nn.Module
-    linears: list[tuple[str, nn.Linear]]
+    linears: list[LinearMap]
     probe: torch.Tensor
     products: dict[str, torch.Tensor] = field(default_factory=dict)
     previous: Mapping[str, torch.Tensor] | None = None
@@ -207,7 +222,7 @@ class ModelGuard:
         model.load_state_dict(state)
         inspection = Inspection(
             model,
-            checked_linears(model),
+            linear_maps(model),
             probe[: self.config.probe_size].detach().cpu(),
             previous=self.accepted,
         )
@@ -219,26 +234,29 @@ class ModelGuard:
         return GuardVerdict(tuple(found))
 
 
-ADAPTER_MATRICES = ("lora_A", "lora_B")  # peft's LoRA layer keeps its adapter matrices in these ModuleDicts
+ADAPTER_MATRICES = {"lora_A": "A", "lora_B": "B"}  # peft's LoRA layer keeps its matrices in these ModuleDicts
 
 
-def checked_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """The ``nn.Linear`` layers the weight checks read, in order: every one but a LoRA adapter's own
-    matrices. peft starts ``B`` at zero (``degenerate`` would flag every fresh adapter), a trained ``B``'s
-    rows lie in the few directions ``A x_t`` of its batches (``parallel`` would flag it) and it grows from
-    zero (``drift``); the layers a malicious server rewrites to leak through adapters are the frozen ones
-    around them (``peftleak_lora``: the MLP gate's bins, the zeroed attention outputs, the shared output
-    columns), which are checked. Not caught: bins written through the adapter matrices themselves (a rank-r
-    gate term whose per-rank scale places each cut) where the server leaves every frozen layer honest; the
-    pass-through and the shared back-connection a clean read-out also needs are in checked layers."""
-    adapters = {
-        id(sub)
+def linear_maps(model: nn.Module) -> list[LinearMap]:
+    """Every linear map of ``model`` in order: ``nn.Linear`` layers and HF's ``Conv1D`` (GPT-2), each
+    marked with its LoRA role where it is an adapter's own matrix (the checks treat those apart: peft starts
+    ``B`` at zero, and a trained ``B``'s rows and columns lie in the few directions of its batches)."""
+    # HF's Conv1D, imported already wherever a model uses it (no transformers import for the image models)
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    roles = {
+        id(sub): role
         for module in model.modules()
-        for key in ADAPTER_MATRICES
+        for key, role in ADAPTER_MATRICES.items()
         if isinstance(getattr(module, key, None), nn.ModuleDict)
         for sub in getattr(module, key).modules()
     }
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in adapters]
+    maps = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            maps.append(LinearMap(name, m, m.weight, m.bias, m.weight, roles.get(id(m))))
+        elif conv1d is not None and isinstance(m, conv1d):
+            maps.append(LinearMap(name, m, m.weight.T, m.bias, m.weight, roles.get(id(m))))
+    return maps
 
 
 @torch.no_grad()
@@ -246,12 +264,12 @@ def linear_products(inspection: Inspection) -> dict[str, torch.Tensor]:
     """``w x`` (no bias) of every linear layer on the probe, from one forward pass."""
     out: dict[str, torch.Tensor] = {}
     hooks = [
-        layer.register_forward_hook(
-            lambda m, args, _o, name=name: out.__setitem__(
-                name, nn.functional.linear(args[0], m.weight).flatten(0, -2)
+        layer.module.register_forward_hook(
+            lambda _m, args, _o, layer=layer: out.__setitem__(
+                layer.name, nn.functional.linear(args[0], layer.weight).flatten(0, -2)
             )
         )
-        for name, layer in inspection.linears
+        for layer in inspection.linears
     ]
     try:
         inspection.model(inspection.probe)
@@ -316,8 +334,10 @@ def near_parallel(
 @register_guard_check("parallel")
 def _parallel(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
     out = []
-    for i, (name, layer) in enumerate(inspection.linears):
-        w = layer.weight
+    for i, layer in enumerate(inspection.linears):
+        if layer.adapter == "B":  # a trained B's rows and columns lie in the few directions of its batches
+            continue
+        name, w = layer.name, layer.weight
         views = [("rows", w)] + ([("columns", w.T)] if i > 0 else [])  # first-layer columns: constant pixels
         for what, matrix in views:
             if matrix.shape[1] < MIN_ROWS:  # in a few dimensions random vectors are often near parallel
@@ -334,8 +354,10 @@ def _parallel(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]
 @register_guard_check("degenerate")
 def _degenerate(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
     out = []
-    for name, layer in inspection.linears:
-        w = layer.weight.detach().to(torch.float64)
+    for layer in inspection.linears:
+        name, w = layer.name, layer.weight.detach().to(torch.float64)
+        if layer.adapter == "B" and not bool(w.any()):  # peft's start: every B is zero
+            continue
         size = w.pow(2).mean(dim=1).sqrt()
         flat = w.std(dim=1) <= config.degenerate_ratio * size.clamp_min(1e-300)
         bad = int((flat | (size == 0)).sum())
@@ -347,7 +369,8 @@ def _degenerate(inspection: Inspection, config: GuardConfig) -> list[GuardFindin
 @register_guard_check("bias")
 def _bias(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
     out = []
-    for name, layer in inspection.linears:
+    for layer in inspection.linears:
+        name = layer.name
         if layer.bias is None or name not in inspection.products:
             continue
         spread = inspection.products[name].to(torch.float64).std(dim=0)
@@ -364,9 +387,9 @@ def _bias(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
 @register_guard_check("balance")
 def _balance(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
     out = []
-    for name, layer in inspection.linears:
-        rows, cols = layer.weight.shape
-        if rows < MIN_ROWS or cols < MIN_ROWS:
+    for layer in inspection.linears:
+        name, (rows, cols) = layer.name, layer.weight.shape
+        if rows < MIN_ROWS or cols < MIN_ROWS or layer.adapter == "B":
             continue
         negative = (layer.weight.detach() < 0).sum(dim=1)
         balanced = float(((negative == cols // 2) | (negative == (cols + 1) // 2)).float().mean())
@@ -389,8 +412,11 @@ def _drift(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
     if inspection.previous is None:
         return []
     out = []
-    for name, layer in inspection.linears:
-        change = relative_change(inspection.previous[f"{name}.weight"], layer.weight)
+    for layer in inspection.linears:
+        name = layer.name
+        if layer.adapter == "B":  # it grows from zero: its size says nothing of a rewrite
+            continue
+        change = relative_change(inspection.previous[f"{name}.weight"], layer.stored)
         if change > config.max_drift:
             out.append(GuardFinding("drift", name, (
                 f"the weights moved by {change:.2f} of their size since the last model this client accepted "
