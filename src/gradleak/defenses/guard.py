@@ -9,8 +9,9 @@ of the literature are detectable by a client that looks. This module looks, in t
    in float64, often to no whole number), all finite. Every malicious model that inserts an imprint block
    fails here.
 2. **weight signatures**, for malicious models that keep the client's architecture
-   (:mod:`gradleak.attacks.linear.in_place`, :mod:`gradleak.attacks.text.peftleak`), each a registered check
-   over every linear map (``nn.Linear`` and HF's ``Conv1D``; a LoRA adapter's ``B`` apart, :func:`linear_maps`):
+   (:mod:`gradleak.attacks.linear.in_place`, :mod:`gradleak.attacks.text.peftleak`), each a registered
+   check over every linear map (``nn.Linear`` and HF's ``Conv1D``; a LoRA adapter's ``B`` apart,
+   :func:`linear_maps`):
 
    - ``parallel``: at least ``parallel_rows`` rows (or columns of a layer fed by hidden units) with a near
      parallel partner (|cos| >= ``parallel_cosine``): cumulative bins share one direction and the
