@@ -268,3 +268,50 @@ def _small_llama(intermediate: int, dtype: torch.dtype = torch.float32) -> nn.Mo
 def test_a_model_the_bins_do_not_fit_is_refused_by_name(build, message):
     with pytest.raises(AttackInputError, match=message):
         create_attack("peftleak_lora").prepare(build(), None, generator=_gen())
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.9])
+def test_the_masked_variant_reads_the_bins_pruning_leaves(ratio):
+    """Pruning zeroes each tensor's smallest entries and breaks the bin differences (peftleak_lora reads
+    nothing); peftleak_lora_masked matches each difference on the coordinates both rows kept. Checked against
+    a plain loop over every difference, position and candidate, and against the batch (precision 1)."""
+    from gradleak.attacks.text.peftleak import candidate_positions, first_block, mlp_inputs
+    from gradleak.defenses.pruning import Pruning, PruningConfig
+
+    model, tokenizer = _gpt2(32)
+    plain, masked = create_attack("peftleak_lora"), create_attack("peftleak_lora_masked")
+    malicious, secrets = masked.prepare(model, None, generator=_gen())
+    data = TokenDataset.from_texts(
+        TextDataset("t", TEXTS, (1, 0, 1, 0), ("n", "p")), tokenizer, max_tokens=12
+    )
+    update = Pruning(PruningConfig(ratio)).on_update(fedsgd_text_update(malicious, data.batch(), "causal_lm"))
+    obs = Observation(malicious, update, (12,), 2, secrets=secrets)
+    assert plain.reconstruct(obs, generator=_gen()).token_ids == []
+    got = set(masked.reconstruct(obs, generator=_gen()).token_ids[0])
+    spec = family_of(malicious)
+    first = first_block(malicious, spec, secrets["lora_a"][0])
+    vocab = torch.arange(malicious.get_input_embeddings().num_embeddings)
+    features = {p: mlp_inputs(malicious, spec, first, vocab, torch.full_like(vocab, p))
+                for p in candidate_positions(malicious, spec, 12)}  # fmt: skip
+    expected = set()
+    for name in secrets["lora_a"]:
+        rows = update.tensors[name].to(torch.float64)
+        for j in range(len(rows)):
+            below = rows[j + 1] if j + 1 < len(rows) else torch.zeros_like(rows[j])
+            kept = (rows[j] != 0) & (
+                (below != 0) if j + 1 < len(rows) else torch.ones_like(rows[j], dtype=torch.bool)
+            )
+            if int(kept.sum()) < 8:
+                continue
+            d = (rows[j] - below)[kept]
+            if float(d.norm()) == 0:
+                continue
+            best, token = 0.0, None
+            for x in features.values():
+                cos = (x[:, kept] @ d).abs() / (x[:, kept].norm(dim=1) * d.norm())
+                if float(cos.max()) > best:
+                    best, token = float(cos.max()), int(cos.argmax())
+            if best >= 0.999:
+                expected.add(token)
+    visible = {t for s in data.batch().sequences() for t in s[:-1]}
+    assert got == expected and got <= visible and len(got) >= 5, (sorted(got), sorted(expected))

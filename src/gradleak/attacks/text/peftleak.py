@@ -72,6 +72,7 @@ from gradleak.attacks.text.family import FamilySpec, family_of, find_module, inp
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
 
+MIN_COORDINATES = 8  # a (masked) bin difference on fewer coordinates matches too much to count
 # activations whose derivative is a step far from zero (the bins) and whose value is ~0 below it
 GATING_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "silu", "swish")
 
@@ -337,6 +338,13 @@ class PeftLeakLoRA:
         model.get_parameter(b_name)[:r, :r] = torch.eye(r, dtype=gate.dtype)
         return a_name
 
+    @staticmethod
+    def differences(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Consecutive bin rows' differences (the last row against zero), and the coordinates they hold:
+        every one."""
+        diff = rows - torch.cat([rows[1:], torch.zeros_like(rows[:1])])
+        return diff, torch.ones_like(diff, dtype=torch.bool)
+
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         cfg = self.config
         names = obs.secrets.get("lora_a")
@@ -344,24 +352,27 @@ class PeftLeakLoRA:
             raise AttackInputError("no peftleak_lora secrets (lora_a) in the observation")
         start = time.perf_counter()
         model, spec = obs.model, family_of(obs.model)
-        diffs = []
-        for name in names:
-            rows = update_tensor(obs, name)  # (r, d): row j sums the tokens above cut j
-            d = rows - torch.cat([rows[1:], torch.zeros_like(rows[:1])])
-            diffs.append(d)
-        diff = torch.cat(diffs)
-        norms = diff.norm(dim=1)
-        live = diff[norms > cfg.rel_tol * float(norms.max().clamp_min(1e-300))] if len(diff) else diff
+        parts = [self.differences(update_tensor(obs, name)) for name in names]  # rows: tokens above cut j
+        diff, mask = torch.cat([d for d, _ in parts]), torch.cat([m for _, m in parts])
+        norms = (diff * mask).norm(dim=1)
+        keep = (norms > cfg.rel_tol * float(norms.max().clamp_min(1e-300))) & (
+            mask.sum(dim=1) >= MIN_COORDINATES
+        )
+        live, mask = diff[keep] * mask[keep], mask[keep]
         first = first_block(model, spec, names[0])
         best = torch.zeros(len(live), dtype=torch.float64)  # per bin difference: its best |cos| so far
         match: list[tuple[int, int | None] | None] = [None] * len(live)
         if len(live):
             unit = live / live.norm(dim=1, keepdim=True)
             vocab = torch.arange(input_embedding(model).num_embeddings)
+            whole = bool(mask.all())
             for p in candidate_positions(model, spec, obs.input_shape[0]):
                 x = mlp_inputs(model, spec, first, vocab, torch.full_like(vocab, 0 if p is None else p))
-                x = x / x.norm(dim=1, keepdim=True).clamp_min(1e-300)
-                cos, token = (unit @ x.T).abs().max(dim=1)
+                if whole:
+                    cos, token = (unit @ x.T).abs().div(x.norm(dim=1).clamp_min(1e-300)).max(dim=1)
+                else:  # each difference against the candidates on its own kept coordinates
+                    pieces = [masked_cosines(unit[k], x, mask[k]) for k in range(len(unit))]
+                    cos, token = torch.stack([c for c, _ in pieces]), torch.stack([t for _, t in pieces])
                 for k in torch.nonzero(cos > best).reshape(-1).tolist():
                     best[k], match[k] = cos[k], (int(token[k]), p)
         # a bin difference is the (token, position) it matches best, if that match is close enough
@@ -383,6 +394,13 @@ class PeftLeakLoRA:
         return Reconstruction(token_ids=[tokens] if tokens else [], stats=stats, ordered=ordered)
 
 
+def masked_cosines(u: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best ``|cos|`` of ``u`` with a row of ``x`` over the coordinates ``mask`` keeps, and that row."""
+    xm = x[:, mask]
+    cos = (xm @ u[mask]).abs() / (xm.norm(dim=1) * u[mask].norm()).clamp_min(1e-300)
+    return cos.max(dim=0)
+
+
 def first_block(model: nn.Module, spec: FamilySpec, a_name: str) -> int:
     """The block whose MLP gating projection carries the LoRA A named ``a_name``."""
     for i in range(block_count(model)):
@@ -398,6 +416,21 @@ def _activation(name: str) -> Any:
     return ACT2FN[name]
 
 
+class PeftLeakLoRAMasked(PeftLeakLoRA):
+    """``peftleak_lora`` against gradient pruning (an adaptive server that knows the defense): pruning zeroes
+    each tensor's smallest entries, so a kept entry is exact and a zero is unknown. Two consecutive bin rows
+    differ exactly by one bin's tokens on the coordinates both kept (the top bin: wherever it kept one), and
+    each difference is matched against the candidates on those coordinates alone. On the GPT-2 arch tiny
+    (r = 32, four sentences, 15 visible tokens): 12 at 50 % pruning, 9 at 90 % (``peftleak_lora``: 0 at
+    both; 13 unpruned), all of them true."""
+
+    @staticmethod
+    def differences(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        below = torch.cat([rows[1:], torch.zeros_like(rows[:1])])
+        kept = (rows != 0) & torch.cat([rows[1:] != 0, torch.ones_like(rows[:1], dtype=torch.bool)])
+        return (rows - below) * kept, kept
+
+
 ATTACKS.register(
     "peftleak_lora",
     PeftLeakLoRA,
@@ -406,4 +439,12 @@ ATTACKS.register(
     modality="text",
 )
 
-__all__ = ["PeftLeakLoRA", "PeftLeakLoRAConfig"]
+ATTACKS.register(
+    "peftleak_lora_masked",
+    PeftLeakLoRAMasked,
+    config_cls=PeftLeakLoRAConfig,
+    summary="peftleak_lora against pruning: bins read on the coordinates both rows kept (adaptive)",
+    modality="text",
+)
+
+__all__ = ["PeftLeakLoRA", "PeftLeakLoRAConfig", "PeftLeakLoRAMasked"]
