@@ -278,3 +278,43 @@ def test_bins_written_through_the_adapters_themselves_are_refused():
     assert any("gate_proj.lora_A" in f.where for f in verdict.findings if f.check == "parallel"), (
         verdict.reason()
     )
+
+
+def test_bins_written_through_an_adapters_b_alone_are_read_in_the_merged_map():
+    """A server that leaves every linear layer's own weights and every A as they were and writes the bins
+    through the MLP gate's LoRA B alone (one large gain along A's first row, a per-unit cut along its
+    second, each unit read out by its own rank), its pass-through through block 0's norm: the merged map
+    ``W + s B A`` shows the bins' near-parallel rows, and the norm that moved is a frozen parameter."""
+    model = _lora_gpt2()
+    probe = torch.randint(0, 300, (8, 12), generator=torch.Generator().manual_seed(0))
+    guard = ModelGuard(model, trusted_start=True)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    prefix = "base_model.model.transformer.h.0."
+    state[prefix + "ln_1.weight"].zero_()  # block 0's attention reads nothing
+    b = torch.full_like(state[prefix + "mlp.c_fc.lora_B.default.weight"], 1e-30)  # no zero rows
+    for unit in range(14):
+        b[unit, 0], b[unit, 1], b[unit, 2 + unit] = 1e3, 10.0 * (unit - 7), 1e-2
+    state[prefix + "mlp.c_fc.lora_B.default.weight"] = b
+    verdict = guard.inspect(state, probe, remember=False)
+    where = {(f.check, f.where) for f in verdict.findings}
+    assert ("parallel", prefix + "mlp.c_fc") in where, verdict.reason()
+    assert ("frozen", prefix + "ln_1.weight") in where, verdict.reason()
+    bare = ModelGuard(model)  # without a reference the merged map alone refuses it
+    assert not bare.inspect(state, probe, remember=False).safe
+
+
+def test_a_conv1d_is_read_out_by_in_as_it_computes():
+    """HF's Conv1D stores (in, out): the guard's view must be the map it computes, F.linear(x, W) + b."""
+    model = _lora_gpt2()
+    from gradleak.defenses.guard import linear_maps
+
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    checked = 0
+    for layer in linear_maps(model):
+        if layer.adapter is None and layer.module.__class__.__name__ == "Conv1D":
+            expected = layer.module(x) if layer.weight.shape[1] == 64 else None
+            if expected is not None:
+                got = torch.nn.functional.linear(x, layer.weight, layer.bias)
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+                checked += 1
+    assert checked >= 4  # c_attn and c_fc of both blocks

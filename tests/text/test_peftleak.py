@@ -273,8 +273,9 @@ def test_a_model_the_bins_do_not_fit_is_refused_by_name(build, message):
 @pytest.mark.parametrize("ratio", [0.5, 0.9])
 def test_the_masked_variant_reads_the_bins_pruning_leaves(ratio):
     """Pruning zeroes each tensor's smallest entries and breaks the bin differences (peftleak_lora reads
-    nothing); peftleak_lora_masked matches each difference on the coordinates both rows kept. Checked against
-    a plain loop over every difference, position and candidate, and against the batch (precision 1)."""
+    nothing); peftleak_lora_masked matches each difference on the coordinates both rows kept (all of a row's
+    where the row below is zero throughout). Checked against a plain loop over every difference, position
+    and candidate, against the batch (precision 1), and, unpruned, against peftleak_lora."""
     from gradleak.attacks.text.peftleak import candidate_positions, first_block, mlp_inputs
     from gradleak.defenses.pruning import Pruning, PruningConfig
 
@@ -299,7 +300,7 @@ def test_the_masked_variant_reads_the_bins_pruning_leaves(ratio):
         for j in range(len(rows)):
             below = rows[j + 1] if j + 1 < len(rows) else torch.zeros_like(rows[j])
             kept = (rows[j] != 0) & (
-                (below != 0) if j + 1 < len(rows) else torch.ones_like(rows[j], dtype=torch.bool)
+                (below != 0) if bool(below.any()) else torch.ones_like(below, dtype=torch.bool)
             )
             if int(kept.sum()) < 8:
                 continue
@@ -315,3 +316,10 @@ def test_the_masked_variant_reads_the_bins_pruning_leaves(ratio):
                 expected.add(token)
     visible = {t for s in data.batch().sequences() for t in s[:-1]}
     assert got == expected and got <= visible and len(got) >= 5, (sorted(got), sorted(expected))
+    # unpruned, the masked variant reads what peftleak_lora reads
+    whole = fedsgd_text_update(malicious, data.batch(), "causal_lm")
+    obs = Observation(malicious, whole, (12,), 2, secrets=secrets)
+    assert (
+        masked.reconstruct(obs, generator=_gen()).token_ids
+        == plain.reconstruct(obs, generator=_gen()).token_ids
+    )

@@ -27,7 +27,10 @@ of the literature are detectable by a client that looks. This module looks, in t
    - ``drift``: a linear layer that moved by more than ``max_drift`` of its norm since the last model this
      client accepted (or its own trusted start): a rewritten layer moves by about its whole size, a round of
      FedAvg by a few percent. Activation sparsity, the trap's purpose, is no signature: honest trained
-     layers are as sparse on a client's data (measured, docs/security.md).
+     layers are as sparse on a client's data (measured, docs/security.md);
+   - ``frozen``: a parameter the client does not train (a LoRA model's base, norms and embeddings) that
+     changed since that reference: in an honest federation it never moves (a pass-through backbone, a
+     constant embedding coordinate: :mod:`gradleak.attacks.text.peftleak`).
 
 ``probe``: a batch of the client's own training inputs, which it is about to train on anyway; nothing of
 it leaves the client. The thresholds are set so that honest models across FedAvg training raise no alarm
@@ -92,7 +95,7 @@ class GuardConfig:
     and their thresholds (module docstring). ``probe_size``: how many of the client's inputs the data
     checks read."""
 
-    checks: tuple[str, ...] = ("parallel", "degenerate", "bias", "balance", "drift")
+    checks: tuple[str, ...] = ("parallel", "degenerate", "bias", "balance", "drift", "frozen")
     parallel_cosine: float = 0.99
     parallel_rows: int = 3
     degenerate_ratio: float = 1e-3
@@ -122,15 +125,28 @@ class GuardConfig:
 
 @dataclass(frozen=True)
 class LinearMap:
-    """A layer the checks read as ``y = W x + b``: ``weight`` (out, in) is a view of the module's own (HF's
-    ``Conv1D`` stores (in, out)); ``adapter`` is ``"A"`` or ``"B"`` for a LoRA adapter's own matrix."""
+    """A layer the checks read as ``y = W x + b``, ``weight`` (out, in). It is the module's own weight, or
+    its transpose for HF's ``Conv1D`` (stored (in, out)), or for a LoRA layer the merged map
+    ``W + s B A`` (``adapters``: the state-dict keys of each adapter's ``A`` and ``B`` and its scale ``s``),
+    so that what a server writes into the adapters is read as part of the layer it changes. ``adapter`` is
+    ``"A"`` or ``"B"`` for an adapter's own matrix."""
 
     name: str
     module: nn.Module
     weight: torch.Tensor
     bias: torch.Tensor | None
-    stored: torch.Tensor  # the weight as the state dict holds it (what ``drift`` compares)
+    weight_key: str  # the state-dict key of the (base) weight
+    transposed: bool = False
+    adapters: tuple[tuple[str, str, float], ...] = ()
     adapter: str | None = None
+
+    def weight_in(self, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """This map's weight (out, in) in another state dict of the same model (``drift``'s reference)."""
+        w = state[self.weight_key].to(torch.float64)
+        w = w.T if self.transposed else w
+        for a, b, scale in self.adapters:
+            w = w + scale * state[b].to(torch.float64) @ state[a].to(torch.float64)
+        return w
 
 
 @dataclass
@@ -239,9 +255,10 @@ ADAPTER_MATRICES = {"lora_A": "A", "lora_B": "B"}  # peft's LoRA layer keeps its
 
 
 def linear_maps(model: nn.Module) -> list[LinearMap]:
-    """Every linear map of ``model`` in order: ``nn.Linear`` layers and HF's ``Conv1D`` (GPT-2), each
-    marked with its LoRA role where it is an adapter's own matrix (the checks treat those apart: peft starts
-    ``B`` at zero, and a trained ``B``'s rows and columns lie in the few directions of its batches)."""
+    """Every linear map of ``model`` in order: ``nn.Linear`` layers and HF's ``Conv1D`` (GPT-2), each LoRA
+    layer's merged map too, each adapter matrix marked with its role. The checks read an adapter's ``B`` only
+    through the merged map: peft starts it at zero, and a trained ``B``'s short rows lie in the few
+    directions of its batches."""
     # HF's Conv1D, imported already wherever a model uses it (no transformers import for the image models)
     conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
     roles = {
@@ -254,10 +271,39 @@ def linear_maps(model: nn.Module) -> list[LinearMap]:
     maps = []
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
-            maps.append(LinearMap(name, m, m.weight, m.bias, m.weight, roles.get(id(m))))
+            maps.append(LinearMap(name, m, m.weight, m.bias, f"{name}.weight", adapter=roles.get(id(m))))
         elif conv1d is not None and isinstance(m, conv1d):
-            maps.append(LinearMap(name, m, m.weight.T, m.bias, m.weight, roles.get(id(m))))
+            maps.append(
+                LinearMap(name, m, m.weight.T, m.bias, f"{name}.weight", True, adapter=roles.get(id(m)))
+            )
+        elif isinstance(getattr(m, "lora_A", None), nn.ModuleDict) and hasattr(m, "base_layer"):
+            maps.extend(merged_map(name, m, conv1d))
     return maps
+
+
+@torch.no_grad()
+def merged_map(name: str, layer: nn.Module, conv1d: type | None) -> list[LinearMap]:
+    """A peft LoRA layer's ``W + s B A`` (its adapters that have both matrices), as one map."""
+    base = getattr(layer, "base_layer", None)
+    weight = getattr(base, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return []
+    transposed = conv1d is not None and isinstance(base, conv1d)
+    lora_a, lora_b = getattr(layer, "lora_A", None), getattr(layer, "lora_B", None)
+    scaling = getattr(layer, "scaling", {})
+    if not isinstance(lora_a, nn.ModuleDict) or not isinstance(lora_b, nn.ModuleDict):
+        return []
+    adapters = tuple(
+        (f"{name}.lora_A.{key}.weight", f"{name}.lora_B.{key}.weight", float(scaling[key]))
+        for key in lora_a
+        if key in lora_b
+    )
+    state = dict(layer.state_dict(prefix=f"{name}."))
+    view = LinearMap(name, layer, weight, None, f"{name}.base_layer.weight", transposed, adapters)
+    merged = view.weight_in(state).to(weight.dtype)
+    bias = getattr(base, "bias", None)
+    return [LinearMap(name, layer, merged, bias if isinstance(bias, torch.Tensor) else None,
+                      view.weight_key, transposed, adapters)]  # fmt: skip
 
 
 @torch.no_grad()
@@ -336,7 +382,7 @@ def near_parallel(
 def _parallel(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
     out = []
     for i, layer in enumerate(inspection.linears):
-        if layer.adapter == "B":  # a trained B's rows and columns lie in the few directions of its batches
+        if layer.adapter == "B":  # read through the merged map (linear_maps)
             continue
         name, w = layer.name, layer.weight
         views = [("rows", w)] + ([("columns", w.T)] if i > 0 else [])  # first-layer columns: constant pixels
@@ -357,7 +403,7 @@ def _degenerate(inspection: Inspection, config: GuardConfig) -> list[GuardFindin
     out = []
     for layer in inspection.linears:
         name, w = layer.name, layer.weight.detach().to(torch.float64)
-        if layer.adapter == "B" and not bool(w.any()):  # peft's start: every B is zero
+        if layer.adapter == "B":  # read through the merged map (linear_maps)
             continue
         size = w.pow(2).mean(dim=1).sqrt()
         flat = w.std(dim=1) <= config.degenerate_ratio * size.clamp_min(1e-300)
@@ -402,6 +448,24 @@ def _balance(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
     return out
 
 
+@register_guard_check("frozen")
+def _frozen(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
+    """A parameter the client does not train (a LoRA model's base, norms and embeddings) never moves in an
+    honest federation: one that changed since the last model this client accepted was rewritten (a
+    pass-through backbone, a constant embedding coordinate). Needs that reference, as ``drift``."""
+    if inspection.previous is None:
+        return []
+    moved = [
+        name
+        for name, p in inspection.model.named_parameters()
+        if not p.requires_grad and name in inspection.previous
+        and not torch.equal(p.detach(), inspection.previous[name].to(p.dtype))
+    ]  # fmt: skip
+    if not moved:
+        return []
+    return [GuardFinding("frozen", moved[0], f"{len(moved)} frozen parameters changed, e.g. {moved[:3]}")]
+
+
 def relative_change(before: torch.Tensor, after: torch.Tensor) -> float:
     """``||after - before|| / ||before||``: how far a layer moved, in units of its own size."""
     b = before.detach().to(torch.float64)
@@ -415,9 +479,9 @@ def _drift(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
     out = []
     for layer in inspection.linears:
         name = layer.name
-        if layer.adapter == "B":  # it grows from zero: its size says nothing of a rewrite
+        if layer.adapter == "B":  # it grows from zero: read through the merged map (linear_maps)
             continue
-        change = relative_change(inspection.previous[f"{name}.weight"], layer.stored)
+        change = relative_change(layer.weight_in(inspection.previous), layer.weight)
         if change > config.max_drift:
             out.append(GuardFinding("drift", name, (
                 f"the weights moved by {change:.2f} of their size since the last model this client accepted "
