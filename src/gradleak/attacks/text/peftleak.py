@@ -188,13 +188,14 @@ def mlp_inputs(
     return norm(residuals(model, spec, tokens, positions)).to(torch.float64)
 
 
-def candidate_positions(model: nn.Module, spec: FamilySpec, max_tokens: int) -> list[int | None]:
-    """The positions a candidate can take: each of the first ``max_tokens`` the learned position embedding
-    has, or one position-free set with rotary positions."""
+def candidate_positions(model: nn.Module, spec: FamilySpec, max_tokens: int | None) -> list[int | None]:
+    """The positions a candidate can take: the first ``max_tokens`` (None: all) the learned position
+    embedding has, or one position-free set with rotary positions."""
     if not spec.position_embedding:
         return [None]
     _, pos = find_module(model, spec.position_embedding)
-    return list(range(min(max_tokens, int(weight_of(pos).shape[0]))))
+    known = int(weight_of(pos).shape[0])
+    return list(range(known if max_tokens is None else min(max_tokens, known)))
 
 
 class PeftLeakLoRA:
@@ -246,22 +247,14 @@ class PeftLeakLoRA:
             constant = None if biased and not up else self._constant_coordinate(malicious, generator)
             vocab = input_embedding(malicious).num_embeddings
             tokens = torch.randint(0, vocab, (cfg.sample,), generator=generator)
-            positions = torch.randint(
-                0, self._max_positions(malicious, spec), (cfg.sample,), generator=generator
-            )
+            span = len(candidate_positions(malicious, spec, cfg.positions))  # rotary: one set
+            positions = torch.randint(0, span, (cfg.sample,), generator=generator)
             sample = (tokens, positions)
             names = [
                 self._plant(malicious, spec, block, sample, constant, up, _activation(act), generator)
                 for block, _, _ in adapted
             ]
-        return malicious, {"attack": "peftleak_lora", "lora_a": names, "bins": len(names)}
-
-    def _max_positions(self, model: nn.Module, spec: FamilySpec) -> int:
-        if not spec.position_embedding:
-            return 1
-        _, pos = find_module(model, spec.position_embedding)
-        known = int(weight_of(pos).shape[0])
-        return min(known, self.config.positions or known)
+        return malicious, {"attack": "peftleak_lora", "lora_a": names, "blocks": len(names)}
 
     @staticmethod
     def _constant_coordinate(model: nn.Module, generator: torch.Generator) -> tuple[int, float]:
