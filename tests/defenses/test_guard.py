@@ -241,9 +241,12 @@ def test_honest_lora_models_pass_and_peftleaks_planted_model_is_refused(build):
         trained(input_ids=probe[step % 2 :: 2], labels=probe[step % 2 :: 2]).loss.backward()
         opt.step()
     assert any(bool(p.any()) for n, p in trained.named_parameters() if ".lora_B." in n)
-    assert guard.inspect(trained.state_dict(), probe).safe, guard.inspect(
-        trained.state_dict(), probe
-    ).reason()
+    verdict = guard.inspect(trained.state_dict(), probe)
+    assert verdict.safe, verdict.reason()
+    # a FedAvg of equal frozen arrays may round (Flower averages in float64): no rewrite
+    rounded = {k: v * (1 + 1e-7) if v.is_floating_point() else v for k, v in trained.state_dict().items()}
+    verdict = guard.inspect(rounded, probe)
+    assert verdict.safe, verdict.reason()
     planted, _ = create_attack("peftleak_lora").prepare(
         model, None, generator=torch.Generator().manual_seed(0)
     )

@@ -102,6 +102,7 @@ class GuardConfig:
     bias_ratio: float = 50.0
     max_balanced_rows: float = 0.5
     max_drift: float = 0.5
+    max_frozen_change: float = 1e-5  # Flower's FedAvg averages equal frozen arrays to within rounding
     probe_size: int = 64
 
     def __post_init__(self) -> None:
@@ -113,7 +114,7 @@ class GuardConfig:
             v = getattr(self, key)
             if not (isinstance(v, int | float) and 0 < v <= 1):
                 raise ValueError(f"{key} must be in (0, 1], got {v!r}")
-        for key in ("bias_ratio", "max_drift"):
+        for key in ("bias_ratio", "max_drift", "max_frozen_change"):
             v = getattr(self, key)
             if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{key} must be a positive finite number, got {v!r}")
@@ -450,16 +451,17 @@ def _balance(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
 
 @register_guard_check("frozen")
 def _frozen(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
-    """A parameter the client does not train (a LoRA model's base, norms and embeddings) never moves in an
-    honest federation: one that changed since the last model this client accepted was rewritten (a
-    pass-through backbone, a constant embedding coordinate). Needs that reference, as ``drift``."""
+    """A parameter the client does not train (a LoRA model's base, norms and embeddings) does not move in an
+    honest federation beyond the rounding of an average of equal arrays (``max_frozen_change`` of its
+    size): one that moved further since the last model this client accepted was rewritten (a pass-through
+    backbone, a constant embedding coordinate). Needs that reference, as ``drift``."""
     if inspection.previous is None:
         return []
     moved = [
         name
         for name, p in inspection.model.named_parameters()
         if not p.requires_grad and name in inspection.previous
-        and not torch.equal(p.detach(), inspection.previous[name].to(p.dtype))
+        and relative_change(inspection.previous[name], p) > config.max_frozen_change
     ]  # fmt: skip
     if not moved:
         return []
