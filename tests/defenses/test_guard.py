@@ -321,3 +321,28 @@ def test_a_conv1d_is_read_out_by_in_as_it_computes():
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
                 checked += 1
     assert checked >= 4  # c_attn and c_fc of both blocks
+
+
+def test_the_frozen_check_allows_a_few_ulps_of_any_dtype_and_odd_lora_layers_do_not_break_the_guard():
+    """FedAvg of equal frozen arrays rounds by a few units in the last place of their dtype (float16: 1e-3
+    relative), which is no rewrite; a LoRA embedding (peft's, not a linear map) and a model that is itself
+    one nn.Linear are read without error."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = _lora_gpt2().to(torch.float16)
+    probe = torch.randint(0, 300, (8, 12), generator=torch.Generator().manual_seed(0))
+    guard = ModelGuard(model, trusted_start=True)
+    state = {k: v * (1 + 2e-3) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    assert {f.check for f in guard.inspect(state, probe, remember=False).findings} == set()
+    rewritten = dict(state)
+    key = "base_model.model.transformer.h.0.ln_2.weight"
+    rewritten[key] = rewritten[key] * 1.1  # 10 %: about 100 ulps of float16, a rewrite
+    assert {f.check for f in guard.inspect(rewritten, probe, remember=False).findings} == {"frozen"}
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=64, n_layer=1, n_head=4, n_positions=64))
+    embedded = get_peft_model(gpt2, LoraConfig(r=4, target_modules=["c_attn", "wte"], fan_in_fan_out=True))
+    assert ModelGuard(embedded, trusted_start=True).inspect(embedded.state_dict(), probe).safe
+    linear = torch.nn.Linear(20, 5)
+    assert ModelGuard(linear, trusted_start=True).inspect(linear.state_dict(), torch.randn(8, 20)).safe

@@ -102,7 +102,7 @@ class GuardConfig:
     bias_ratio: float = 50.0
     max_balanced_rows: float = 0.5
     max_drift: float = 0.5
-    max_frozen_change: float = 1e-5  # Flower's FedAvg averages equal frozen arrays to within rounding
+    frozen_ulps: float = 16.0  # Flower's FedAvg averages equal frozen arrays to within a few ulps
     probe_size: int = 64
 
     def __post_init__(self) -> None:
@@ -114,7 +114,7 @@ class GuardConfig:
             v = getattr(self, key)
             if not (isinstance(v, int | float) and 0 < v <= 1):
                 raise ValueError(f"{key} must be in (0, 1], got {v!r}")
-        for key in ("bias_ratio", "max_drift", "max_frozen_change"):
+        for key in ("bias_ratio", "max_drift", "frozen_ulps"):
             v = getattr(self, key)
             if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{key} must be a positive finite number, got {v!r}")
@@ -272,39 +272,57 @@ def linear_maps(model: nn.Module) -> list[LinearMap]:
     maps = []
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
-            maps.append(LinearMap(name, m, m.weight, m.bias, f"{name}.weight", adapter=roles.get(id(m))))
+            maps.append(
+                LinearMap(name, m, m.weight, m.bias, key_of(name, "weight"), adapter=roles.get(id(m)))
+            )
         elif conv1d is not None and isinstance(m, conv1d):
             maps.append(
-                LinearMap(name, m, m.weight.T, m.bias, f"{name}.weight", True, adapter=roles.get(id(m)))
+                LinearMap(name, m, m.weight.T, m.bias, key_of(name, "weight"), True, adapter=roles.get(id(m)))
             )
         elif isinstance(getattr(m, "lora_A", None), nn.ModuleDict) and hasattr(m, "base_layer"):
             maps.extend(merged_map(name, m, conv1d))
     return maps
 
 
+def key_of(module_name: str, leaf: str) -> str:
+    """A parameter's state-dict key (the root module's own parameters have no prefix)."""
+    return f"{module_name}.{leaf}" if module_name else leaf
+
+
 @torch.no_grad()
 def merged_map(name: str, layer: nn.Module, conv1d: type | None) -> list[LinearMap]:
-    """A peft LoRA layer's ``W + s B A`` (its adapters that have both matrices), as one map."""
+    """A peft LoRA linear layer's ``W + s B A`` (its active, unmerged adapters; ``s b_B`` added to the bias
+    where an adapter has one), as one map. Not read this way (empty): a LoRA embedding (not a linear map)
+    and DoRA adapters (their magnitude vector rescales the rows; their layer's base and ``A`` are read)."""
     base = getattr(layer, "base_layer", None)
-    weight = getattr(base, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        return []
     transposed = conv1d is not None and isinstance(base, conv1d)
     lora_a, lora_b = getattr(layer, "lora_A", None), getattr(layer, "lora_B", None)
-    scaling = getattr(layer, "scaling", {})
-    if not isinstance(lora_a, nn.ModuleDict) or not isinstance(lora_b, nn.ModuleDict):
+    if (
+        not (isinstance(base, nn.Linear) or transposed)
+        or not isinstance(lora_a, nn.ModuleDict)
+        or not (isinstance(lora_b, nn.ModuleDict))
+    ):
         return []
+    if any(key in getattr(layer, "lora_magnitude_vector", {}) for key in lora_a):
+        return []
+    active = set(getattr(layer, "active_adapters", ())) - set(getattr(layer, "merged_adapters", ()))
+    keys = [
+        k for k in lora_a if k in lora_b and k in active and not getattr(layer, "disable_adapters", False)
+    ]
+    scaling = getattr(layer, "scaling", {})
     adapters = tuple(
-        (f"{name}.lora_A.{key}.weight", f"{name}.lora_B.{key}.weight", float(scaling[key]))
-        for key in lora_a
-        if key in lora_b
+        (key_of(name, f"lora_A.{k}.weight"), key_of(name, f"lora_B.{k}.weight"), float(scaling[k]))
+        for k in keys
     )
-    state = dict(layer.state_dict(prefix=f"{name}."))
-    view = LinearMap(name, layer, weight, None, f"{name}.base_layer.weight", transposed, adapters)
-    merged = view.weight_in(state).to(weight.dtype)
-    bias = getattr(base, "bias", None)
-    return [LinearMap(name, layer, merged, bias if isinstance(bias, torch.Tensor) else None,
-                      view.weight_key, transposed, adapters)]  # fmt: skip
+    weight = base.weight  # type: ignore[union-attr]
+    view = LinearMap(name, layer, weight, None, key_of(name, "base_layer.weight"), transposed, adapters)
+    merged = view.weight_in(dict(layer.state_dict(prefix=key_of(name, "")))).to(weight.dtype)
+    bias = base.bias if isinstance(base.bias, torch.Tensor) else None  # type: ignore[union-attr]
+    for k in keys:
+        b_bias = getattr(lora_b[k], "bias", None)
+        if isinstance(b_bias, torch.Tensor):
+            bias = (0 if bias is None else bias) + float(scaling[k]) * b_bias
+    return [LinearMap(name, layer, merged, bias, view.weight_key, transposed, adapters)]
 
 
 @torch.no_grad()
@@ -452,20 +470,30 @@ def _balance(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
 @register_guard_check("frozen")
 def _frozen(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
     """A parameter the client does not train (a LoRA model's base, norms and embeddings) does not move in an
-    honest federation beyond the rounding of an average of equal arrays (``max_frozen_change`` of its
-    size): one that moved further since the last model this client accepted was rewritten (a pass-through
-    backbone, a constant embedding coordinate). Needs that reference, as ``drift``."""
+    honest federation beyond the rounding of an average of equal arrays (Flower's FedAvg averages in the
+    arrays' dtype): ``frozen_ulps`` units in the last place of its dtype, per entry. One that moved further
+    since the last model this client accepted was rewritten (a pass-through backbone, a constant embedding
+    coordinate). Needs that reference, as ``drift``."""
     if inspection.previous is None:
         return []
     moved = [
         name
         for name, p in inspection.model.named_parameters()
-        if not p.requires_grad and name in inspection.previous
-        and relative_change(inspection.previous[name], p) > config.max_frozen_change
+        if not p.requires_grad and name in inspection.previous and p.is_floating_point()
+        and beyond_rounding(inspection.previous[name], p, config.frozen_ulps)
     ]  # fmt: skip
     if not moved:
         return []
     return [GuardFinding("frozen", moved[0], f"{len(moved)} frozen parameters changed, e.g. {moved[:3]}")]
+
+
+def beyond_rounding(before: torch.Tensor, after: torch.Tensor, ulps: float) -> bool:
+    """Whether some entry of ``after`` differs from ``before`` by more than ``ulps`` units in the last place
+    of ``after``'s dtype (relative to the entry, or to the tensor's largest entry near zero)."""
+    b, a = before.detach().to(torch.float64), after.detach().to(torch.float64)
+    eps = torch.finfo(after.dtype).eps
+    scale = torch.maximum(b.abs(), torch.full_like(b, 1e-3 * float(b.abs().max()) if b.numel() else 0.0))
+    return bool(((a - b).abs() > ulps * eps * scale).any())
 
 
 def relative_change(before: torch.Tensor, after: torch.Tensor) -> float:
