@@ -47,7 +47,7 @@ TEXT = (
     Column("token_recall", "token recall", "share of the batch's distinct tokens the reconstruction holds, "
            "in any order (a token-set attack's reading, which its set ROUGE-1 understates)"),
     Column("token_precision", "token prec.", "share of the reconstruction's distinct tokens that are in the "
-           "batch"),
+           "batch (0 where it recovered none)"),
     Column("floor_null_rouge1", "null R-1", "the attack's ROUGE-1 on a norm-matched random update (paper "
            "002's null; an attack counts when its ROUGE-1 exceeds 0.10 and the null by 0.05)"),
     Column("label_accuracy", "label acc", "share of the true labels the attack recovered"),
