@@ -18,6 +18,7 @@ target module and stops the forward pass there (:func:`capture_input`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,13 @@ def find_module(model: nn.Module, suffix: str) -> tuple[str, nn.Module]:
     if len(hits) != 1:
         raise AttackInputError(f"expected one module named *{suffix}, found {[n for n, _ in hits]}")
     return hits[0]
+
+
+def lora_weights(names: Iterable[str], module_name: str, which: str) -> list[str]:
+    """The names among ``names`` (a model's parameters, an update's tensors) of the LoRA ``which``
+    (``"A"``/``"B"``) weights on module ``module_name`` (peft: ``<module>.lora_<which>.<adapter>.weight``)."""
+    prefix = f"{module_name}.lora_{which}."
+    return [n for n in names if n.startswith(prefix) and n.endswith(".weight")]
 
 
 def update_tensor(obs: Observation, param: str) -> torch.Tensor:

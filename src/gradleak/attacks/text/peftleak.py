@@ -68,7 +68,14 @@ import torch
 from torch import nn
 
 from gradleak.attacks.linear.imprint import cut_points, normalised_direction
-from gradleak.attacks.text.family import FamilySpec, family_of, find_module, input_embedding, update_tensor
+from gradleak.attacks.text.family import (
+    FamilySpec,
+    family_of,
+    find_module,
+    input_embedding,
+    lora_weights,
+    update_tensor,
+)
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
 
@@ -140,8 +147,7 @@ def out_in(module: nn.Module, spec: FamilySpec) -> torch.Tensor:
 
 def lora_param(model: nn.Module, module_name: str, which: str) -> str | None:
     """The name of ``module_name``'s LoRA ``which`` (``"A"``/``"B"``) weight, None where it has no adapter."""
-    prefix = f"{module_name}.lora_{which}."
-    hits = [n for n, _ in model.named_parameters() if n.startswith(prefix) and n.endswith(".weight")]
+    hits = lora_weights((n for n, _ in model.named_parameters()), module_name, which)
     if len(hits) > 1:
         raise AttackInputError(
             f"{module_name!r} carries several LoRA adapters ({hits}): peftleak_lora reads one"

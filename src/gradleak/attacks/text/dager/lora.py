@@ -55,6 +55,7 @@ from gradleak.attacks.text.family import (
     Span,
     estimate_span,
     find_module,
+    lora_weights,
     update_tensor,
 )
 from gradleak.registry import ATTACKS
@@ -113,8 +114,7 @@ class DagerLoRA(Dager):
         return seqs, 0
 
     def _lora(self, obs: Observation, name: str, which: str) -> str:
-        prefix = f"{name}.lora_{which}."
-        keys = [k for k in obs.update.tensors if k.startswith(prefix) and k.endswith(".weight")]
+        keys = lora_weights(obs.update.tensors, name, which)
         if len(keys) != 1:
             raise AttackInputError(
                 f"the update carries no single LoRA {which} of {name!r} ({keys}): is the attention adapted?"
