@@ -41,13 +41,15 @@ def test_text_models_per_sample_clipping_matches_the_loop(request, make_batch, f
         torch.testing.assert_close(update.tensors[n], w, rtol=1e-3, atol=1e-9)
 
 
+@pytest.mark.parametrize("kind", ["lora", "bottleneck"])
 @pytest.mark.parametrize("fixture", ["gpt2_cls", "bert_cls"])
-def test_dp_sgd_on_lora_adapters_equals_the_per_sample_reference(request, make_batch, fixture):
+def test_dp_sgd_on_adapters_equals_the_per_sample_reference(request, make_batch, fixture, kind):
     """Issue 52 item 3, the class of Opacus issue #820 (LoRA weights silently corrupted by DP training
-    with a peft release): on a peft LoRA model (adapters on attention and MLP, the head trained) the DP-SGD
-    update carries exactly the trainable parameters, and each equals the slow loop's per-sample clipping
-    over those parameters alone (noise 0, so the comparison is exact up to float rounding). B is set
-    non-zero first, so that A's gradient is not peft's initial zero and both matrices are checked."""
+    with a peft release): on a peft LoRA model (adapters on attention and MLP, the head trained), and on
+    bottleneck adapters (gradleak's, applied by block pre-hooks), the DP-SGD update carries exactly the
+    trainable parameters, and each equals the slow loop's per-sample clipping over those parameters alone
+    (noise 0, so the comparison is exact up to float rounding). LoRA's B is set non-zero first, so that A's
+    gradient is not peft's initial zero and both matrices are checked."""
     import copy
 
     from gradleak.data.text import TextBatch
@@ -57,8 +59,12 @@ def test_dp_sgd_on_lora_adapters_equals_the_per_sample_reference(request, make_b
     from gradleak.validation import trainable_of
 
     tm = request.getfixturevalue(fixture)
-    model = apply_adapter(copy.deepcopy(tm.model), AdapterConfig(r=4, alpha=8, target=["attention", "mlp"]),
-                          tm.task, seed=0)  # fmt: skip
+    config = (
+        AdapterConfig(r=4, alpha=8, target=["attention", "mlp"])
+        if kind == "lora"
+        else AdapterConfig(kind="bottleneck", r=8)
+    )
+    model = apply_adapter(copy.deepcopy(tm.model), config, tm.task, seed=0)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -66,7 +72,8 @@ def test_dp_sgd_on_lora_adapters_equals_the_per_sample_reference(request, make_b
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen))
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     trainable = set(trainable_of(model))
-    assert any(".lora_A." in n for n in trainable) and any(".lora_B." in n for n in trainable)
+    marks = (".lora_A.", ".lora_B.") if kind == "lora" else (".bottleneck.down.", ".bottleneck.up.")
+    assert all(any(mark in n for n in trainable) for mark in marks)
     batch = make_batch(tm)
     clip = 1e-3
     defense = DPSGD(DPSGDConfig(clip=clip, noise_multiplier=0.0, sample_rate=0.01))

@@ -67,6 +67,7 @@ from torch import nn
 
 from gradleak.defenses.base import Defense, SetupContext
 from gradleak.device import generator_on
+from gradleak.models.adapters import is_adapter_parameter
 from gradleak.models.families import FAMILIES, TransformerFamily
 from gradleak.registry import DEFENSES
 
@@ -100,10 +101,10 @@ def _is_norm(module: nn.Module) -> bool:
 # dL/dA = B^T delta x^T) are the channel dager_lora reads, and paper 002 gives no rule for them (freezing
 # attention adapters stops the training; its MLP flood keeps none of the signal, rho_fc = 0)
 ADAPTERS_REFUSED = (
-    "aegis_llm is defined on full fine-tuning (paper 002); this model trains LoRA adapters only "
+    "aegis_llm is defined on full fine-tuning (paper 002); this model trains adapters only "
     "({example!r}, ...): the base's attention, embeddings and MLP are frozen already (AEGIS's freeze is "
-    "moot, its embedding channel closed), and the adapters' own gradients, which dager_lora reads, have no "
-    "AEGIS rule. Defend a LoRA update with update_noise, dp_sgd or pruning (docs/lora.md)"
+    "moot, its embedding channel closed), and the adapters' own gradients, which dager_lora and utr read, "
+    "have no AEGIS rule. Defend an adapter update with update_noise, dp_sgd or pruning (docs/lora.md)"
 )
 
 
@@ -220,7 +221,7 @@ class AegisLLM(Defense):
             raise ValueError(
                 f"aegis_llm: no parameter map for model_type {model_type!r}; known: {FAMILIES.names()}"
             )
-        adapters = [n for n, p in model.named_parameters() if p.requires_grad and ".lora_" in n]
+        adapters = [n for n, p in model.named_parameters() if p.requires_grad and is_adapter_parameter(n)]
         if adapters:
             raise ValueError(ADAPTERS_REFUSED.format(example=adapters[0]))
         self.generator = generator

@@ -123,7 +123,8 @@ class ModelSection:
     clients train in, ``"train"`` (BatchNorm normalises with the batch's statistics and updates its running
     ones; dropout on) or ``"eval"`` (running statistics, no dropout); by default the task's (images
     ``"train"``, as a PyTorch loop trains; text ``"eval"``, paper 002's fine-tuning). ``adapter`` (text
-    models): train LoRA adapters instead of the whole model (:mod:`gradleak.models.adapters`)."""
+    models): train adapters (LoRA, bottleneck) instead of the whole model
+    (:mod:`gradleak.models.adapters`)."""
 
     name: str = "aegis_cnn"
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -373,7 +374,7 @@ class ExperimentConfig:
                 if not getattr(DEFENSES.get(spec.name), "adapters", True):
                     raise ConfigError(
                         f"{key}[{i}] {cell_label(spec)!r} is defined on full fine-tuning, but model.adapter "
-                        "trains LoRA adapters only; defend a LoRA update with update_noise, dp_sgd or "
+                        "trains adapters only; defend a LoRA update with update_noise, dp_sgd or "
                         "pruning (docs/lora.md)"
                     )
 

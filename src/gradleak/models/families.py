@@ -40,6 +40,7 @@ class TransformerFamily:
     attn_output: str = ""  # template: block i's attention output projection
     mlp_output: str = ""  # template: block i's MLP output projection
     position_embedding: str = ""  # name suffix of the learned position embedding ("": none or unmapped)
+    block: str = ""  # template: block i itself (a bottleneck adapter sits on its input); "": not mapped
     l1_threshold: float = 1e-3
     l2_threshold: float = 1e-3
     rank_tol: float = 1e-8
@@ -49,6 +50,13 @@ class TransformerFamily:
             raise ValueError(f"positions must be 'learned' or 'rotary', got {self.positions!r}")
         for key in ("attention", "mlp", "other_embeddings"):
             re.compile(getattr(self, key))
+
+    @property
+    def block_pattern(self) -> str:
+        """Every block as a regex over module names (at a name boundary); never matches where unmapped."""
+        if not self.block:
+            return "$^"
+        return r"(^|\.)" + re.escape(self.block).replace(r"\{i\}", r"\d+") + "$"
 
     @property
     def embedding_pattern(self) -> str:
@@ -67,6 +75,7 @@ FAMILIES.register(
         other_embeddings=r"(^|\.)wpe$", conv1d=True, positions="learned", token_types=False, causal=True,
         heads={"causal_lm": "lm_head", "classification": "score"}, mlp_norm="h.{i}.ln_2",
         attn_output="h.{i}.attn.c_proj", mlp_output="h.{i}.mlp.c_proj", position_embedding="wpe",
+        block="h.{i}",
     ),
 )  # fmt: skip
 FAMILIES.register(
@@ -81,7 +90,7 @@ FAMILIES.register(
         mlp=r"(^|\.)layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)$", other_embeddings=r"$^", conv1d=False,
         positions="rotary", token_types=False, causal=True, heads={"causal_lm": "lm_head"},
         mlp_norm="layers.{i}.post_attention_layernorm", attn_output="layers.{i}.self_attn.o_proj",
-        mlp_output="layers.{i}.mlp.down_proj",
+        mlp_output="layers.{i}.mlp.down_proj", block="layers.{i}",
     ),
 )  # fmt: skip
 FAMILIES.register(
@@ -96,5 +105,6 @@ FAMILIES.register(
         mlp=r"(^|\.)layer\.\d+\.(intermediate\.dense|output\.dense)$",
         other_embeddings=r"(^|\.)embeddings\.(position_embeddings|token_type_embeddings)$", conv1d=False,
         positions="learned", token_types=True, causal=False, heads={"classification": "classifier"},
+        block="layer.{i}",
     ),
 )  # fmt: skip

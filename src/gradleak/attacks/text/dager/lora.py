@@ -179,6 +179,17 @@ class DagerLoRA(Dager):
         return span1, span2, spec, {**stats, "side_b": float(self._side == "B")}
 
 
+def one_sgd_step(obs: Observation) -> bool:
+    """Whether the public recipe says a FedAvg delta is one plain SGD step: exactly ``-lr`` times the
+    gradient at the broadcast weights ``w_0``."""
+    tr = obs.training
+    return (
+        tr is not None
+        and (tr.optimizer, tr.momentum, tr.weight_decay, tr.batching) == ("sgd", 0, 0, DEFAULT_BATCHING)
+        and tr.steps(obs.update.num_samples) == 1
+    )
+
+
 class DagerLoRAFedAvg(DagerLoRA):
     """DAGER on a LoRA FedAvg delta; a delta the public recipe says is one plain SGD step is exactly
     ``-lr`` times the gradient at ``w_0``, so it is read with exact DAGER's settings (the family's
@@ -190,13 +201,7 @@ class DagerLoRAFedAvg(DagerLoRA):
         super().__init__(config or DagerLoRAFedAvgConfig())
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
-        tr = obs.training
-        one_step = (
-            tr is not None
-            and (tr.optimizer, tr.momentum, tr.weight_decay, tr.batching) == ("sgd", 0, 0, DEFAULT_BATCHING)
-            and tr.steps(obs.update.num_samples) == 1
-        )
-        if not one_step:
+        if not one_sgd_step(obs):
             return super().reconstruct(obs, generator=generator)
         exact = replace(self.config, l1_threshold=None, l2_threshold=None, midpoint_weights=False)
         rec = DagerLoRA(exact).reconstruct(obs, generator=generator)
@@ -218,4 +223,4 @@ ATTACKS.register(
     modality="text",
 )
 
-__all__ = ["DagerLoRA", "DagerLoRAConfig", "DagerLoRAFedAvg", "DagerLoRAFedAvgConfig"]
+__all__ = ["DagerLoRA", "DagerLoRAConfig", "DagerLoRAFedAvg", "DagerLoRAFedAvgConfig", "one_sgd_step"]
