@@ -209,3 +209,27 @@ def test_the_engine_trains_bottleneck_adapters_and_utr_reads_them(protocol, epoc
     assert len(records) == 2
     for r in records:
         assert r["floor_null_rouge1"] == 0.0 and r["rouge1"] == 1.0, r
+
+
+def test_utr_spectral_reads_the_batch_through_stated_noise_and_nothing_from_a_null_update():
+    """batch_noise of std 1e-7 (stated in the update's metadata) on gradients whose largest entry is about
+    2e-3: the spans above the noise's bulk edge hold the batch (exact utr's rank test calls them full
+    there), and every sentence comes back exactly; a norm-matched random update with the same stated
+    noise gives nothing."""
+    from gradleak.defenses.baselines import BatchNoise, BatchNoiseConfig
+
+    tm, model, _, _ = _adapted("gpt2_cls")
+    data = TokenDataset.from_texts(
+        TextDataset("t", TEXTS, (1, 0, 1, 0), ("neg", "pos")), tm.tokenizer, max_tokens=12
+    )
+    noise = BatchNoise(BatchNoiseConfig(clip=1.0, sigma=1e-7, batch_size=1))
+    result = train_client(0, model, data, LocalTraining("fedsgd", batch_size=4), [noise],
+                          torch.Generator().manual_seed(0), task=TextClassification())  # fmt: skip
+    assert result.update is not None
+    obs = Observation(model, result.update, (12,), 2)
+    rec = create_attack("utr_spectral").reconstruct(obs, generator=torch.Generator().manual_seed(0))
+    assert sorted(rec.token_ids) == sorted(data.batch().sequences())
+    null = create_attack("utr_spectral").reconstruct(
+        null_observation(obs, torch.Generator().manual_seed(1)), generator=torch.Generator().manual_seed(0)
+    )
+    assert null.token_ids == []

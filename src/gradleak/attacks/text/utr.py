@@ -35,6 +35,11 @@ adapter's inputs (the embeddings) never move, the second's move with the first a
 ``1e-4`` of its top value, and both span tests accept a relative residual of 0.03 (chosen on that test:
 1 and 3 steps).
 
+**Noise** (``utr_spectral``, adaptive): told the defense's noise scale (a DP configuration is public;
+``dager_spectral``'s module docstring), the spans are the singular directions above the noise's bulk edge
+and each candidate is tested against its first-order residual bound: ``dager_spectral``'s tests on the
+adapters' spans.
+
 Where the official code differs, read not copied:
 - its sentence stage (``GPT_process_combinations_without_modeltest_csv_opt``) tests the prefixes of each
   *true* sentence (``True_input_ids``) against the second adapter's span, and scores only the sentences
@@ -54,6 +59,7 @@ from torch import nn
 
 from gradleak.attacks.text.dager.core import Dager, DagerConfig, DecoderSearch
 from gradleak.attacks.text.dager.lora import one_sgd_step
+from gradleak.attacks.text.dager.spectral import DagerSpectral, DagerSpectralConfig
 from gradleak.attacks.text.family import FamilySpec, find_module, update_tensor
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation
@@ -129,6 +135,21 @@ class UTRFedAvg(UTR):
         return obs.client_model() if one_sgd_step(obs) else super().attacker_model(obs)
 
 
+@dataclass(frozen=True)
+class UTRSpectralConfig(UTRConfig, DagerSpectralConfig):
+    """``dager_spectral``'s options (what the attack knows of the noise) with UTR's decoder defaults."""
+
+
+class UTRSpectral(UTR, DagerSpectral):
+    """UTR whose span tests know the noise scale (module docstring, "Noise"): UTR's spans, DAGER-spectral's
+    tests."""
+
+    config: UTRSpectralConfig  # type: ignore[assignment]
+
+    def __init__(self, config: UTRSpectralConfig | None = None) -> None:
+        Dager.__init__(self, config or UTRSpectralConfig())
+
+
 ATTACKS.register(
     "utr",
     UTR,
@@ -145,4 +166,12 @@ ATTACKS.register(
     modality="text",
 )
 
-__all__ = ["UTR", "UTRConfig", "UTRFedAvg", "UTRFedAvgConfig"]
+ATTACKS.register(
+    "utr_spectral",
+    UTRSpectral,
+    config_cls=UTRSpectralConfig,
+    summary="UTR knowing the noise scale: adapter spans above the noise bulk edge (adaptive, vs DP noise)",
+    modality="text",
+)
+
+__all__ = ["UTR", "UTRConfig", "UTRFedAvg", "UTRFedAvgConfig", "UTRSpectral", "UTRSpectralConfig"]
