@@ -144,7 +144,7 @@ class UTRSpectral(UTR, DagerSpectral):
     """UTR whose span tests know the noise scale (module docstring, "Noise"): UTR's spans, DAGER-spectral's
     tests."""
 
-    config: UTRSpectralConfig  # type: ignore[assignment]
+    config: UTRSpectralConfig
 
     def __init__(self, config: UTRSpectralConfig | None = None) -> None:
         Dager.__init__(self, config or UTRSpectralConfig())
