@@ -6,6 +6,7 @@ rank allows and nothing from a null update."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -231,5 +232,33 @@ def test_utr_spectral_reads_the_batch_through_stated_noise_and_nothing_from_a_nu
     assert sorted(rec.token_ids) == sorted(data.batch().sequences())
     null = create_attack("utr_spectral").reconstruct(
         null_observation(obs, torch.Generator().manual_seed(1)), generator=torch.Generator().manual_seed(0)
+    )
+    assert null.token_ids == []
+
+
+def test_utr_masked_completes_a_pruned_update_and_reads_the_batch():
+    """Pruning 50 % of a width-128 adapter's gradients (the GPT-2 arch, d = 64: 8,192 entries each, 4,096
+    kept against 1,991 degrees of freedom at the batch's rank 11): the completion finds rank 11 at both
+    blocks and both sentences come back exactly; a norm-matched random update with the same zeros gives
+    nothing."""
+    from gradleak.defenses.pruning import Pruning, PruningConfig
+
+    tm, model, _, _ = _adapted("gpt2_cls", r=128)
+    data = TokenDataset.from_texts(
+        TextDataset("t", TEXTS[:2], (1, 0), ("neg", "pos")), tm.tokenizer, max_tokens=12
+    )
+    result = train_client(0, model, data, LocalTraining("fedsgd", batch_size=2),
+                          [Pruning(PruningConfig(ratio=0.5))], torch.Generator().manual_seed(0),
+                          task=TextClassification())  # fmt: skip
+    assert result.update is not None
+    obs = Observation(model, result.update, (12,), 2)
+    rec = create_attack("utr_masked").reconstruct(obs, generator=torch.Generator().manual_seed(0))
+    assert rec.stats["completion_rank_l1"] == rec.stats["completion_rank_l2"] == 11
+    assert sorted(rec.token_ids) == sorted(data.batch().sequences())
+    noise = null_observation(obs, torch.Generator().manual_seed(1))
+    masked = {n: torch.where(obs.update.tensors[n] == 0, 0.0, t) for n, t in noise.update.tensors.items()}
+    null = create_attack("utr_masked").reconstruct(
+        dataclasses.replace(noise, update=dataclasses.replace(noise.update, tensors=masked)),
+        generator=torch.Generator().manual_seed(0),
     )
     assert null.token_ids == []

@@ -40,6 +40,10 @@ adapter's inputs (the embeddings) never move, the second's move with the first a
 and each candidate is tested against its first-order residual bound: ``dager_spectral``'s tests on the
 adapters' spans.
 
+**Pruning** (``utr_masked``, adaptive): told that the zeros it receives are dropped entries, it completes
+each adapter gradient to the lowest rank that fits the kept entries first (``dager_masked``'s completion),
+where the kept entries outnumber that rank's degrees of freedom ``k (d + r - k)``.
+
 Where the official code differs, read not copied:
 - its sentence stage (``GPT_process_combinations_without_modeltest_csv_opt``) tests the prefixes of each
   *true* sentence (``True_input_ids``) against the second adapter's span, and scores only the sentences
@@ -59,6 +63,7 @@ from torch import nn
 
 from gradleak.attacks.text.dager.core import Dager, DagerConfig, DecoderSearch
 from gradleak.attacks.text.dager.lora import one_sgd_step
+from gradleak.attacks.text.dager.masked import DagerMasked, DagerMaskedConfig
 from gradleak.attacks.text.dager.spectral import DagerSpectral, DagerSpectralConfig
 from gradleak.attacks.text.family import FamilySpec, find_module, update_tensor
 from gradleak.registry import ATTACKS
@@ -150,6 +155,21 @@ class UTRSpectral(UTR, DagerSpectral):
         Dager.__init__(self, config or UTRSpectralConfig())
 
 
+@dataclass(frozen=True)
+class UTRMaskedConfig(UTRConfig, DagerMaskedConfig):
+    """``dager_masked``'s options (the completion) with UTR's decoder defaults."""
+
+
+class UTRMasked(UTR, DagerMasked):
+    """UTR whose spans come from a low-rank completion of pruned adapter gradients (module docstring,
+    "Pruning"): UTR's gradients, DAGER-masked's completion."""
+
+    config: UTRMaskedConfig
+
+    def __init__(self, config: UTRMaskedConfig | None = None) -> None:
+        Dager.__init__(self, config or UTRMaskedConfig())
+
+
 ATTACKS.register(
     "utr",
     UTR,
@@ -174,4 +194,21 @@ ATTACKS.register(
     modality="text",
 )
 
-__all__ = ["UTR", "UTRConfig", "UTRFedAvg", "UTRFedAvgConfig", "UTRSpectral", "UTRSpectralConfig"]
+ATTACKS.register(
+    "utr_masked",
+    UTRMasked,
+    config_cls=UTRMaskedConfig,
+    summary="UTR knowing the update was pruned: low-rank completion of the adapter gradients (adaptive)",
+    modality="text",
+)
+
+__all__ = [
+    "UTR",
+    "UTRConfig",
+    "UTRFedAvg",
+    "UTRFedAvgConfig",
+    "UTRMasked",
+    "UTRMaskedConfig",
+    "UTRSpectral",
+    "UTRSpectralConfig",
+]
