@@ -18,6 +18,7 @@ from gradleak.defenses.guard import (
     ModelGuard,
     guard_model,
     near_parallel,
+    relative_change,
 )
 from gradleak.federation.simulation import FederatedSimulation, FLConfig
 from gradleak.models import build_model
@@ -346,3 +347,41 @@ def test_the_frozen_check_allows_a_few_ulps_of_any_dtype_and_odd_lora_layers_do_
     assert ModelGuard(embedded, trusted_start=True).inspect(embedded.state_dict(), probe).safe
     linear = torch.nn.Linear(20, 5)
     assert ModelGuard(linear, trusted_start=True).inspect(linear.state_dict(), torch.randn(8, 20)).safe
+
+
+def test_an_honest_bottleneck_model_trained_with_adam_passes_and_bins_in_its_adapter_are_refused():
+    """A bottleneck adapter starts at N(0, 0.01^2) and moves by 0.65-0.78 of its size in ten Adam steps at
+    lr 1e-3 (the review's measurement): the drift check leaves its layers out (as LoRA's B) and the model
+    passes; the other checks still read them: Robbing the Fed's bins written into the first adapter's down
+    projection (every row the same direction) are refused as parallel rows."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gradleak.models.adapters import AdapterConfig, apply_adapter
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    model = apply_adapter(GPT2LMHeadModel(cfg).eval(), AdapterConfig(kind="bottleneck", r=16), "causal_lm", 0)
+    probe = torch.randint(0, 300, (8, 12), generator=torch.Generator().manual_seed(0))
+    guard = ModelGuard(model, trusted_start=True)
+    trained = copy.deepcopy(model)
+    opt = torch.optim.Adam([p for p in trained.parameters() if p.requires_grad], lr=1e-3)
+    for step in range(10):
+        opt.zero_grad()
+        trained(input_ids=probe[step % 2 :: 2], labels=probe[step % 2 :: 2]).loss.backward()
+        opt.step()
+    moved = relative_change(
+        model.transformer.h[0].bottleneck.down.weight, trained.transformer.h[0].bottleneck.down.weight
+    )
+    assert moved > GuardConfig().max_drift  # what the drift check would have called a rewrite
+    verdict = guard.inspect(trained.state_dict(), probe)
+    assert verdict.safe, verdict.reason()
+    state = trained.state_dict()
+    key = "transformer.h.0.bottleneck.down.weight"
+    direction = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    state[key] = direction.expand_as(state[key]).clone()
+    state["transformer.h.0.bottleneck.down.bias"] = -torch.linspace(-1, 1, 16)
+    verdict = guard.inspect(state, probe, remember=False)
+    assert not verdict.safe and any(
+        f.check == "parallel" and "bottleneck.down" in f.where for f in verdict.findings
+    ), verdict.reason()

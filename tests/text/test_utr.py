@@ -141,14 +141,16 @@ def test_bad_bottleneck_configs_are_refused_on_construction(adapter, message):
 
 # ------------------------------------------------------------------------------------------------- UTR
 @pytest.mark.parametrize(
-    ("key", "residual"),
-    [("gpt2_cls", True), ("gpt2_cls", False), ("gpt2_lm", True), ("bert_cls", True)],
+    ("key", "residual", "r"),
+    [("gpt2_cls", True, 32), ("gpt2_cls", False, 64), ("gpt2_lm", True, 32), ("bert_cls", True, 32)],
     ids=["gpt2_cls", "gpt2_cls_utr_official", "gpt2_lm", "bert_cls"],
 )
-def test_utr_reads_the_batch_back_and_nothing_from_a_null_update(key, residual):
-    """r = 32 above the batch's distinct (token, position) count: every sentence exactly (a causal LM's
-    without its last token, only a label there); a norm-matched random update in its place gives nothing."""
-    model, update, truth = _update(key, residual=residual)
+def test_utr_reads_the_batch_back_and_nothing_from_a_null_update(key, residual, r):
+    """r above the batch's distinct (token, position) count: every sentence exactly (a causal LM's without
+    its last token, only a label there); a norm-matched random update in its place gives nothing. UTR's own
+    adapter (non-residual, nn.Linear's initialisation) has units no token activates (15 of 32 here: its
+    uniform biases), so it needs the wider r = 64 (18 dead) to hold the batch's 19 inputs."""
+    model, update, truth = _update(key, r=r, residual=residual)
     obs = Observation(model, update, (12,), 2)
     rec = create_attack("utr").reconstruct(obs, generator=torch.Generator().manual_seed(0))
     expected = [s[:-1] for s in truth] if key == "gpt2_lm" else truth
@@ -262,3 +264,32 @@ def test_utr_masked_completes_a_pruned_update_and_reads_the_batch():
         generator=torch.Generator().manual_seed(0),
     )
     assert null.token_ids == []
+
+
+def test_units_no_token_activates_are_not_read_as_pruned_entries():
+    """One 3-token sentence leaves some of a width-32 adapter's units off for every token (zero gradient
+    rows, 12-19 % of the entries here): utr_masked reads the unpruned update on exact DAGER's path (nothing
+    counted as dropped) and gets the sentence back."""
+    model, update, truth = _update("gpt2_cls", texts=("nothing works here",))
+    down = update.tensors["transformer.h.0.bottleneck.down.weight"]
+    assert bool((down.abs().amax(dim=1) == 0).any())  # the case: dead units
+    rec = create_attack("utr_masked").reconstruct(
+        Observation(model, update, (12,), 2), generator=torch.Generator().manual_seed(0)
+    )
+    assert rec.stats["kept_l1"] == rec.stats["kept_l2"] == 1.0 and rec.token_ids == truth
+
+
+def test_a_tied_head_a_second_adapter_and_a_block_without_hidden_states_are_refused():
+    tm = build_gpt2("tiny", "causal_lm", seed=0)
+    with pytest.raises(ValueError, match="tied to the input embedding"):
+        apply_adapter(tm.model, AdapterConfig(kind="bottleneck", r=8, train_head=True), "causal_lm", seed=0)
+    model = apply_adapter(tm.model, AdapterConfig(kind="bottleneck", r=8), "causal_lm", seed=0)
+    with pytest.raises(ValueError, match="bottleneck adapters already"):
+        apply_adapter(model, AdapterConfig(kind="bottleneck", r=8), "causal_lm", seed=0)
+    adapter = model.transformer.h[0].bottleneck
+    x = torch.randn(1, 3, model.config.hidden_size)
+    args, kwargs = adapter.pre_hook(model.transformer.h[0], (), {"hidden_states": x, "use_cache": False})
+    torch.testing.assert_close(kwargs["hidden_states"], adapter(x))
+    assert args == () and kwargs["use_cache"] is False
+    with pytest.raises(TypeError, match="reads its block's hidden states"):
+        adapter.pre_hook(model.transformer.h[0], (), {"use_cache": False})

@@ -95,11 +95,12 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm) or kind.endswith("LayerNorm") or kind.endswith("RMSNorm")
 
 
-# What AEGIS's three channels mean when only LoRA adapters train (issue 52, item 3): the base's attention,
-# embeddings and MLP are frozen already, so channel 1's freeze is moot and channel 2 is closed by
-# construction; what the update carries is the adapters, whose gradients (dL/dB = delta (A x)^T,
-# dL/dA = B^T delta x^T) are the channel dager_lora reads, and paper 002 gives no rule for them (freezing
-# attention adapters stops the training; its MLP flood keeps none of the signal, rho_fc = 0)
+# What AEGIS's three channels mean when only adapters train (issue 52, item 3; LoRA here, bottleneck
+# adapters alike): the base's attention, embeddings and MLP are frozen already, so channel 1's freeze is
+# moot and channel 2 is closed by construction; what the update carries is the adapters, whose gradients
+# (dL/dB = delta (A x)^T, dL/dA = B^T delta x^T; a bottleneck's dL/dW_down = sum_t g_t x_t^T) are the channels
+# dager_lora and utr read, and paper 002 gives no rule for them (freezing attention adapters stops the
+# training; its MLP flood keeps none of the signal, rho_fc = 0)
 ADAPTERS_REFUSED = (
     "aegis_llm is defined on full fine-tuning (paper 002); this model trains adapters only "
     "({example!r}, ...): the base's attention, embeddings and MLP are frozen already (AEGIS's freeze is "

@@ -136,8 +136,8 @@ class Defense:
     """Base class with no-op hooks; subclasses override what they need. ``differential_privacy``: the
     defense's noise is calibrated to a stated guarantee on the model's *parameters* (DP-SGD, update DP);
     buffers such as BatchNorm's running statistics are outside it (:func:`statistics_note`).
-    ``adapters``: whether it means anything on a model that trains LoRA adapters only (False: refused at
-    config time, with the reason its ``setup`` gives)."""
+    ``adapters``: whether it means anything on a model that trains adapters only (LoRA, bottleneck; False:
+    refused at config time, with the reason its ``setup`` gives)."""
 
     name: str = "defense"
     differential_privacy: bool = False

@@ -26,8 +26,10 @@ of the literature are detectable by a client that looks. This module looks, in t
      (random rows hit the exact half with probability about ``sqrt(2 / (pi D))``, 3 % at D = 784);
    - ``drift``: a linear layer that moved by more than ``max_drift`` of its norm since the last model this
      client accepted (or its own trusted start): a rewritten layer moves by about its whole size, a round of
-     FedAvg by a few percent. Activation sparsity, the trap's purpose, is no signature: honest trained
-     layers are as sparse on a client's data (measured, docs/security.md);
+     FedAvg by a few percent (not read: a LoRA ``B`` and a bottleneck adapter's layers, which start at or
+     near zero and move by more than their size under honest training). Activation sparsity, the trap's
+     purpose, is no signature: honest trained layers are as sparse on a client's data (measured,
+     docs/security.md);
    - ``frozen``: a parameter the client does not train (a LoRA model's base, norms and embeddings) that
      changed since that reference: in an honest federation it never moves (a pass-through backbone, a
      constant embedding coordinate: :mod:`gradleak.attacks.text.peftleak`).
@@ -53,6 +55,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from gradleak.models.adapters import BottleneckAdapter
 from gradleak.registry import decorator_into
 
 log = logging.getLogger(__name__)
@@ -253,6 +256,7 @@ class ModelGuard:
 
 
 ADAPTER_MATRICES = {"lora_A": "A", "lora_B": "B"}  # peft's LoRA layer keeps its matrices in these ModuleDicts
+BOTTLENECK = "bottleneck"  # the role of a bottleneck adapter's layers: every check but drift reads them
 
 
 def linear_maps(model: nn.Module) -> list[LinearMap]:
@@ -269,6 +273,14 @@ def linear_maps(model: nn.Module) -> list[LinearMap]:
         if isinstance(getattr(module, key, None), nn.ModuleDict)
         for sub in getattr(module, key).modules()
     }
+    roles.update(  # a bottleneck adapter's layers: trained from a 0.01-scale start (models/adapters.py)
+        {
+            id(sub): BOTTLENECK
+            for m in model.modules()
+            if isinstance(m, BottleneckAdapter)
+            for sub in m.modules()
+        }
+    )
     maps = []
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
@@ -509,7 +521,7 @@ def _drift(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
     out = []
     for layer in inspection.linears:
         name = layer.name
-        if layer.adapter == "B":  # it grows from zero: read through the merged map (linear_maps)
+        if layer.adapter in ("B", BOTTLENECK):  # they grow from zero / a 0.01-scale start: drift is no sign
             continue
         change = relative_change(layer.weight_in(inspection.previous), layer.weight)
         if change > config.max_drift:

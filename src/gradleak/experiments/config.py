@@ -349,7 +349,7 @@ class ExperimentConfig:
         data set's modality."""
         task = DATASETS.entry(self.data.dataset).modality
         parts: list[tuple[str, str | None]] = [("model.name", MODELS.entry(self.model.name).modality)]
-        if self.model.adapter is not None:  # LoRA adapters wrap the transformer family map's layers
+        if self.model.adapter is not None:  # adapters wrap or hook the transformer family map's layers
             parts.append(("model.adapter", "text"))
         attacks = self.audit.attacks if self.audit.clients > 0 else ()
         parts += [(f"audit.attacks[{i}]", ATTACKS.entry(s.name).modality) for i, s in enumerate(attacks)]
@@ -365,8 +365,8 @@ class ExperimentConfig:
                 )
 
     def _check_adapters(self) -> None:
-        """A model that trains LoRA adapters only gets no defense that is defined on full fine-tuning
-        (``Defense.adapters``), refused now rather than in every client's setup."""
+        """A model that trains adapters only (LoRA, bottleneck) gets no defense that is defined on full
+        fine-tuning (``Defense.adapters``), refused now rather than in every client's setup."""
         if self.model.adapter is None:
             return
         for key, specs in (("defenses", self.defenses), ("grid.defenses", self.grid.defenses)):
@@ -374,7 +374,7 @@ class ExperimentConfig:
                 if not getattr(DEFENSES.get(spec.name), "adapters", True):
                     raise ConfigError(
                         f"{key}[{i}] {cell_label(spec)!r} is defined on full fine-tuning, but model.adapter "
-                        "trains adapters only; defend a LoRA update with update_noise, dp_sgd or "
+                        "trains adapters only; defend an adapter update with update_noise, dp_sgd or "
                         "pruning (docs/lora.md)"
                     )
 

@@ -13,11 +13,13 @@ does not). Only the parameters left trainable are updated, sent, checked, averag
 A bottleneck adapter (Houlsby et al., "Parameter-Efficient Transfer Learning for NLP", ICML 2019, Sec. 2.1)
 is a small MLP ``x + W_up relu(W_down x + b_down) + b_up`` with ``r`` hidden units; here one sits on the input
 of every block (:class:`BottleneckAdapter`), so the first reads the embeddings and the others the blocks'
-outputs. That is the placement of UTR's official code (github.com/shwksnshwowk-wq/GIA,
-``model_with_adapter.py``: an adapter after the embeddings and after every block, which also has one after
-the last block, not here), whose adapters are not residual (``relu(W_up relu(W_down x))``:
-``residual = false``). peft has no such adapter, so this module builds it. Its weights are drawn
-``N(0, 0.01^2)`` (Houlsby's near-identity start), its biases zero.
+outputs. UTR's official code (github.com/shwksnshwowk-wq/GIA, ``model_with_adapter.py``) puts one after the
+embeddings and one after each block it runs (its GPT-2 and Qwen2 attack models run the first two blocks;
+its BERT models every block), and its adapters are not residual: ``relu(W_up relu(W_down x + b_down) + b_up)``
+(``residual = false``). peft has no such adapter, so this module builds it. A residual adapter starts near
+the identity (Houlsby): weights ``N(0, 0.01^2)``, biases zero. A non-residual one replaces its block's input,
+so it starts as UTR's does, at ``nn.Linear``'s default initialisation (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``
+for weights and biases); both drawn from the adapter's seed.
 
 In a config::
 
@@ -29,6 +31,7 @@ In a config::
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +48,7 @@ TARGETS: dict[str, Callable[[TransformerFamily], str]] = {
 }  # the parts of a family an adapter may target (regular expressions over module names)
 
 
-INIT_STD = 1e-2  # a bottleneck adapter's weights: N(0, INIT_STD^2), Houlsby et al.'s near-identity start
+INIT_STD = 1e-2  # a residual bottleneck adapter's weights: N(0, INIT_STD^2), Houlsby's near-identity start
 ADAPTER_MARKERS = (".lora_", ".bottleneck.")  # what names an adapter's parameters, of every kind here
 
 
@@ -157,9 +160,15 @@ class BottleneckAdapter(nn.Module):
         self.up = nn.Linear(r, width, dtype=dtype, device=device)
         with torch.no_grad():
             for layer in (self.down, self.up):
-                draw = torch.randn(layer.weight.shape, generator=generator, dtype=torch.float64)
-                layer.weight.copy_(draw * INIT_STD)
-                layer.bias.zero_()
+                if residual:  # Houlsby's near-identity start
+                    draw = torch.randn(layer.weight.shape, generator=generator, dtype=torch.float64)
+                    layer.weight.copy_(draw * INIT_STD)
+                    layer.bias.zero_()
+                else:  # nn.Linear's default (UTR's adapters): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+                    bound = 1.0 / math.sqrt(layer.in_features)
+                    for param in (layer.weight, layer.bias):
+                        draw = torch.rand(param.shape, generator=generator, dtype=torch.float64)
+                        param.copy_((2 * draw - 1) * bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(torch.relu(self.down(self.dropout(x))))
@@ -171,6 +180,11 @@ class BottleneckAdapter(nn.Module):
         """The block's hidden states (its first argument, or ``hidden_states``) passed through the adapter."""
         if args:
             return (self(args[0]), *args[1:]), kwargs
+        if "hidden_states" not in kwargs:
+            raise TypeError(
+                f"a bottleneck adapter reads its block's hidden states, the first argument or hidden_states; "
+                f"{type(_block).__name__} got only {sorted(kwargs)}"
+            )
         return args, {**kwargs, "hidden_states": self(kwargs["hidden_states"])}
 
 
@@ -184,7 +198,20 @@ def bottleneck(
     blocks = [m for name, m in model.named_modules() if pattern.search(name)]
     if not blocks:
         raise ValueError(f"no blocks of this {family.model_type} model are mapped for a bottleneck adapter")
+    if any(hasattr(block, "bottleneck") for block in blocks):
+        raise ValueError("this model has bottleneck adapters already; apply an adapter once")
     train_head, head = _head(family, config, task)
+    if train_head and head is not None:
+        embedding = re.compile(family.embedding_pattern)
+        inputs = [m for name, m in model.named_modules() if embedding.search(name)]
+        tied = {id(p) for p in model.get_submodule(head).parameters()} & {
+            id(p) for m in inputs for p in m.parameters()
+        }
+        if tied:
+            raise ValueError(
+                f"the {task} head is tied to the input embedding: training it would train (and send) the "
+                "embedding; set train_head = false or untie the head (gpt2_*: tie_word_embeddings = false)"
+            )
     width = int(getattr(model, "config").hidden_size)  # noqa: B009 (nn.Module's __getattr__)
     reference = next(model.parameters())
     generator = torch.Generator().manual_seed(seed)

@@ -2,17 +2,19 @@
 
 UTR ("Gradient Inversion Attack for Adapter-based Federated Large Language Models", arXiv 2601.17533; code
 github.com/shwksnshwowk-wq/GIA) attacks federated fine-tuning where the backbone is frozen and only
-bottleneck adapters (and the head) train: an adapter after the embeddings and after every block
+bottleneck adapters (and the head) train: an adapter after the embeddings and after the blocks
 (:mod:`gradleak.models.adapters`, ``kind = "bottleneck"``: here one on every block's input). An adapter's
 down-projection ``W_down`` (r x d, bias ``b_down``) sees the block's input ``x_t`` at every token, so
 
-    dL/dW_down = sum_t g_t x_t^T,        dL/db_down = sum_t g_t,        g_t = relu'(.) * (W_up^T dL/dh_t),
+    dL/dW_down = sum_t g_t x_t^T,     dL/db_down = sum_t g_t,     g_t = relu'(W_down x_t + b_down) * u_t,
 
-and the rows of ``dL/dW_down`` lie in the span of the ``x_t``. The official code divides each row by its
-bias gradient (``dL/dW_j / dL/db_j``, a weighted mean of the ``x_t``) and tests candidates with a
-least-squares fit to those rows; a row's scale does not change the span, so here the span is estimated
-from the gradient's singular vectors as DAGER's is (Petrov et al., NeurIPS 2024, Sec. 4), and DAGER's
-pipeline runs with the adapters' down projections in place of the attention projections:
+``u_t = W_up^T dL/dh_t`` (times the output ReLU's derivative in the non-residual form), and the rows of
+``dL/dW_down`` lie in the span of the ``x_t``. The official code divides each row by its bias gradient
+(``dL/dW_j / dL/db_j``, an affine combination of the ``x_t``; rows whose bias gradient is zero dropped) and
+tests candidates with a least-squares fit to those rows; a row's scale does not change the span, so here
+the span is estimated from the gradient's singular vectors as DAGER's is (Petrov et al., NeurIPS 2024,
+Sec. 4), and DAGER's pipeline runs with the adapters' down projections in place of the attention
+projections:
 
 1. **Token presence** (UTR's first stage): the first adapter reads the embeddings, so a vocabulary token
    (at a position, for learned positions) is present iff its embedding lies in the span of the first
@@ -24,7 +26,11 @@ pipeline runs with the adapters' down projections in place of the attention proj
 What it needs (its threat model): an honest-but-curious server that sees one client's adapter update
 (FedSGD, as UTR's code; ``utr_fedavg`` for a FedAvg delta); adapters on the first two
 blocks' inputs; ``r`` above the batch's distinct (token, position) count, since the span has rank at most
-``r`` (UTR's scripts use ``r = d / 2``); a causal model's last token is only a label and is not read.
+``r`` (UTR's scripts use ``r = d / 2``: a span whose rank fills the gradient's ``r`` columns is a subspace
+of the inputs', and nothing is read); a causal model's last token is only a label and is not read (an
+adapter update carries no LM head gradient to complete it); no dropout on the adapters' inputs in the
+client's training mode (the candidates' inputs are computed without it). Units that no token activates
+(dead ReLUs) give zero rows, which are dropped before the span is estimated.
 
 **FedAvg** (``utr_fedavg``; UTR's code computes one gradient). A delta ``w_T - w_0`` of adapters whose
 weights are ``N(0, 0.01^2)`` loses digits to float32 cancellation: at one SGD step of lr 1e-3 on the GPT-2
@@ -123,10 +129,18 @@ class UTR(Dager):
     def input_gradient(
         self, obs: Observation, model: nn.Module, spec: FamilySpec, layer: int
     ) -> torch.Tensor:
-        """Block ``layer``'s adapter down-projection gradient, transposed (d, r): its columns span the
-        block's inputs."""
+        """Block ``layer``'s adapter down-projection gradient, transposed (d, r'), its all-zero columns
+        (units no token activates) dropped: its columns span the block's inputs."""
         name, _ = find_module(model, spec.attn_inputs[0].format(i=layer))
-        return update_tensor(obs, f"{name}.weight").T  # nn.Linear stores (out, in)
+        grad = update_tensor(obs, f"{name}.weight").T  # nn.Linear stores (out, in)
+        live = grad.abs().amax(dim=0) > 0
+        return grad[:, live] if bool(live.any()) else grad
+
+    def complete(
+        self, obs: Observation, model: nn.Module, spec: FamilySpec, seqs: list[list[int]], batch: int
+    ) -> tuple[list[list[int]], int]:
+        """The sequences as found: an adapter update carries no LM head gradient to read last tokens from."""
+        return seqs, 0
 
 
 class UTRFedAvg(UTR):
@@ -152,7 +166,7 @@ class UTRSpectral(UTR, DagerSpectral):
     config: UTRSpectralConfig
 
     def __init__(self, config: UTRSpectralConfig | None = None) -> None:
-        Dager.__init__(self, config or UTRSpectralConfig())
+        super().__init__(config or UTRSpectralConfig())
 
 
 @dataclass(frozen=True)
@@ -167,7 +181,7 @@ class UTRMasked(UTR, DagerMasked):
     config: UTRMaskedConfig
 
     def __init__(self, config: UTRMaskedConfig | None = None) -> None:
-        Dager.__init__(self, config or UTRMaskedConfig())
+        super().__init__(config or UTRMaskedConfig())
 
 
 ATTACKS.register(

@@ -50,6 +50,7 @@ from torch import nn
 
 from gradleak.attacks.text.dager.search import L2Search, PolishConfig, Scored, similar
 from gradleak.attacks.text.family import (
+    FULL_SPAN_FRACTION,
     FamilySpec,
     Span,
     embedding_param,
@@ -208,12 +209,18 @@ class Dager:
         if float(grads[0].abs().max()) == 0.0:
             raise AttackInputError(self.zero_gradient)
         span1, span2, spec, span_stats = self.spans(obs, spec, grads[0], grads[1])
-        if span1.rank == 0 or span2.rank == 0 or span1.full or span2.full:
+        # full: the span fills the input space; saturated: its rank fills the gradient's columns (a LoRA or
+        # bottleneck adapter's r), so it is a subspace of the inputs' span, not that span
+        full = any(
+            span.full or span.rank >= FULL_SPAN_FRACTION * min(grad.shape)
+            for span, grad in ((span1, grads[0]), (span2, grads[1]))
+        )
+        if span1.rank == 0 or span2.rank == 0 or full:
             log.warning(
-                "DAGER: the attention-gradient span is %s; nothing can be recovered",
-                "full rank" if span1.full or span2.full else "empty",
+                "DAGER: the input-gradient span is %s; nothing can be recovered",
+                "full rank (the input space or the gradient's columns)" if full else "empty",
             )
-            stats = {"rank_l1": float(span1.rank), "span_full": float(span1.full or span2.full)}
+            stats = {"rank_l1": float(span1.rank), "span_full": float(full)}
             return Reconstruction(token_ids=[], stats={**stats, **span_stats})
         m1 = find_module(model, spec.attn_inputs[0].format(i=0))[1]
         m2 = find_module(model, spec.attn_inputs[0].format(i=1))[1]
