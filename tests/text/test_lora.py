@@ -120,17 +120,23 @@ def _toml(table: dict) -> str:
     return "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in table.items()) + "}"
 
 
-def test_a_lora_model_travels_as_a_spec_and_rebuilds_with_its_adapter():
-    """What a Flower node builds from the server's spec: the same peft wrapper (names, shapes, which
-    parameters train), into which the sent weights load strictly."""
+@pytest.mark.parametrize(
+    ("adapter", "field"),
+    [({"r": 4, "alpha": 8, "target": ["attention", "mlp"]}, '"alpha": 8'),
+     ({"kind": "bottleneck", "r": 8, "residual": False}, '"residual": false')],
+    ids=["lora", "bottleneck"],
+)  # fmt: skip
+def test_an_adapter_model_travels_as_a_spec_and_rebuilds_with_its_adapter(adapter, field):
+    """What a Flower node builds from the server's spec: the same peft wrapper or bottleneck adapters
+    (names, shapes, which parameters train), into which the sent weights load strictly."""
     from gradleak.experiments.runner import build_simulation
     from gradleak.models.architecture import build, describe
 
     raw = {
-        "experiment": {"name": "lora", "seed": 3},
+        "experiment": {"name": "adapter", "seed": 3},
         "data": {"dataset": "rotten_tomatoes", "train_split": "all", "test_split": "all", "train_limit": 40,
                  "test_limit": 8, "num_clients": 4, "partition": "iid"},
-        "model": {"name": "gpt2_tiny", "adapter": {"r": 4, "alpha": 8, "target": ["attention", "mlp"]}},
+        "model": {"name": "gpt2_tiny", "adapter": adapter},
         "audit": {"clients": 0},
     }  # fmt: skip
     model = build_simulation(load_config(raw, [])).model
@@ -142,7 +148,7 @@ def test_a_lora_model_travels_as_a_spec_and_rebuilds_with_its_adapter():
     x = torch.tensor([[464, 2646, 373, 1049, 1257]])
     torch.testing.assert_close(rebuilt(input_ids=x).logits, model(input_ids=x).logits, rtol=0, atol=0)
     with pytest.raises(ValueError, match="unknown option"):  # a spec's adapter is validated, not trusted
-        bad = describe(model).replace('"alpha": 8', '"alpha": 8, "exec": "x"')
+        bad = describe(model).replace(field, field + ', "exec": "x"')
         build(bad)
 
 
