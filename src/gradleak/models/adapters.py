@@ -13,9 +13,9 @@ does not). Only the parameters left trainable are updated, sent, checked, averag
 A bottleneck adapter (Houlsby et al., "Parameter-Efficient Transfer Learning for NLP", ICML 2019, Sec. 2.1)
 is a small MLP ``x + W_up relu(W_down x + b_down) + b_up`` with ``r`` hidden units; here one sits on the input
 of every block (:class:`BottleneckAdapter`), so the first reads the embeddings and the others the blocks'
-outputs. UTR's official code (github.com/shwksnshwowk-wq/GIA, ``model_with_adapter.py``) puts one after the
-embeddings and one after each block it runs (its GPT-2 and Qwen2 attack models run the first two blocks;
-its BERT models every block), and its adapters are not residual: ``relu(W_up relu(W_down x + b_down) + b_up)``
+outputs. UTR's official attack scripts (github.com/shwksnshwowk-wq/GIA, ``model_with_adapter.py``) run two
+blocks, with an adapter after the embeddings and one after block 0 (GPT-2, Qwen2) and after block 1 too
+(BERT's ``BertManual``), and its adapters are not residual: ``relu(W_up relu(W_down x + b_down) + b_up)``
 (``residual = false``). peft has no such adapter, so this module builds it. A residual adapter starts near
 the identity (Houlsby): weights ``N(0, 0.01^2)``, biases zero. A non-residual one replaces its block's input,
 so it starts as UTR's does, at ``nn.Linear``'s default initialisation (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``

@@ -26,8 +26,8 @@ projections:
 What it needs (its threat model): an honest-but-curious server that sees one client's adapter update
 (FedSGD, as UTR's code; ``utr_fedavg`` for a FedAvg delta); adapters on the first two
 blocks' inputs; ``r`` above the batch's distinct (token, position) count, since the span has rank at most
-``r`` (UTR's scripts use ``r = d / 2``: a span whose rank fills the gradient's ``r`` columns is a subspace
-of the inputs', and nothing is read); a causal model's last token is only a label and is not read (an
+``r`` (UTR's scripts use ``r = d / 2``: a span whose rank fills the gradient's ``r`` live columns is a
+subspace of the inputs', and nothing is read); a causal model's last token is only a label and is not read (an
 adapter update carries no LM head gradient to complete it); no dropout on the adapters' inputs in the
 client's training mode (the candidates' inputs are computed without it). Units that no token activates
 (dead ReLUs) give zero rows, which are dropped before the span is estimated.
@@ -71,7 +71,7 @@ from gradleak.attacks.text.dager.core import Dager, DagerConfig, DecoderSearch
 from gradleak.attacks.text.dager.lora import one_sgd_step
 from gradleak.attacks.text.dager.masked import DagerMasked, DagerMaskedConfig
 from gradleak.attacks.text.dager.spectral import DagerSpectral, DagerSpectralConfig
-from gradleak.attacks.text.family import FamilySpec, find_module, update_tensor
+from gradleak.attacks.text.family import FamilySpec, Span, find_module, update_tensor
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation
 
@@ -135,6 +135,11 @@ class UTR(Dager):
         grad = update_tensor(obs, f"{name}.weight").T  # nn.Linear stores (out, in)
         live = grad.abs().amax(dim=0) > 0
         return grad[:, live] if bool(live.any()) else grad
+
+    def saturated(self, span: Span, grad: torch.Tensor) -> bool:
+        """A span whose rank fills the gradient's live columns (the adapter's width ``r``) is a subspace of
+        the inputs' span, not that span: nothing is read (module docstring)."""
+        return span.rank >= min(grad.shape)
 
     def complete(
         self, obs: Observation, model: nn.Module, spec: FamilySpec, seqs: list[list[int]], batch: int
