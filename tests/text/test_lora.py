@@ -346,10 +346,16 @@ def test_an_adapter_that_is_not_a_table_is_refused():
         load_config(demo_config_path(), ["model.adapter='lora'"])
 
 
-def test_aegis_llm_is_refused_on_a_lora_model_at_config_time_and_in_setup():
-    """AEGIS's channels are defined on full fine-tuning: on a model that trains LoRA adapters only, a config
-    naming it is refused before any work, and a user loop that applies it to a peft model fails closed in
-    setup with the reason (the adapters' gradients have no AEGIS rule), not with "no attention projection"."""
+@pytest.mark.parametrize(
+    ("adapter", "param"),
+    [({"r": 4, "alpha": 8}, "lora_A"), ({"kind": "bottleneck", "r": 8}, "bottleneck")],
+    ids=["lora", "bottleneck"],
+)
+def test_aegis_llm_is_refused_on_an_adapter_model_at_config_time_and_in_setup(adapter, param):
+    """AEGIS's channels are defined on full fine-tuning: on a model that trains adapters only (LoRA, or
+    bottleneck adapters), a config naming it is refused before any work, and a user loop that applies it to
+    such a model fails closed in setup with the reason (the adapters' gradients have no AEGIS rule), not with
+    "no attention projection"."""
     from gradleak.defenses.base import DefenseFailure
     from gradleak.defenses.in_loop import defend
 
@@ -357,7 +363,7 @@ def test_aegis_llm_is_refused_on_a_lora_model_at_config_time_and_in_setup():
         "experiment": {"name": "lora", "seed": 0},
         "data": {"dataset": "rotten_tomatoes", "train_split": "all", "test_split": "all", "train_limit": 40,
                  "test_limit": 8, "num_clients": 4, "partition": "iid"},
-        "model": {"name": "gpt2_tiny", "adapter": {"r": 4, "alpha": 8}},
+        "model": {"name": "gpt2_tiny", "adapter": adapter},
         "audit": {"clients": 0},
         "grid": {"defenses": ["none", "update_noise", "aegis_2ch"]},
     }  # fmt: skip
@@ -366,6 +372,6 @@ def test_aegis_llm_is_refused_on_a_lora_model_at_config_time_and_in_setup():
     raw["grid"]["defenses"] = ["none", "update_noise", "pruning"]  # type: ignore[index]
     load_config(raw, [])  # the defenses that mean something on adapters pass
     tm = build_gpt2("tiny", "causal_lm", seed=0)
-    model = apply_adapter(tm.model, AdapterConfig(r=4, alpha=8), "causal_lm", seed=0)
-    with pytest.raises(DefenseFailure, match="lora_A.*no AEGIS rule"):
+    model = apply_adapter(tm.model, AdapterConfig(**adapter), "causal_lm", seed=0)
+    with pytest.raises(DefenseFailure, match=f"{param}.*no AEGIS rule"):
         defend(model, None, ["aegis_llm"], generator=torch.Generator().manual_seed(0))

@@ -26,8 +26,9 @@ of the literature are detectable by a client that looks. This module looks, in t
      (random rows hit the exact half with probability about ``sqrt(2 / (pi D))``, 3 % at D = 784);
    - ``drift``: a linear layer that moved by more than ``max_drift`` of its norm since the last model this
      client accepted (or its own trusted start): a rewritten layer moves by about its whole size, a round of
-     FedAvg by a few percent (not read: a LoRA ``B`` and a bottleneck adapter's layers, which start at or
-     near zero and move by more than their size under honest training). Activation sparsity, the trap's
+     FedAvg by a few percent (not read: a LoRA ``B`` and a bottleneck adapter's layers, which start at zero
+     or small, N(0, 0.01^2) residual or nn.Linear's default, and move by more than their size under honest
+     training). Activation sparsity, the trap's
      purpose, is no signature: honest trained layers are as sparse on a client's data (measured,
      docs/security.md);
    - ``frozen``: a parameter the client does not train (a LoRA model's base, norms and embeddings) that
@@ -133,7 +134,7 @@ class LinearMap:
     its transpose for HF's ``Conv1D`` (stored (in, out)), or for a LoRA layer the merged map
     ``W + s B A`` (``adapters``: the state-dict keys of each adapter's ``A`` and ``B`` and its scale ``s``),
     so that what a server writes into the adapters is read as part of the layer it changes. ``adapter`` is
-    ``"A"`` or ``"B"`` for an adapter's own matrix."""
+    ``"A"`` or ``"B"`` for a LoRA adapter's own matrix, ``"bottleneck"`` for a bottleneck adapter's layer."""
 
     name: str
     module: nn.Module
@@ -273,7 +274,7 @@ def linear_maps(model: nn.Module) -> list[LinearMap]:
         if isinstance(getattr(module, key, None), nn.ModuleDict)
         for sub in getattr(module, key).modules()
     }
-    roles.update(  # a bottleneck adapter's layers: trained from a 0.01-scale start (models/adapters.py)
+    roles.update(  # a bottleneck adapter's layers: trained from a small start (models/adapters.py)
         {
             id(sub): BOTTLENECK
             for m in model.modules()
@@ -521,7 +522,7 @@ def _drift(inspection: Inspection, config: GuardConfig) -> list[GuardFinding]:
     out = []
     for layer in inspection.linears:
         name = layer.name
-        if layer.adapter in ("B", BOTTLENECK):  # they grow from zero / a 0.01-scale start: drift is no sign
+        if layer.adapter in ("B", BOTTLENECK):  # they grow from zero / a small start: drift is no sign
             continue
         change = relative_change(layer.weight_in(inspection.previous), layer.weight)
         if change > config.max_drift:

@@ -33,8 +33,9 @@ client's training mode (the candidates' inputs are computed without it). Units t
 (dead ReLUs) give zero rows, which are dropped before the span is estimated.
 
 **FedAvg** (``utr_fedavg``; UTR's code computes one gradient). A delta ``w_T - w_0`` of adapters whose
-weights are ``N(0, 0.01^2)`` loses digits to float32 cancellation: at one SGD step of lr 1e-3 on the GPT-2
-arch the noise fills the span (rank 32 of 32) and exact DAGER's thresholds (1e-3) keep nothing. The first
+weights are ``N(0, 0.01^2)`` (the residual form) loses digits to float32 cancellation: at one SGD step of
+lr 1e-3 on the GPT-2 arch the noise fills the span (rank 32 of 32) and exact DAGER's thresholds (1e-3) keep
+nothing. The first
 adapter's inputs (the embeddings) never move, the second's move with the first adapter, so as in
 ``dager_fedavg`` the candidates of several steps are evaluated at the midpoint weights ``w_0 + delta / 2``
 (one plain SGD step is the gradient at ``w_0`` times ``-lr``: read at ``w_0``), the spectrum is cut at
@@ -67,6 +68,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from gradleak.attacks.noise import noise_scale
 from gradleak.attacks.text.dager.core import Dager, DagerConfig, DecoderSearch
 from gradleak.attacks.text.dager.lora import one_sgd_step
 from gradleak.attacks.text.dager.masked import DagerMasked, DagerMaskedConfig
@@ -172,6 +174,9 @@ class UTRSpectral(UTR, DagerSpectral):
 
     def __init__(self, config: UTRSpectralConfig | None = None) -> None:
         super().__init__(config or UTRSpectralConfig())
+
+    def noise_std(self, obs: Observation) -> float:
+        return noise_scale(obs.update, self.config.noise_std, "utr_spectral")
 
 
 @dataclass(frozen=True)

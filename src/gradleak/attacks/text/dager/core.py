@@ -271,8 +271,9 @@ class Dager:
     def saturated(self, span: Span, grad: torch.Tensor) -> bool:
         """Whether ``span`` fills the columns of the gradient it came from, so that it is a subspace of the
         inputs' span rather than that span. Off here: DAGER's full gradient has at least as many columns as
-        the input space (``Span.full`` decides), and ``dager_lora``'s committed results were measured
-        without it (on SmolLM2 side B's v_proj is 192 wide, below r = 256: docs/lora.md)."""
+        the input space (``Span.full`` decides), and ``dager_lora``'s committed SmolLM2 results were measured
+        without it (side B's v_proj is 192 wide there, below r = 256: docs/lora.md); its MiniLM rows
+        (2d6033a) ran with a 0.95 x min(shape) rule that coincides with ``Span.full`` there."""
         return False
 
     def complete(
