@@ -118,14 +118,16 @@ class UTR(Dager):
         spec = super().spec(model)
         template = ADAPTER_DOWN.format(block=spec.block)
         for i in (0, 1):
-            name = template.format(i=i)
-            if not spec.block or not any(
-                n == name or n.endswith("." + name) for n, _ in model.named_modules()
-            ):
-                raise AttackInputError(
-                    f"utr reads bottleneck adapters on the first two blocks' inputs (model.adapter = "
-                    f"{{kind = 'bottleneck'}}); this {spec.model_type} model has none on block {i}"
-                )
+            try:
+                if spec.block:  # a family without a block template has no bottleneck adapters
+                    find_module(model, template.format(i=i))
+                    continue
+            except AttackInputError:
+                pass
+            raise AttackInputError(
+                f"utr reads bottleneck adapters on the first two blocks' inputs (model.adapter = "
+                f"{{kind = 'bottleneck'}}); this {spec.model_type} model has none on block {i}"
+            )
         return replace(spec, attn_inputs=(template,))
 
     def input_gradient(
