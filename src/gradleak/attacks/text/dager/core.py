@@ -107,7 +107,10 @@ class EncoderSearch:
     (:class:`~gradleak.attacks.text.dager.search.PolishConfig`);
     ``"beam"`` makes ``repair_steps`` local edits per rejected closure; ``"sample"`` evaluates up to
     ``max_samples`` sequences per length. ``end_token_id``: a token that ends every sequence ([SEP]);
-    ``fill_to_batch`` completes B with the best rejected sequences (partial recovery)."""
+    ``fill_to_batch`` completes B with the best rejected sequences (partial recovery). ``table``: evaluate
+    block 1 from per-(token, position) tables where the layout allows (BERT; exact, checked against the
+    model when built: :mod:`~gradleak.attacks.text.dager.block1`); False runs the model's forward for every
+    sequence (the same search, slower: for comparisons)."""
 
     method: str = "polish"
     per_prefix: int = 4
@@ -121,6 +124,7 @@ class EncoderSearch:
     max_samples: int = 4096
     end_token_id: int | None = None
     fill_to_batch: bool = True
+    table: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in ("polish", "beam", "sample"):
@@ -224,6 +228,9 @@ class Dager:
         fallback: list[Scored] = []
         b = max(1, obs.update.num_samples)
         search = self.l2_search(model, m2, span2, spec.l2_threshold, m1, generator)
+        if not spec.causal and self.config.encoder.table and cands:
+            end = self.config.encoder.end_token_id
+            search.tabulate(sorted(set().union(*cands) | ({end} if end is not None else set())), len(cands))
         if spec.causal:
             found = search.extend(cands, self.config.decoder.search, self.config.beam_width)
         elif self.config.encoder.method == "polish":

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradleak.attacks.text.dager.block1 import Block1Table, attend_one
 from gradleak.attacks.text.family import Span, capture_input, layer_inputs
 
 log = logging.getLogger(__name__)
@@ -40,10 +41,26 @@ class L2Search:
     novelty: float = 0.0  # encoder beam: weight of the novelty factor in the prefix score (see ``hold``)
     _held: torch.Tensor | None = None  # orthonormal basis (span coordinates) of the held block-2 inputs
     _fast: bool | None = None  # encoder beam: the one-token block-1 fast path agrees with the model
+    _table: Block1Table | None = None  # encoders: block 1 from per-(token, position) tables (``tabulate``)
+
+    def tabulate(self, tokens: Sequence[int], length: int) -> None:
+        """Evaluate block 1 from tables of ``tokens`` at positions ``0 .. length - 1`` from now on
+        (:class:`~gradleak.attacks.text.dager.block1.Block1Table`: BERT layouts, checked against the model
+        when built); sequences the table does not cover, and other layouts, use the model's forward."""
+        layer = self._block1()
+        if layer is not None and self.first is not None:
+            self._table = Block1Table.build(self.model, self.first, self.module, layer, list(tokens), length)
+        log.debug("block-1 table: %s", "used" if self._table is not None else "not used")
+
+    def block2_inputs(self, seqs: torch.Tensor) -> torch.Tensor:
+        """Block-2 inputs (n, L, d) of the whole sequences ``seqs`` (n, L)."""
+        if self._table is not None and self._table.covers(seqs):
+            return self._table.whole(seqs, self.chunk)
+        return layer_inputs(self.model, self.module, seqs, chunk=max(1, self.chunk // seqs.shape[1]))
 
     def residual(self, seqs: torch.Tensor, last_only: bool, reduce: str = "max") -> torch.Tensor:
         """L2 residual of each sequence's last token, or its max / mean over the positions."""
-        z = layer_inputs(self.model, self.module, seqs, chunk=max(1, self.chunk // seqs.shape[1]))
+        z = self.block2_inputs(seqs)
         res = self.span.residual(z[:, -1] if last_only else z)
         if last_only:
             return res
@@ -130,7 +147,7 @@ class L2Search:
         except (ImportError, TypeError, AttributeError, RuntimeError, ValueError) as err:
             log.debug("no KV-cache fast path (%s); recomputing whole prefixes", err)
             seqs = torch.cat([torch.tensor(prefixes).repeat_interleave(len(cands), dim=0), ids], dim=1)
-            zz = layer_inputs(self.model, self.module, seqs, chunk=max(1, self.chunk // seqs.shape[1]))
+            zz = self.block2_inputs(seqs)
             z, prev = zz[:, -1], zz[:, -2]
         return z, prev
 
@@ -202,7 +219,7 @@ class L2Search:
             closed = [s + [end] for s, _ in live] if end is not None else [s for s, _ in live]
             if end is None or (p < len(cands) and end in cands[p]):
                 seqs = torch.tensor(closed)
-                z = layer_inputs(self.model, self.module, seqs, chunk=max(1, self.chunk // seqs.shape[1]))
+                z = self.block2_inputs(seqs)
                 res = self.span.residual(z)
                 worst, mean = res.max(dim=1).values, self.prefix_score(z, res).mean(dim=1)
                 for i, seq in enumerate(closed):
@@ -288,12 +305,12 @@ class L2Search:
                 by_len.setdefault(len(q), []).append(i)
             for idx in by_len.values():
                 t = torch.tensor([seqs[i] for i in idx])
-                z = layer_inputs(self.model, self.module, t, chunk=max(1, self.chunk // t.shape[1]))
+                z = self.block2_inputs(t)
                 out[idx] = self.span.residual(z).mean(dim=1)
             return out
 
         cur = list(seq)
-        res = self.span.residual(layer_inputs(self.model, self.module, torch.tensor([cur])))[0]
+        res = self.span.residual(self.block2_inputs(torch.tensor([cur])))[0]
         best = float(res.mean())
         for _ in range(steps):
             if float(res.max()) < self.threshold or len(cur) < 3:
@@ -316,14 +333,14 @@ class L2Search:
             if float(sc[i]) >= best:
                 break
             cur, best = trials[i], float(sc[i])
-            res = self.span.residual(layer_inputs(self.model, self.module, torch.tensor([cur])))[0]
+            res = self.span.residual(self.block2_inputs(torch.tensor([cur])))[0]
         return cur, float(res.max()), float(res.mean())
 
     def diverse_beam(self, prefixes: list[list[int]], beam_width: int, per_root: int) -> list[Scored]:
         """The ``beam_width`` prefixes with the smallest mean L2 residual (each prefix on its own), at most
         ``per_root`` sharing a token at position 1, so that no one sequence's variants fill the beam."""
         seqs = torch.tensor(prefixes)
-        z = layer_inputs(self.model, self.module, seqs, chunk=max(1, self.chunk // seqs.shape[1]))
+        z = self.block2_inputs(seqs)
         mean = self.prefix_score(z)[:, 1:].mean(dim=1)
         out: list[Scored] = []
         count: dict[int, int] = {}
@@ -386,9 +403,14 @@ class L2Search:
     @torch.no_grad()
     def _bert_last(self, layer: Any, prefixes: list[list[int]], cands: list[int], t: int) -> torch.Tensor:
         assert self.first is not None
+        n, c = len(prefixes), len(cands)
+        table = self._table
+        if table is not None and t < table.length and table.covers(prefixes) and table.has(cands):
+            z = table.site(torch.tensor(prefixes), torch.arange(t), torch.tensor(cands), t)
+            return z.reshape(n * c, -1)
         zp = layer_inputs(self.model, self.first, torch.tensor(prefixes))  # (n, t, d), context-free
         zc = layer_inputs(self.model, self.first, torch.tensor(cands).unsqueeze(1), start_position=t)[:, 0]
-        return _bert_site(layer, zp, zc).reshape(len(prefixes) * len(cands), -1)
+        return _bert_site(layer, zp, zc).reshape(n * c, -1)
 
     @torch.no_grad()
     def site_residuals(
@@ -410,6 +432,10 @@ class L2Search:
         if layer is None or self._fast is False:
             return torch.stack([self._site_full(seq, vocab, i, insert) for i in sites])
         assert self.first is not None
+        table = self._table
+        fits = table is not None and len(seq) + insert <= table.length
+        if fits and table is not None and table.covers([seq]) and table.has(vocab):
+            return torch.stack([self._table_site(table, seq, vocab, i, insert) for i in sites])
         z1 = layer_inputs(self.model, self.first, torch.tensor([seq]))[0]  # context-free layer-1 inputs
         # insert: seq[j] for j >= i moves to position j + 1 (layer-1 input of seq[j] at j + 1)
         z1s = layer_inputs(self.model, self.first, torch.tensor([seq[:1] + seq]))[0][1:] if insert else z1
@@ -421,10 +447,20 @@ class L2Search:
             out.append(self.span.residual(_bert_site(layer, ctx, zc)[0]))
         return torch.stack(out)
 
+    def _table_site(
+        self, table: Block1Table, seq: list[int], vocab: list[int], i: int, insert: bool
+    ) -> torch.Tensor:
+        """:meth:`site_residuals`' row for site ``i`` from the block-1 table: the context is ``seq`` without
+        position i (or, with ``insert``, all of it, its tokens from i on one position later)."""
+        ctx = seq if insert else [*seq[:i], *seq[i + 1 :]]
+        positions = [j if j < i else j + 1 for j in range(len(ctx))]
+        z = table.site(torch.tensor([ctx]), torch.tensor(positions), torch.tensor(vocab), i)
+        return self.span.residual(z[0])
+
     def _site_full(self, seq: list[int], vocab: list[int], i: int, insert: bool) -> torch.Tensor:
         rest = seq[i:] if insert else seq[i + 1 :]
         seqs = torch.tensor([[*seq[:i], v, *rest] for v in vocab])
-        z = layer_inputs(self.model, self.module, seqs, chunk=max(1, self.chunk // seqs.shape[1]))
+        z = self.block2_inputs(seqs)
         return self.span.residual(z[:, i])
 
     def whole_inputs(self, seqs: list[list[int]]) -> list[torch.Tensor]:
@@ -442,9 +478,9 @@ class L2Search:
         by_len: dict[int, list[int]] = {}
         for i, q in enumerate(seqs):
             by_len.setdefault(len(q), []).append(i)
-        for length, idx in by_len.items():
+        for idx in by_len.values():
             t = torch.tensor([seqs[i] for i in idx])
-            res = fn(layer_inputs(self.model, self.module, t, chunk=max(1, self.chunk // length)))
+            res = fn(self.block2_inputs(t))
             for j, i in enumerate(idx):
                 out[i] = res[j]
         return out
@@ -670,13 +706,6 @@ def _bert_site(layer: Any, ctx: torch.Tensor, zc: torch.Tensor) -> torch.Tensor:
     c = zc.shape[0]
     sa = layer.attention.self
     h, dh = int(sa.num_attention_heads), int(sa.attention_head_size)
-    scale = dh**-0.5
     kp, vp = sa.key(ctx).view(n, m, h, dh), sa.value(ctx).view(n, m, h, dh)
     qc, kc, vc = (f(zc).view(c, h, dh) for f in (sa.query, sa.key, sa.value))
-    s_ctx = torch.einsum("chd,nthd->ncht", qc, kp) * scale  # (n, c, h, m)
-    s_self = (qc * kc).sum(-1).mul(scale).expand(n, c, h).unsqueeze(-1)  # (n, c, h, 1)
-    w = torch.softmax(torch.cat([s_ctx, s_self], dim=-1), dim=-1)
-    out = torch.einsum("ncht,nthd->nchd", w[..., :m], vp) + w[..., m:] * vc.unsqueeze(0)
-    x = zc.unsqueeze(0).expand(n, c, -1).reshape(n * c, -1)
-    a = layer.attention.output(out.reshape(n * c, h * dh), x)
-    return layer.output(layer.intermediate(a), a).view(n, c, -1)
+    return attend_one(layer, kp, vp, qc, kc, vc, zc)

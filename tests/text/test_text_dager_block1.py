@@ -1,0 +1,143 @@
+"""The block-1 table of DAGER's encoder search (``attacks/text/dager/block1.py``) against the model's forward.
+
+The table is a faster route to the same block-2 inputs: every value it gives is compared with the slow,
+obvious reference (the model's own forward through block 1, captured at block 2's input) on the tiny BERT
+with the real vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradleak.attacks.text.dager import block1
+from gradleak.attacks.text.dager.block1 import Block1Table
+from gradleak.attacks.text.dager.core import Dager, DagerConfig, EncoderSearch
+from gradleak.attacks.text.dager.search import L2Search, _bert_site
+from gradleak.attacks.text.family import (
+    estimate_span,
+    family_of,
+    find_module,
+    input_side_gradient,
+    layer_inputs,
+)
+from gradleak.tasks.text_client import fedsgd_text_update
+from gradleak.types import Observation
+
+
+def _search(tm, batch):
+    obs = Observation(
+        tm.model, fedsgd_text_update(tm.model, batch, "classification"), (batch.input_ids.shape[1],), 2
+    )
+    model, spec = tm.model, family_of(tm.model)
+    span2 = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 1), spec.rank_tol)
+    m1 = find_module(model, spec.attn_inputs[0].format(i=0))[1]
+    m2 = find_module(model, spec.attn_inputs[0].format(i=1))[1]
+    return obs, L2Search(model, m2, span2, spec.l2_threshold, first=m1)
+
+
+def _tokens(batch):
+    return sorted({t for s in batch.sequences() for t in s})
+
+
+def test_table_whole_sequences_equal_the_models_forward(bert_cls, make_batch):
+    batch = make_batch(bert_cls)
+    _, search = _search(bert_cls, batch)
+    tokens = _tokens(batch)
+    search.tabulate(tokens, 9)
+    table = search._table
+    assert table is not None and table.length == 9
+    g = torch.Generator().manual_seed(0)
+    for length in (1, 4, 9):
+        seqs = torch.tensor(tokens)[torch.randint(len(tokens), (5, length), generator=g)]
+        ref = layer_inputs(bert_cls.model, search.module, seqs)
+        got = table.whole(seqs)
+        assert got.shape == ref.shape
+        assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def test_table_site_equals_one_query_path_from_the_model(bert_cls, make_batch):
+    # the candidate at position t attending over a context at positions 0..t-1 (and, for site
+    # residuals, a context with a gap at the site): the table against _bert_site on the model's own
+    # layer-1 inputs
+    batch = make_batch(bert_cls)
+    _, search = _search(bert_cls, batch)
+    tokens = _tokens(batch)
+    search.tabulate(tokens, 8)
+    table, layer = search._table, search._block1()
+    assert table is not None and layer is not None
+    seq = batch.sequences()[0][:6]
+    cands = tokens[:5]
+    positions = torch.tensor([0, 1, 2, 4, 5, 6])  # a gap at 3
+    ctx1 = layer_inputs(bert_cls.model, search.first, torch.tensor([seq]))[0]
+    # each token's layer-1 input at its own position (context-free), then placed at the gap's positions
+    zs = torch.stack(
+        [
+            layer_inputs(bert_cls.model, search.first, torch.tensor([[t]]), start_position=int(p))[0, 0]
+            for t, p in zip(seq, positions, strict=True)
+        ]
+    )
+    zc = layer_inputs(bert_cls.model, search.first, torch.tensor(cands).unsqueeze(1), start_position=3)[:, 0]
+    ref = _bert_site(layer, zs.unsqueeze(0), zc)
+    got = table.site(torch.tensor([seq]), positions, torch.tensor(cands), 3)
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(table.inputs(torch.tensor([seq]))[0], ctx1, rtol=1e-5, atol=1e-6)
+
+
+def test_search_residuals_are_the_same_with_and_without_the_table(bert_cls, make_batch):
+    batch = make_batch(bert_cls)
+    _, search = _search(bert_cls, batch)
+    seq = batch.sequences()[1]
+    vocab = sorted({t for s in batch.sequences() for t in s[1:-1]})
+    sites = list(range(1, len(seq) - 1))
+    plain = {ins: search.site_residuals(seq, vocab, sites, insert=ins) for ins in (False, True)}
+    whole_plain = search.whole_residuals([seq, seq[:-2] + seq[-1:]])
+    prefixes = [s[:3] for s in batch.sequences()]
+    last_plain = search.encoder_last_residuals(prefixes, vocab, 3)
+    search.tabulate(_tokens(batch), len(seq) + 1)
+    assert search._table is not None
+    for ins in (False, True):
+        assert torch.allclose(
+            search.site_residuals(seq, vocab, sites, insert=ins), plain[ins], rtol=1e-3, atol=1e-6
+        )
+    for a, b in zip(search.whole_residuals([seq, seq[:-2] + seq[-1:]]), whole_plain, strict=True):
+        assert torch.allclose(a, b, rtol=1e-3, atol=1e-6)
+    assert torch.allclose(search.encoder_last_residuals(prefixes, vocab, 3), last_plain, rtol=1e-3, atol=1e-6)
+
+
+def test_sequences_the_table_does_not_cover_use_the_models_forward(bert_cls, make_batch):
+    batch = make_batch(bert_cls)
+    _, search = _search(bert_cls, batch)
+    seq = batch.sequences()[0]
+    search.tabulate(seq[:3], 4)  # neither all tokens nor the length
+    table = search._table
+    assert table is not None
+    assert table.covers([seq[:3]]) and not table.covers([seq]) and not table.covers([seq[:3] * 2])
+    ref = layer_inputs(bert_cls.model, search.module, torch.tensor([seq]))
+    assert torch.equal(search.block2_inputs(torch.tensor([seq])), ref)
+
+
+def test_no_table_beyond_its_memory_cap_or_where_it_disagrees(bert_cls, make_batch, monkeypatch):
+    batch = make_batch(bert_cls)
+    _, search = _search(bert_cls, batch)
+    monkeypatch.setattr(block1, "MAX_TABLE_BYTES", 1024)
+    search.tabulate(_tokens(batch), 8)
+    assert search._table is None
+    monkeypatch.undo()
+    layer = search._block1()
+    # a block 1 other than the model's: its outputs disagree with the forward, so no table
+    wrong = type(layer)(bert_cls.model.config)
+    assert Block1Table.build(bert_cls.model, search.first, search.module, wrong, _tokens(batch), 8) is None
+    assert (
+        Block1Table.build(bert_cls.model, search.first, search.module, layer, _tokens(batch), 8) is not None
+    )
+
+
+def test_attack_recovers_the_same_batch_with_and_without_the_table(bert_cls, make_batch):
+    batch = make_batch(bert_cls)
+    obs, _ = _search(bert_cls, batch)
+    end = int(bert_cls.tokenizer.sep_token_id)
+    out = {}
+    for table in (True, False):
+        attack = Dager(DagerConfig(encoder=EncoderSearch(end_token_id=end, table=table)))
+        out[table] = attack.reconstruct(obs, generator=torch.Generator().manual_seed(0)).token_ids
+    assert sorted(out[True]) == sorted(out[False]) == sorted(batch.sequences())
