@@ -18,6 +18,7 @@ target module and stops the forward pass there (:func:`capture_input`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,11 +121,18 @@ class Span:
         ok = res < threshold
         return keep[ok], res[ok]
 
+    @functools.cached_property
+    def complement(self) -> torch.Tensor:
+        """An orthonormal basis (d, d - r) of the span's orthogonal complement (float64)."""
+        basis = self.basis.to(torch.float64)
+        q, _ = torch.linalg.qr(basis, mode="complete")
+        return q[:, basis.shape[1] :]
+
     def residual(self, z: torch.Tensor) -> torch.Tensor:
-        """Relative distance ||z - P z|| / ||z|| of each row of ``z`` (..., d) to the span."""
+        """Relative distance ||z - P z|| / ||z|| of each row of ``z`` (..., d) to the span, computed as the
+        norm of z's coordinates in the orthogonal complement (one product, no cancellation)."""
         z = z.to(torch.float64)
-        proj = (z @ self.basis) @ self.basis.T
-        return (z - proj).norm(dim=-1) / z.norm(dim=-1).clamp_min(1e-30)
+        return (z @ self.complement).norm(dim=-1) / z.norm(dim=-1).clamp_min(1e-30)
 
 
 @dataclass(frozen=True)
