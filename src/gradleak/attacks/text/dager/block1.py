@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from gradleak.attacks.text.family import layer_inputs
 
@@ -107,10 +108,9 @@ class Block1Table:
     @torch.no_grad()
     def _whole(self, seqs: torch.Tensor) -> torch.Tensor:
         r, p = self.index(seqs)
-        q, k, v = self.q[r, p], self.k[r, p], self.v[r, p]  # (n, L, h, dh)
-        n, length, h, dh = q.shape
-        w = torch.softmax(torch.einsum("nihd,njhd->nhij", q, k) * dh**-0.5, dim=-1)
-        out = torch.einsum("nhij,njhd->nihd", w, v).reshape(n, length, h * dh)
+        q, k, v = (x[r, p].transpose(1, 2) for x in (self.q, self.k, self.v))  # (n, h, L, dh)
+        n, h, length, dh = q.shape
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, length, h * dh)
         return finish(self.layer, out, self.z1[r, p])
 
     def site(self, ctx: torch.Tensor, positions: torch.Tensor, cands: torch.Tensor, at: int) -> torch.Tensor:
