@@ -141,3 +141,23 @@ def test_attack_recovers_the_same_batch_with_and_without_the_table(bert_cls, mak
         attack = Dager(DagerConfig(encoder=EncoderSearch(end_token_id=end, table=table)))
         out[table] = attack.reconstruct(obs, generator=torch.Generator().manual_seed(0)).token_ids
     assert sorted(out[True]) == sorted(out[False]) == sorted(batch.sequences())
+
+
+def test_span_residual_equals_the_projection_reference_at_every_rank():
+    # Span.residual (norm of the coordinates in the orthogonal complement) against the obvious
+    # ||z - B B^T z|| / ||z||, for vectors in the span (float32 rounding), off it, and at rank 0 and d
+    from gradleak.attacks.text.family import Span
+
+    g = torch.Generator().manual_seed(0)
+    d = 48
+    for r in (0, 1, 20, d):
+        basis, _ = torch.linalg.qr(torch.randn(d, max(r, 1), dtype=torch.float64, generator=g))
+        basis = basis[:, :r]
+        span = Span(basis, torch.ones(r))
+        inside = (torch.randn(30, r, dtype=torch.float64, generator=g) @ basis.T).float()
+        outside = torch.randn(30, d, generator=g)
+        for z in (inside, outside):
+            z64 = z.double()
+            ref = (z64 - (z64 @ basis) @ basis.T).norm(dim=-1) / z64.norm(dim=-1).clamp_min(1e-30)
+            assert torch.allclose(span.residual(z), ref, rtol=1e-6, atol=1e-12)
+    assert span.complement.shape == (d, 0)
