@@ -7,6 +7,7 @@ with the real vocabulary.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gradleak.attacks.text.dager import block1
@@ -80,10 +81,15 @@ def test_table_site_equals_one_query_path_from_the_model(bert_cls, make_batch):
     ref = _bert_site(layer, zs.unsqueeze(0), zc)
     got = table.site(torch.tensor([seq]), positions, torch.tensor(cands), 3)
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5)
+    # and against the model's whole forward of each edited sequence: seq[:3], the candidate, seq[3:6]
+    edited = torch.tensor([[*seq[:3], c, *seq[3:6]] for c in cands])
+    whole = layer_inputs(bert_cls.model, search.module, edited)[:, 3]
+    assert float((got[0] - whole).abs().max()) <= 1e-5 * float(whole.abs().max())
     assert torch.allclose(table.inputs(torch.tensor([seq]))[0], ctx1, rtol=1e-5, atol=1e-6)
 
 
-def test_search_residuals_are_the_same_with_and_without_the_table(bert_cls, make_batch):
+def test_search_residuals_are_the_same_with_and_without_the_table(bert_cls, make_batch, monkeypatch):
+    # (residuals are compared to 1e-6 absolute: in-span ones are float32 rounding, ~1e-7, on either path)
     batch = make_batch(bert_cls)
     _, search = _search(bert_cls, batch)
     seq = batch.sequences()[1]
@@ -93,8 +99,18 @@ def test_search_residuals_are_the_same_with_and_without_the_table(bert_cls, make
     whole_plain = search.whole_residuals([seq, seq[:-2] + seq[-1:]])
     prefixes = [s[:3] for s in batch.sequences()]
     last_plain = search.encoder_last_residuals(prefixes, vocab, 3)
+    assert search._fast is True  # the plain runs took the one-query path, not whole edited sequences
     search.tabulate(_tokens(batch), len(seq) + 1)
     assert search._table is not None
+    calls = {"site": 0, "whole": 0}
+    for name in calls:
+        real = getattr(Block1Table, name)
+
+        def spy(self, *args, _name=name, _real=real, **kw):
+            calls[_name] += 1
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(Block1Table, name, spy)
     for ins in (False, True):
         assert torch.allclose(
             search.site_residuals(seq, vocab, sites, insert=ins), plain[ins], rtol=1e-3, atol=1e-6
@@ -102,6 +118,8 @@ def test_search_residuals_are_the_same_with_and_without_the_table(bert_cls, make
     for a, b in zip(search.whole_residuals([seq, seq[:-2] + seq[-1:]]), whole_plain, strict=True):
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-6)
     assert torch.allclose(search.encoder_last_residuals(prefixes, vocab, 3), last_plain, rtol=1e-3, atol=1e-6)
+    # one site call per screened site and one for the beam step; one whole call per sequence length
+    assert calls["site"] == 2 * len(sites) + 1 and calls["whole"] == 2
 
 
 def test_sequences_the_table_does_not_cover_use_the_models_forward(bert_cls, make_batch):
@@ -136,10 +154,19 @@ def test_attack_recovers_the_same_batch_with_and_without_the_table(bert_cls, mak
     batch = make_batch(bert_cls)
     obs, _ = _search(bert_cls, batch)
     end = int(bert_cls.tokenizer.sep_token_id)
-    out = {}
-    for table in (True, False):
-        attack = Dager(DagerConfig(encoder=EncoderSearch(end_token_id=end, table=table)))
-        out[table] = attack.reconstruct(obs, generator=torch.Generator().manual_seed(0)).token_ids
+    out, built = {}, []
+    real = L2Search.tabulate
+
+    def spy(self, *args, **kw):
+        real(self, *args, **kw)
+        built.append(self._table is not None)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(L2Search, "tabulate", spy)
+        for table in (True, False):
+            attack = Dager(DagerConfig(encoder=EncoderSearch(end_token_id=end, table=table)))
+            out[table] = attack.reconstruct(obs, generator=torch.Generator().manual_seed(0)).token_ids
+    assert built == [True]  # the first search used a table, the second none
     assert sorted(out[True]) == sorted(out[False]) == sorted(batch.sequences())
 
 

@@ -129,10 +129,13 @@ class Span:
         return q[:, basis.shape[1] :]
 
     def residual(self, z: torch.Tensor) -> torch.Tensor:
-        """Relative distance ||z - P z|| / ||z|| of each row of ``z`` (..., d) to the span, computed as the
-        norm of z's coordinates in the orthogonal complement (one product, no cancellation)."""
+        """Relative distance ||z - P z|| / ||z|| of each row of ``z`` (..., d) to the span: the norm of z's
+        coordinates in the orthogonal complement (one product of d - r columns) where that is the cheaper
+        route (d - r < 2 r, e.g. an encoder batch's span), else z - B B^T z (two products of r columns)."""
         z = z.to(torch.float64)
-        return (z @ self.complement).norm(dim=-1) / z.norm(dim=-1).clamp_min(1e-30)
+        d, r = self.basis.shape
+        out = z @ self.complement if d - r < 2 * r else z - (z @ self.basis) @ self.basis.T
+        return out.norm(dim=-1) / z.norm(dim=-1).clamp_min(1e-30)
 
 
 @dataclass(frozen=True)

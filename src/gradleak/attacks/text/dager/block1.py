@@ -8,7 +8,8 @@ search only ever places the batch's candidate tokens (a few hundred) at the firs
 :class:`Block1Table` computes those once and evaluates block 1 on any sequence from them: the attention, its
 output projection and the feed-forward layer are the only work left per sequence. It is checked against the
 model's own forward when built (:meth:`Block1Table.build` returns None where it does not agree), so it is a
-faster route to the same block-2 inputs, not an approximation.
+faster route to the same block-2 inputs (equal up to float rounding: the build check allows a relative
+error of 1e-4), not an approximation.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ class Block1Table:
         (relative error above :data:`AGREEMENT_TOL` on a few sequences of the table's tokens)."""
         ids = sorted(set(tokens))
         sa = layer.attention.self
-        d = int(sa.query.weight.shape[1])
-        if not ids or length < 1 or 4 * len(ids) * length * d * 4 > MAX_TABLE_BYTES:
+        d, size = int(sa.query.weight.shape[1]), int(sa.query.weight.element_size())
+        if not ids or length < 1 or 4 * len(ids) * length * d * size > MAX_TABLE_BYTES:
             return None
         grid = torch.tensor(ids).unsqueeze(1).expand(len(ids), length)
         z1 = layer_inputs(model, first, grid)  # (V, T, d): each token at every position, context-free
@@ -85,7 +86,7 @@ class Block1Table:
 
     def has(self, tokens: torch.Tensor | list[int] | list[list[int]]) -> bool:
         """Whether every token id in ``tokens`` (any shape) is tabulated."""
-        t = torch.as_tensor(tokens)
+        t = torch.as_tensor(tokens, dtype=torch.long)
         inside = bool(((t >= 0) & (t < self.rows.numel())).all())
         return inside and bool((self.rows[t] >= 0).all())
 

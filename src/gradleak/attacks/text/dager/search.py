@@ -46,7 +46,9 @@ class L2Search:
     def tabulate(self, tokens: Sequence[int], length: int) -> None:
         """Evaluate block 1 from tables of ``tokens`` at positions ``0 .. length - 1`` from now on
         (:class:`~gradleak.attacks.text.dager.block1.Block1Table`: BERT layouts, checked against the model
-        when built); sequences the table does not cover, and other layouts, use the model's forward."""
+        when built). Where the table does not cover a sequence, or the layout is not BERT's, whole sequences
+        run through the model's forward, and the prefix beam's and site screens' one-query steps through
+        :func:`_bert_site` on the model's own layer-1 inputs."""
         layer = self._block1()
         if layer is not None and self.first is not None:
             self._table = Block1Table.build(self.model, self.first, self.module, layer, list(tokens), length)
