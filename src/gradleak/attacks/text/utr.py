@@ -119,15 +119,14 @@ class UTR(Dager):
         template = ADAPTER_DOWN.format(block=spec.block)
         for i in (0, 1):
             try:
-                if spec.block:  # a family without a block template has no bottleneck adapters
-                    find_module(model, template.format(i=i))
-                    continue
+                if not spec.block:  # a family without a block template has no bottleneck adapters
+                    raise AttackInputError("no block template")
+                find_module(model, template.format(i=i))
             except AttackInputError:
-                pass
-            raise AttackInputError(
-                f"utr reads bottleneck adapters on the first two blocks' inputs (model.adapter = "
-                f"{{kind = 'bottleneck'}}); this {spec.model_type} model has none on block {i}"
-            )
+                raise AttackInputError(
+                    f"utr reads bottleneck adapters on the first two blocks' inputs (model.adapter = "
+                    f"{{kind = 'bottleneck'}}); this {spec.model_type} model has none on block {i}"
+                ) from None
         return replace(spec, attn_inputs=(template,))
 
     def input_gradient(

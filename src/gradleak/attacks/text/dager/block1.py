@@ -33,12 +33,11 @@ AGREEMENT_TOL = 1e-4  # relative error of the table's block-2 inputs against the
 @dataclass(frozen=True)
 class Block1Table:
     """Layer-1 inputs ``z1`` and block-1 queries, keys and values ``q``, ``k``, ``v`` (each ``(V, T, ...)``)
-    of the ``tokens`` at positions ``0 .. T - 1``, and block 1 (``layer``, a BERT layer: ``attention.self``,
+    of V tokens at positions ``0 .. T - 1``, and block 1 (``layer``, a BERT layer: ``attention.self``,
     ``attention.output``, ``intermediate``, ``output``) to finish the pass. ``rows`` maps a token id to its
     row (-1: not tabulated)."""
 
     layer: Any
-    tokens: torch.Tensor  # (V,) token ids
     rows: torch.Tensor  # (vocab size,) row of each token id, -1 where not tabulated
     z1: torch.Tensor  # (V, T, d)
     q: torch.Tensor  # (V, T, h, dh)
@@ -66,7 +65,7 @@ class Block1Table:
         vocab = int(max(ids)) + 1
         rows = torch.full((vocab,), -1, dtype=torch.long)
         rows[torch.tensor(ids)] = torch.arange(len(ids))
-        table = cls(layer, torch.tensor(ids), rows, z1, q, k, v)
+        table = cls(layer, rows, z1, q, k, v)
         probe = torch.tensor(ids)[torch.arange(3 * min(length, 8)).remainder(len(ids))].view(3, -1)
         ref = layer_inputs(model, module, probe)
         err = float((table.whole(probe) - ref).norm() / ref.norm().clamp_min(1e-30))

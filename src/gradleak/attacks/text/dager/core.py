@@ -230,7 +230,7 @@ class Dager:
         search = self.l2_search(model, m2, span2, spec.l2_threshold, m1, generator)
         if not spec.causal and self.config.encoder.table and cands:
             end = self.config.encoder.end_token_id
-            search.tabulate(sorted(set().union(*cands) | ({end} if end is not None else set())), len(cands))
+            search.tabulate([*set().union(*cands), *([] if end is None else [end])], len(cands))
         if spec.causal:
             found = search.extend(cands, self.config.decoder.search, self.config.beam_width)
         elif self.config.encoder.method == "polish":

@@ -406,8 +406,8 @@ class L2Search:
     def _bert_last(self, layer: Any, prefixes: list[list[int]], cands: list[int], t: int) -> torch.Tensor:
         assert self.first is not None
         n, c = len(prefixes), len(cands)
-        table = self._table
-        if table is not None and t < table.length and table.covers(prefixes) and table.has(cands):
+        table = self._site_table(prefixes, cands, t)
+        if table is not None:
             z = table.site(torch.tensor(prefixes), torch.arange(t), torch.tensor(cands), t)
             return z.reshape(n * c, -1)
         zp = layer_inputs(self.model, self.first, torch.tensor(prefixes))  # (n, t, d), context-free
@@ -434,9 +434,8 @@ class L2Search:
         if layer is None or self._fast is False:
             return torch.stack([self._site_full(seq, vocab, i, insert) for i in sites])
         assert self.first is not None
-        table = self._table
-        fits = table is not None and len(seq) + insert <= table.length
-        if fits and table is not None and table.covers([seq]) and table.has(vocab):
+        table = self._site_table([seq], vocab, len(seq) - 1 + insert)
+        if table is not None:
             return torch.stack([self._table_site(table, seq, vocab, i, insert) for i in sites])
         z1 = layer_inputs(self.model, self.first, torch.tensor([seq]))[0]  # context-free layer-1 inputs
         # insert: seq[j] for j >= i moves to position j + 1 (layer-1 input of seq[j] at j + 1)
@@ -448,6 +447,12 @@ class L2Search:
             zc = layer_inputs(self.model, self.first, vocab_ids, start_position=i)[:, 0]
             out.append(self.span.residual(_bert_site(layer, ctx, zc)[0]))
         return torch.stack(out)
+
+    def _site_table(self, ctx: list[list[int]], cands: list[int], top: int) -> Block1Table | None:
+        """The block-1 table where it holds every token of ``ctx`` and ``cands`` at positions <= ``top``."""
+        table = self._table
+        ok = table is not None and top < table.length and table.has(ctx) and table.has(cands)
+        return table if ok else None
 
     def _table_site(
         self, table: Block1Table, seq: list[int], vocab: list[int], i: int, insert: bool
