@@ -361,6 +361,32 @@ def test_a_utility_benchmark_row_has_no_attack_and_the_mean_accuracy_of_its_last
     assert row["final_accuracy"] == 0.4 and row["fl_seconds"] == 8.0
 
 
+def test_texts_put_each_attacked_update_s_sentences_beside_their_matches_in_the_row(tmp_path):
+    from gradleak.experiments.benchmark import Cell, _mean_rows
+    from gradleak.experiments.config import load_config
+    from gradleak.experiments.runner import RunOutcome
+
+    cfg = load_config({"audit": {"clients": 2, "attacks": [{"name": "ig"}]}})  # the attack is not run
+    attack = {"kind": "attack", "cell": 0}
+    records = [
+        {**attack, "client_id": 4, "rouge1": 1.0, "true_texts": ["a b"], "matched_texts": ["a b"]},
+        {**attack, "client_id": 9, "rouge1": 0.5, "true_texts": ["c d"], "matched_texts": [""], "texts": []},
+        {**attack, "client_id": 7, "refused": True},  # refused: no texts
+        {"kind": "summary"},
+    ]  # fmt: skip
+    outcome = RunOutcome("r", cfg, records, [], None, False)
+    (row,) = _mean_rows(Cell("t"), 0, outcome, "none", texts=True)
+    assert row["texts"] == [{"client": 4, "true": ["a b"], "matched": ["a b"]},
+                            {"client": 9, "true": ["c d"], "matched": [""]}]  # fmt: skip
+    assert row["rouge1"] == pytest.approx(0.75)
+    (plain,) = _mean_rows(Cell("t"), 0, outcome, "none")
+    assert "texts" not in plain
+    bad = tmp_path / "b.toml"
+    bad.write_text('[benchmark]\nname = "b"\ntexts = "yes"\n')
+    with pytest.raises(ConfigError, match="benchmark.texts must be true or false"):
+        load_benchmark(bad)
+
+
 def test_a_scale_runs_named_cells_with_extra_overrides_last():
     bench = load_benchmark(Path(__file__).resolve().parents[2] / "benchmarks/configs/image_map.toml")
     (cell, seed, cfg), = bench.configs("paper", cells=["wrn_train-b8-fedavg1"],

@@ -14,6 +14,9 @@ A benchmark file is an experiment config (the base every cell shares) plus a ``[
     tail = 5                                    # also the mean test accuracy of the last 5 rounds (and
                                                 # round by round: accuracy, wall time, sampled clients,
                                                 # clients that withheld their update: *_by_round)
+    texts = true                                # text attacks: each row also the word-for-word
+                                                # reconstructions of every attacked update (paper 002
+                                                # Table XIII): its true sequences, each with its match
     base = "paper001_victim.toml"               # a shared experiment config under this one
     extends = "text_attacks.toml"               # another benchmark file under this one: its tables and
                                                 # [benchmark] keys but name and previous (cells or axes:
@@ -102,6 +105,7 @@ class Benchmark:
     keys: Mapping[str, str] = field(default_factory=dict)
     stats: tuple[str, ...] = ()
     tail: int = 0
+    texts: bool = False
     source: Path | None = None
 
     def configs(
@@ -236,13 +240,16 @@ def load_benchmark(path: str | Path) -> Benchmark:
     tail = spec.get("tail", 0)
     if isinstance(tail, bool) or not isinstance(tail, int) or tail < 0:
         raise ConfigError(f"benchmark.tail must be an int >= 0 (rounds), got {tail!r}")
+    texts = spec.get("texts", False)
+    if not isinstance(texts, bool):
+        raise ConfigError(f"benchmark.texts must be true or false, got {texts!r}")
     return Benchmark(name, str(spec.get("claim", "")), raw, tuple(cells), scales or {"small": Scale()},
                      tuple(seeds), dict(spec.get("paper", {})), spec.get("previous"), dict(aliases),
-                     dict(keys), stats, tail, path)  # fmt: skip
+                     dict(keys), stats, tail, texts, path)  # fmt: skip
 
 
-KNOWN = ("name", "claim", "seeds", "paper", "previous", "aliases", "keys", "stats", "tail", "base", "extends",
-         "cells", "axes", "scales")  # fmt: skip
+KNOWN = ("name", "claim", "seeds", "paper", "previous", "aliases", "keys", "stats", "tail", "texts", "base",
+         "extends", "cells", "axes", "scales")  # fmt: skip
 OWN = ("name", "previous")  # a benchmark's identity: never taken from the benchmark it extends
 
 
@@ -299,12 +306,19 @@ def _merged(base: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _mean_rows(
-    cell: Cell, seed: int, outcome: RunOutcome, defense: str, stats: Sequence[str] = (), tail: int = 0
+    cell: Cell,
+    seed: int,
+    outcome: RunOutcome,
+    defense: str,
+    stats: Sequence[str] = (),
+    tail: int = 0,
+    texts: bool = False,
 ) -> list[dict[str, Any]]:
     """One row per attack of a run (one row without an attack where the run audits nothing): mean, sd and
     count of each score (and of the attack statistics ``stats``) over its attacked updates; the utility
     after the last round, and with ``tail`` the mean test accuracy of the last ``tail`` evaluated rounds
-    (early non-IID FedAvg rounds swing by 10-20 points)."""
+    (early non-IID FedAvg rounds swing by 10-20 points); with ``texts`` each attacked update's true
+    sequences and the reconstruction matched to each (a token set: the recovered tokens)."""
     summary = outcome.of_kind("summary")[0]
     common: dict[str, Any] = {"cell": cell.name, "seed": seed, "run_id": outcome.run_id, "defense": defense,
                               **{c.key: summary.get(c.key) for c in columns.UTILITY if c.key in summary},
@@ -327,6 +341,10 @@ def _mean_rows(
         row = {**common, "attack": spec.name, "options": dict(spec.options), "updates": len(records),
                "refused": sum(1 for r in records if r.get("refused")),
                "withheld": columns.withheld(outcome.records, i)}  # fmt: skip
+        if texts:
+            row["texts"] = [{"client": r.get("client_id"), "true": r["true_texts"],
+                             "matched": r.get("matched_texts") or r.get("texts")}
+                            for r in records if r.get("true_texts")]  # fmt: skip
         rows.append({**row, **spread(records, (*MEAN, *stats))})
     return rows
 
@@ -435,10 +453,12 @@ def run_benchmark(
         if cfg.grid.defenses:
             grid = run_grid(cfg, store=store)
             for c in grid.cells:
-                rows += _mean_rows(cell, seed, c.outcome, c.label, bench.stats, bench.tail)
+                rows += _mean_rows(cell, seed, c.outcome, c.label, bench.stats, bench.tail, bench.texts)
         else:
             outcome = run_experiment(cfg, store=store)
-            rows += _mean_rows(cell, seed, outcome, defenses_label(cfg.defenses), bench.stats, bench.tail)
+            rows += _mean_rows(
+                cell, seed, outcome, defenses_label(cfg.defenses), bench.stats, bench.tail, bench.texts
+            )
     rows = _with_cost(rows)
     by_id = {r.run_id: r for r in store.runs()}
     run_commits = sorted(

@@ -1,9 +1,21 @@
-"""TAG and LAMP: text from a classifier's gradient by optimising the input embeddings.
+"""TAG and LAMP: text from a FedSGD gradient by optimising the input embeddings.
 
 Both attacks treat the B sequences as continuous embeddings ``x`` of shape ``(B, T, d)``, feed them to the
-attacker's copy of the model (``inputs_embeds``, in the client's mode), take the classification loss at
-the labels, and move ``x`` so that the gradient of that loss matches the observed update; each position
-is then read back as the vocabulary token whose embedding is closest in cosine.
+attacker's copy of the model (``inputs_embeds``, in the client's mode), take the client's loss (the task
+loss, :data:`TASK_LOSSES`), and move ``x`` so that the gradient of that loss matches the observed update;
+each position is then read back as the vocabulary token whose embedding is closest in cosine.
+
+The task loss:
+
+- **classification** (the setting of both papers: BERT fine-tuned on a sentence task): cross-entropy at
+  the granted labels.
+- **causal_lm** (paper 002 runs TAG and LAMP on GPT-2 under the next-token loss, Table XIII; neither
+  paper's code models it): the labels are the sequence's own next tokens, so they move with ``x``. Here
+  the target of position t is the softmax over the candidate vocabulary of the cosine similarities of
+  ``x[t+1]`` to the token embeddings at ``temperature`` (ours: 0.05), the loss the mean soft cross-entropy
+  over the B (T - 1) positions (the transformers causal-LM loss when the targets are one-hot): at the true
+  embeddings the targets are (nearly) the true tokens, and away from them the labels pull ``x`` too,
+  which a hard nearest-token label would not.
 
 - **TAG** (Deng et al., Findings of EMNLP 2021, Sec. 3): the distance is the squared L2 norm plus
   ``l1_weight`` times the L1 norm of the gradient difference, summed over the parameters; Adam from one
@@ -26,15 +38,23 @@ is then read back as the vocabulary token whose embedding is closest in cosine.
 What the attacker must know or read (the official code's defaults, LAMP's threat model):
 
 - B is the update's sample count; T, the longest sequence, is read from the learned position embedding's
-  gradient (the last position with a non-zero row: no gradient reaches a position no sequence holds). All
-  sequences are taken to be T long (LAMP's ``know_padding`` off): a shorter one comes back with guesses
-  in its padding.
+  gradient (the last position with a non-zero row: no gradient reaches a position no sequence holds), or,
+  for rotary positions (Llama, SmolLM2), from the rank of block 1's attention-input gradient (DAGER's
+  span, :func:`~gradleak.attacks.text.family.estimate_span`): under causal attention each position adds
+  one input, so T = rank / B rounded up; under the next-token loss the last position of a causal LM is
+  only a label (no gradient reaches its input), so T is one more there. T is at most the width of the
+  observation's input shape (the recipe's token limit, public), and is that width where the gradient does
+  not show it (a flooded or missing position gradient, frozen attention, a null update; ``length_read`` 0
+  in the stats). All sequences are taken to be T long (LAMP's ``know_padding`` off): a shorter one comes
+  back with guesses in its padding.
 - The vocabulary is the rows of the word-embedding gradient that are not zero (LAMP's ``use_embedding``,
-  paper 002's channel 2) where the update carries it, else the whole vocabulary.
-- The labels: the granted ones (``audit.grant_labels``); else an :class:`AttackInputError` before work.
+  paper 002's channel 2) where the update carries it. A tied LM head makes every row non-zero; then the
+  rows the row-norm channel keeps (:func:`~gradleak.attacks.text.rownorm.select_rows`). Without the
+  embedding gradient, the whole vocabulary.
+- Classification labels: the granted ones (``audit.grant_labels``); else an :class:`AttackInputError`
+  before work.
 
-Classification models only: a causal language model's loss needs the next tokens as labels, which these
-attacks do not model (refused before work), and the model family needs learned positions (GPT-2, BERT).
+A model with neither a classification head nor a language-model head is refused before work.
 """
 
 from __future__ import annotations
@@ -52,12 +72,15 @@ from torch.nn import functional as F
 
 from gradleak.attacks.text.family import (
     embedding_param,
+    estimate_span,
     family_of,
     input_embedding,
+    input_side_gradient,
     update_tensor,
     vocab_size,
 )
 from gradleak.attacks.text.lm_prior import LMPriorConfig, load_prior, vocabulary_size
+from gradleak.attacks.text.rownorm import RowNormConfig, select_rows
 from gradleak.progress import bar
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, AttackNeeds, Observation, Reconstruction
@@ -86,6 +109,7 @@ class EmbeddingMatchConfig:
     prior: LMPriorConfig = field(default_factory=LMPriorConfig)  # tokenizer None: no prior
     vocab: str = "embedding"  # "embedding": the embedding gradient's non-zero rows; "full"
     grad_clip: float | None = None
+    temperature: float = 0.05  # causal LMs: the soft next-token targets' softmax temperature (ours)
 
     def __post_init__(self) -> None:
         if self.distance not in DISTANCES:
@@ -110,6 +134,8 @@ class EmbeddingMatchConfig:
             )
         if self.init_norm is not None and self.init_norm <= 0:
             raise ValueError(f"init_norm must be > 0, got {self.init_norm}")
+        if not 0 < self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
 
 
 @dataclass(frozen=True)
@@ -157,19 +183,91 @@ DISTANCE_OF: dict[str, Callable[[EmbeddingMatchConfig], Distance]] = {
 }
 
 
+TaskLoss = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, inputs_embeds) -> the client's loss
+
+
+def _ones(x: torch.Tensor) -> torch.Tensor:
+    return torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
+
+
+@dataclass(frozen=True)
+class ClassificationLoss:
+    """Cross-entropy at the granted labels (TAG's and LAMP's setting)."""
+
+    labels: torch.Tensor
+
+    def __call__(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = model(inputs_embeds=x, attention_mask=_ones(x), labels=self.labels).loss
+        return loss
+
+
+@dataclass(frozen=True)
+class SoftNextTokenLoss:
+    """The next-token loss with soft labels read off ``x`` itself (module docstring): the target of position
+    t is softmax over ``vocab`` of cos(x[t+1], E_v) / ``temperature``; the loss is the mean over the
+    B (T - 1) predicted positions of -sum_v q_v log p_v."""
+
+    table: torch.Tensor  # the candidate tokens' embeddings, unit rows (|vocab|, d)
+    vocab: torch.Tensor
+    temperature: float
+
+    def __call__(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        logits = model(inputs_embeds=x, attention_mask=_ones(x)).logits[:, :-1]
+        logp = torch.log_softmax(logits.to(x.dtype), dim=-1)[..., self.vocab.to(x.device)]
+        q = torch.softmax(F.normalize(x[:, 1:], dim=-1) @ self.table.to(x).T / self.temperature, dim=-1)
+        return -(q * logp).sum(-1).mean()
+
+
+def task_of(model: nn.Module) -> str:
+    """``"classification"`` (a classification head), ``"causal_lm"`` (a causal LM head), else refused."""
+    spec = family_of(model)
+    head = spec.heads.get("classification")
+    if head is not None and any(n.endswith(head) for n, _ in model.named_modules()):
+        return "classification"
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    if spec.causal and callable(output_embeddings) and output_embeddings() is not None:
+        return "causal_lm"
+    raise AttackInputError(
+        f"{spec.model_type}: TAG and LAMP invert a classification model's or a causal language model's "
+        "gradient; this model has neither head"
+    )
+
+
+def _classification(obs: Observation, table: torch.Tensor, vocab: torch.Tensor, c: EmbeddingMatchConfig):
+    if obs.labels is None:
+        raise AttackInputError(
+            "TAG and LAMP need the labels (grant them: audit.grant_labels = true, as LAMP assumes)"
+        )
+    if len(obs.labels) != obs.update.num_samples:
+        raise AttackInputError(f"{len(obs.labels)} labels granted for a batch of {obs.update.num_samples}")
+    return ClassificationLoss(obs.labels.long())
+
+
+def _causal_lm(obs: Observation, table: torch.Tensor, vocab: torch.Tensor, c: EmbeddingMatchConfig):
+    return SoftNextTokenLoss(F.normalize(table[vocab], dim=-1), vocab, c.temperature)
+
+
+# task_of(model) -> the loss the attacker's copy takes (checked before any work)
+TASK_LOSSES: dict[
+    str, Callable[[Observation, torch.Tensor, torch.Tensor, EmbeddingMatchConfig], TaskLoss]
+] = {
+    "classification": _classification,
+    "causal_lm": _causal_lm,
+}
+
+
 @dataclass
 class Inversion:
-    """One inversion problem: the attacker's model, the parameters matched, the target, the labels."""
+    """One inversion problem: the attacker's model, the parameters matched, the target, the task loss."""
 
     model: nn.Module
     params: list[nn.Parameter]
     target: list[torch.Tensor]
-    labels: torch.Tensor
+    loss: TaskLoss
     distance: Distance
 
     def gradients(self, x: torch.Tensor, *, create_graph: bool) -> list[torch.Tensor]:
-        mask = torch.ones(x.shape[:2], dtype=torch.long)
-        loss = self.model(inputs_embeds=x, attention_mask=mask, labels=self.labels).loss
+        loss = self.loss(self.model, x)
         return list(torch.autograd.grad(loss, self.params, create_graph=create_graph, allow_unused=True))
 
     def objective(self, x: torch.Tensor, *, create_graph: bool = True) -> torch.Tensor:
@@ -178,30 +276,42 @@ class Inversion:
         return self.distance([g for g, _ in kept], [t for _, t in kept])
 
 
-def sequence_length(obs: Observation, model: nn.Module) -> int:
-    """T: one past the last learned position whose embedding gradient is not zero."""
+def sequence_length(obs: Observation, model: nn.Module) -> int | None:
+    """T as the gradient shows it (module docstring), or None where it does not: one past the last learned
+    position whose embedding gradient is not zero; for rotary positions the rank of block 1's attention-input
+    gradient over B, rounded up. Under a causal LM's next-token loss the last position is only a label (its
+    input feeds no prediction): one more."""
     spec = family_of(model)
+    label_only = int(task_of(model) == "causal_lm")
     if spec.positions != "learned":
-        raise AttackInputError(f"{spec.model_type}: TAG and LAMP read T from learned position embeddings")
+        try:
+            span = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 0), spec.rank_tol)
+        except AttackInputError:  # the update does not carry block 1's attention inputs (frozen)
+            return None
+        if span.rank == 0 or span.full:
+            return None
+        return -(-span.rank // max(1, obs.update.num_samples)) + label_only
     names = [f"{n}.weight" for n, _ in model.named_modules() if n and re.search(spec.other_embeddings, n)]
     positions = [n for n in names if "position" in n or n.endswith("wpe.weight")]
     if not positions or positions[0] not in obs.update.tensors:
-        raise AttackInputError("the update does not carry the position embedding, which gives T")
-    rows = update_tensor(obs, positions[0]).abs().sum(dim=1)
-    used = torch.nonzero(rows > 0).flatten()
-    if used.numel() == 0:
-        raise AttackInputError("the position embedding's gradient is zero: no sequence to invert")
-    return int(used.max()) + 1
+        return None
+    used = torch.nonzero(update_tensor(obs, positions[0]).abs().sum(dim=1) > 0).flatten()
+    return int(used.max()) + 1 + label_only if used.numel() else None
 
 
 def candidate_vocab(obs: Observation, model: nn.Module, mode: str) -> torch.Tensor:
-    """The token ids a position may take (module docstring): the embedding gradient's non-zero rows, else
-    the whole vocabulary."""
+    """The token ids a position may take (module docstring): the embedding gradient's non-zero rows, or
+    where all are non-zero (a tied LM head) the rows the row-norm channel keeps; else the whole
+    vocabulary."""
     name = embedding_param(model)
     if mode == "embedding" and name in obs.update.tensors:
-        nonzero = torch.nonzero(update_tensor(obs, name).abs().sum(dim=1) > 0).flatten()
-        if nonzero.numel():
+        grad = update_tensor(obs, name)
+        nonzero = torch.nonzero(grad.abs().sum(dim=1) > 0).flatten()
+        if 0 < nonzero.numel() < grad.shape[0]:
             return nonzero
+        rows, _ = select_rows(grad, RowNormConfig())
+        if rows:
+            return torch.tensor(sorted(rows))
     return torch.arange(vocab_size(model))
 
 
@@ -257,29 +367,22 @@ class EmbeddingMatch:
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         c = self.config
         model = obs.client_model()
-        spec = family_of(model)
-        head = spec.heads.get("classification")
-        if head is None or not any(n.endswith(head) for n, _ in model.named_modules()):
-            raise AttackInputError(
-                f"{spec.model_type}: TAG and LAMP invert a classification model's gradient; this model has "
-                "no classification head (a causal language model's labels are its own next tokens)"
-            )
+        task = task_of(model)
         if obs.update.kind != "gradient":
             raise AttackInputError("TAG and LAMP invert one FedSGD gradient; this update is a FedAvg delta")
-        if obs.labels is None:
-            raise AttackInputError(
-                "TAG and LAMP need the labels (grant them: audit.grant_labels = true, as LAMP assumes)"
-            )
-        b, t = obs.update.num_samples, sequence_length(obs, model)
-        if len(obs.labels) != b:
-            raise AttackInputError(f"{len(obs.labels)} labels granted for a batch of {b}")
+        table = input_embedding(model).weight.detach()
+        vocab = candidate_vocab(obs, model, c.vocab)
+        task_loss = TASK_LOSSES[task](obs, table, vocab, c)
+        read = sequence_length(obs, model)
+        b, t = obs.update.num_samples, min(read or obs.input_shape[0], obs.input_shape[0])
+        attention = getattr(model, "set_attn_implementation", None)
+        if callable(attention):
+            attention("eager")  # fused attention kernels have no double backward
         for p in model.parameters():
             p.requires_grad_(True)
         carried = [(n, p) for n, p in model.named_parameters() if n in obs.update.tensors]
         target = [update_tensor(obs, n).to(p.dtype) for n, p in carried]
-        problem = Inversion(model, [p for _, p in carried], target, obs.labels.long(), self.distance())
-        table = input_embedding(model).weight.detach()
-        vocab = candidate_vocab(obs, model, c.vocab)
+        problem = Inversion(model, [p for _, p in carried], target, task_loss, self.distance())
         norm = c.init_norm if c.init_norm is not None else float(table[vocab].norm(dim=-1).mean())
         lm = self._prior(model, table, vocab, b, t)
         start = time.perf_counter()  # a prior built (or trained) above is not the attack's own time
@@ -307,8 +410,10 @@ class EmbeddingMatch:
         final = float(problem.objective(proj.requires_grad_(True), create_graph=False))
         stats = {"iterations": float(c.steps), "seconds": time.perf_counter() - start,
                  "matching_loss": final, "matching_loss_continuous": best[0], "sequence_length": float(t),
+                 "length_read": float(read is not None and read <= obs.input_shape[0]),
                  "vocabulary": float(len(vocab)), "prior": float(lm is not None)}  # fmt: skip
-        return Reconstruction(token_ids=ids.tolist(), labels=obs.labels.clone(), stats=stats)
+        labels = obs.labels.clone() if task == "classification" and obs.labels is not None else None
+        return Reconstruction(token_ids=ids.tolist(), labels=labels, stats=stats)
 
     def _total(
         self, problem: Inversion, x: torch.Tensor, norm: float, *, create_graph: bool = True
@@ -387,7 +492,8 @@ class EmbeddingMatch:
                 trial = out.clone()
                 trial[s] = out[s, perm]
                 with torch.enable_grad():  # a score only: no graph through the gradient
-                    value = float(self._total(problem, trial.requires_grad_(True), norm, create_graph=False))
+                    total = self._total(problem, trial.requires_grad_(True), norm, create_graph=False)
+                value = float(total.detach())
                 scored.append((value + (float(prior[j]) if prior is not None else 0.0), j))
             _, j = min(scored)
             out[s] = out[s, perms[j]]
