@@ -1,0 +1,239 @@
+"""gradleak's TAG and LAMP beside the official code on the same sentences (issue 53, item 3's side by side).
+
+The official implementation is eth-sri/lamp (Apache-2.0; TAG's public implementation lives there too, as
+its ``--baseline --loss tag`` mode). Fetch the repository and pass its checkout with ``--lamp``; its
+``attack.py``, ``utilities.py``, ``init.py`` and ``constants.py`` are read from there and run as they are,
+never copied into gradleak. What the official script needs and cannot have here is stood in for, none of it
+on the path measured:
+
+- ``args_factory.get_args`` returns the options of the official scripts (``tag.sh``: ``--baseline --loss tag
+  --lr 0.1 --lr_decay 1 --tag_factor 0.01``; ``lamp_cos.sh``: ``--loss cos --coeff_perplexity 0.2
+  --coeff_reg 1 --lr 0.01 --lr_decay 0.89``; the rest ``args_factory``'s defaults) with the step and start
+  budgets of ``--scale``, on the CPU;
+- ``datasets``, ``nlp_utils`` and ``data_utils`` (data and model downloads, not called by ``reconstruct``)
+  are stubs that raise if called; ``transformers.AdamW`` and ``BeamSearchScorer`` (imported, unused; gone
+  from transformers 5) are given torch's AdamW and a placeholder;
+- the ROUGE metric (``datasets.load_metric``, a download) is rouge-score's, which the official code wraps;
+- ``--use_embedding`` (the official option): the official code, too, reads the vocabulary off the
+  embedding gradient's non-zero rows, as gradleak does by default (the scripts leave it off);
+- the language model: LAMP's prior is a GPT-2 with BERT's vocabulary trained on WikiText-103, not offline.
+  Both sides run without it (``coeff_perplexity`` 0; the official ``get_loss`` still calls the model, so a
+  1-layer GPT-2 with that vocabulary stands in, weighted by 0): LAMP's own ablation without the prior.
+
+Identical inputs: the same MiniLM classifier (``minilm``: real weights, a seeded head), the same Rotten
+Tomatoes sentences and labels (the official threat model grants them), one sentence at a time (B = 1),
+the same budgets, one thread. The official code computes the client's gradient itself from the sentence
+(``compute_grads``, eval mode); gradleak's from the same ids (``fedsgd_text_update``, eval mode). Known
+differences of threat model: the official code knows where [CLS] and [SEP] are (``know_padding``,
+``fix_special_tokens``) and scores every candidate of the whole vocabulary but BERT's unused ids; gradleak
+reads T and the vocabulary off the gradient. Scores: ROUGE-1/2 and exact sequences of the text each side
+returns (special tokens dropped), against the decoded sentence, and the wall time of each attack call.
+
+    python benchmarks/lamp_official.py --lamp /path/to/lamp --scale small --threads 1
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+import types
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradleak.attacks import create_attack
+from gradleak.attacks.text.family import vocab_size
+from gradleak.data.text import encode, load_text_dataset, sample
+from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
+from gradleak.metrics.text import decode, score_texts
+from gradleak.models import build_model
+from gradleak.tasks.text_client import fedsgd_text_update
+from gradleak.types import Observation
+
+HERE = Path(__file__).resolve().parent
+NAME = "lamp_official"
+FILES = ("attack.py", "utilities.py", "init.py", "constants.py", "args_factory.py")
+
+# (sentences, TAG steps, LAMP steps, LAMP starts) per scale; the official budgets are 2,500 / 2,000 / 500
+SCALE = {"smoke": (1, 20, 20, 5), "small": (3, 500, 500, 100), "paper": (10, 2500, 2000, 500)}
+MAX_TOKENS = 32
+
+
+def official_args(method: str, scale: str) -> types.SimpleNamespace:
+    """``args_factory.get_args()`` of the official script for ``method`` at ``scale``'s budgets."""
+    _, tag_steps, lamp_steps, starts = SCALE[scale]
+    base = dict(
+        neptune=None, rng_seed=101, baseline=False, dataset="rotten_tomatoes", split="test", batch_size=1,
+        defense_noise=None, defense_pct_mask=None, device="cpu", opt_alg="adam", init="random",
+        use_swaps=True, use_swaps_at_end=False, swap_burnin=0.1, swap_every=75, use_embedding=True,
+        know_padding=True, init_size=1.4, lr_decay_type="StepLR", grad_clip=None, print_every=10**9,
+    )  # fmt: skip
+    if method == "tag":  # tag.sh, then get_args' --baseline
+        own = dict(baseline=True, loss="tag", lr=0.1, lr_decay=1.0, tag_factor=0.01, n_steps=tag_steps,
+                   init_candidates=1, use_swaps=False, init_size=-1, coeff_perplexity=0.0,
+                   coeff_reg=0.0)  # fmt: skip
+    else:  # lamp_cos.sh without the prior (module docstring)
+        own = dict(loss="cos", coeff_perplexity=0.0, coeff_reg=1.0, lr=0.01, lr_decay=0.89, tag_factor=None,
+                   n_steps=lamp_steps, init_candidates=starts)  # fmt: skip
+    args = {**base, **own}
+    args["lr_max_it"] = args["n_steps"]
+    return types.SimpleNamespace(**args)
+
+
+class _Rouge:
+    """``datasets.load_metric('rouge')`` as the official code reads it: ``compute(...)[key].mid.fmeasure``."""
+
+    def compute(self, predictions: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
+        from rouge_score import rouge_scorer
+
+        scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2"], use_stemmer=True)
+        scores = [scorer.score(r, p) for p, r in zip(predictions, references, strict=True)]
+        out = {}
+        for key in ("rouge1", "rouge2"):
+            f = statistics.fmean(s[key].fmeasure for s in scores)
+            out[key] = types.SimpleNamespace(mid=types.SimpleNamespace(fmeasure=f))
+        return out
+
+
+def _unavailable(what: str) -> Any:
+    def call(*_: Any, **__: Any) -> Any:
+        raise RuntimeError(f"{what} is not available offline and is not on the measured path")
+
+    return call
+
+
+def load_official(root: Path, args: types.SimpleNamespace) -> types.ModuleType:
+    """The official ``attack.py`` as a module, its imports resolved from ``root`` and the stand-ins."""
+    import transformers
+
+    stubs = {
+        "datasets": {"load_metric": _unavailable("datasets.load_metric"),
+                     "load_dataset": _unavailable("datasets.load_dataset")},
+        "nlp_utils": {"load_gpt2_from_dict": _unavailable("the WikiText-103 GPT-2")},
+        "data_utils": {"TextDataset": _unavailable("the official data loader")},
+        "args_factory": {"get_args": lambda: args},
+    }  # fmt: skip
+    for name, attrs in stubs.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        sys.modules[name] = module
+    for name, value in (("AdamW", torch.optim.AdamW), ("BeamSearchScorer", object)):
+        if not hasattr(transformers, name):
+            setattr(transformers, name, value)
+    sys.path.insert(0, str(root))
+    for name in ("constants", "utilities", "init"):  # fresh: another run's args must not linger
+        sys.modules.pop(name, None)
+    module = types.ModuleType("lamp_attack")
+    module.__file__ = str(root / "attack.py")
+    source = (root / "attack.py").read_text(encoding="utf-8")
+    exec(compile(source, str(root / "attack.py"), "exec"), module.__dict__)  # noqa: S102 (the authors' file)
+    return module
+
+
+def stand_in_lm(vocab: int) -> torch.nn.Module:
+    """A 1-layer GPT-2 with BERT's vocabulary: the official ``get_loss`` calls the prior; its weight is 0."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=16, n_layer=1, n_head=2)).eval()
+
+
+def _clean(text: str) -> str:
+    for special in ("[CLS]", "[SEP]", "[PAD]"):
+        text = text.replace(special, " ")
+    return " ".join(text.split())
+
+
+def sentences(tok: Any, n: int, seed: int) -> list[tuple[str, int]]:
+    """The first ``n`` Rotten Tomatoes sentences (a seeded order) of at most ``MAX_TOKENS`` tokens: the
+    official code tokenizes without a length limit, so both sides see the whole sentence."""
+    data = load_text_dataset("rotten_tomatoes", "all")
+    assert data.labels is not None
+    out = []
+    for i in sample(data, len(data), seed=seed).texts:
+        if len(tok(i)["input_ids"]) <= MAX_TOKENS:
+            out.append(i)
+        if len(out) == n:
+            break
+    labels = dict(zip(data.texts, data.labels, strict=True))
+    return [(t, int(labels[t])) for t in out]
+
+
+def run(lamp: Path, scale: str, seed: int) -> dict[str, Any]:
+    n, tag_steps, lamp_steps, starts = SCALE[scale]
+    tm = build_model("minilm", (MAX_TOKENS,), 2, task="classification", seed=seed)
+    model, tok = tm.model.eval(), tm.tokenizer
+    lm = stand_in_lm(vocab_size(model))
+    rows: list[dict[str, Any]] = []
+    for k, (sentence, label) in enumerate(sentences(tok, n, seed)):
+        batch = encode([sentence], tok, max_tokens=MAX_TOKENS, labels=[label])
+        truth = decode(tok, batch.sequences())[0]
+        update = fedsgd_text_update(model, batch, "classification")
+        obs = Observation(model, update, (batch.input_ids.shape[1],), 2, labels=batch.labels)
+        for method in ("tag", "lamp"):
+            args = official_args(method, scale)
+            official = load_official(lamp, args)
+            np.random.seed(args.rng_seed)
+            torch.manual_seed(args.rng_seed)
+            random.seed(args.rng_seed)
+            start = time.perf_counter()
+            prediction, reference = official.reconstruct(
+                args, torch.device("cpu"), ([sentence], torch.tensor([label])), _Rouge(), tok, lm, model
+            )
+            theirs_s = time.perf_counter() - start
+            options = (dict(steps=tag_steps) if method == "tag" else
+                       dict(steps=lamp_steps, init_candidates=starts, swap_tries=200))  # fmt: skip
+            start = time.perf_counter()
+            attack = create_attack(method, **options)
+            rec = attack.reconstruct(obs, generator=torch.Generator().manual_seed(seed))
+            ours_s = time.perf_counter() - start
+            ours_text = decode(tok, rec.token_ids or [[]])[0]
+            theirs_text = _clean(prediction[0])
+            s_ours, s_theirs = score_texts([ours_text], [truth]), score_texts([theirs_text], [truth])
+            rows.append({
+                "sentence": k, "method": method, "truth": truth, "official_reference": _clean(reference[0]),
+                "ours": ours_text, "official": theirs_text,
+                "rouge1_ours": s_ours.rouge1, "rouge1_official": s_theirs.rouge1,
+                "rouge2_ours": s_ours.rouge2, "rouge2_official": s_theirs.rouge2,
+                "exact_ours": s_ours.exact, "exact_official": s_theirs.exact,
+                "seconds_ours": ours_s, "seconds_official": theirs_s,
+            })  # fmt: skip
+            print(rows[-1], flush=True)
+    summary = {}
+    for method in ("tag", "lamp"):
+        mine = [r for r in rows if r["method"] == method]
+        summary[method] = {
+            key: statistics.fmean(r[key] for r in mine)
+            for key in ("rouge1_ours", "rouge1_official", "rouge2_ours", "rouge2_official", "exact_ours",
+                        "exact_official", "seconds_ours", "seconds_official")
+        }  # fmt: skip
+        summary[method]["time_ratio_ours_over_official"] = (
+            summary[method]["seconds_ours"] / summary[method]["seconds_official"]
+        )
+    return {"model": "minilm", "dataset": "rotten_tomatoes", "batch_size": 1, "max_tokens": MAX_TOKENS,
+            "budgets": {"tag_steps": tag_steps, "lamp_steps": lamp_steps, "lamp_starts": starts,
+                        "lamp_swap_tries": 200, "prior": "none (coeff_perplexity 0 on both sides)"},
+            "summary": summary, "rows": rows}  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser(__doc__.splitlines()[0], HERE / "results")
+    parser.add_argument("--lamp", type=Path, required=True, help="a checkout of eth-sri/lamp")
+    args = parse_args(parser, argv)
+    for name in FILES:
+        if not (args.lamp / name).is_file():
+            raise SystemExit(f"{args.lamp / name} not found: pass a checkout of eth-sri/lamp as --lamp")
+    threads = configure_torch(args.threads)
+    payload = {**run(args.lamp, args.scale, args.seeds[0]), "threads": threads}
+    out = write_result(NAME, args.scale, payload, seeds=args.seeds, out=args.out)
+    print(f"wrote {out}: {payload['summary']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
