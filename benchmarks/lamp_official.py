@@ -24,10 +24,12 @@ Identical inputs: the same MiniLM classifier (``minilm``: real weights, a seeded
 Tomatoes sentences and labels (the official threat model grants them), one sentence at a time (B = 1),
 the same budgets, one thread. The official code computes the client's gradient itself from the sentence
 (``compute_grads``, eval mode); gradleak's from the same ids (``fedsgd_text_update``, eval mode). Known
-differences of threat model: the official code knows where [CLS] and [SEP] are (``know_padding``,
-``fix_special_tokens``) and scores every candidate of the whole vocabulary but BERT's unused ids; gradleak
-reads T and the vocabulary off the gradient. Scores: ROUGE-1/2 and exact sequences of the text each side
-returns (special tokens dropped), against the decoded sentence, and the wall time of each attack call.
+difference of threat model: the official code knows where [CLS] and [SEP] are (``know_padding``,
+``fix_special_tokens``); gradleak reads T off the gradient and, by default, pins nothing. So gradleak runs
+twice: with its defaults (``ours``) and with [CLS] and [SEP] pinned as the official code pins them
+(``first_token_id`` 101, ``last_token_id`` 102: ``ours_pinned``). Scores: ROUGE-1/2 and exact sequences of
+the text each returns (special tokens dropped), against the decoded sentence, and the wall time of each
+attack call.
 
     python benchmarks/lamp_official.py --lamp /path/to/lamp --scale small --threads 1
 """
@@ -62,6 +64,8 @@ FILES = ("attack.py", "utilities.py", "init.py", "constants.py", "args_factory.p
 # (sentences, TAG steps, LAMP steps, LAMP starts) per scale; the official budgets are 2,500 / 2,000 / 500
 SCALE = {"smoke": (1, 20, 20, 5), "small": (3, 500, 500, 100), "paper": (10, 2500, 2000, 500)}
 MAX_TOKENS = 32
+ARMS = ("official", "ours", "ours_pinned")
+PINS = {"first_token_id": 101, "last_token_id": 102}  # BERT's [CLS] and [SEP], as the official code pins
 
 
 def official_args(method: str, scale: str) -> types.SimpleNamespace:
@@ -188,33 +192,31 @@ def run(lamp: Path, scale: str, seed: int) -> dict[str, Any]:
             theirs_s = time.perf_counter() - start
             options = (dict(steps=tag_steps) if method == "tag" else
                        dict(steps=lamp_steps, init_candidates=starts, swap_tries=200))  # fmt: skip
-            start = time.perf_counter()
-            attack = create_attack(method, **options)
-            rec = attack.reconstruct(obs, generator=torch.Generator().manual_seed(seed))
-            ours_s = time.perf_counter() - start
-            ours_text = decode(tok, rec.token_ids or [[]])[0]
-            theirs_text = _clean(prediction[0])
-            s_ours, s_theirs = score_texts([ours_text], [truth]), score_texts([theirs_text], [truth])
-            rows.append({
-                "sentence": k, "method": method, "truth": truth, "official_reference": _clean(reference[0]),
-                "ours": ours_text, "official": theirs_text,
-                "rouge1_ours": s_ours.rouge1, "rouge1_official": s_theirs.rouge1,
-                "rouge2_ours": s_ours.rouge2, "rouge2_official": s_theirs.rouge2,
-                "exact_ours": s_ours.exact, "exact_official": s_theirs.exact,
-                "seconds_ours": ours_s, "seconds_official": theirs_s,
-            })  # fmt: skip
+            texts = {"official": _clean(prediction[0])}
+            seconds = {"official": theirs_s}
+            for arm, pins in (("ours", {}), ("ours_pinned", PINS)):
+                attack = create_attack(method, **options, **pins)
+                start = time.perf_counter()
+                rec = attack.reconstruct(obs, generator=torch.Generator().manual_seed(seed))
+                seconds[arm] = time.perf_counter() - start
+                texts[arm] = decode(tok, rec.token_ids or [[]])[0]
+            row: dict[str, Any] = {"sentence": k, "method": method, "truth": truth,
+                                   "official_reference": _clean(reference[0])}  # fmt: skip
+            for arm in ARMS:
+                scores = score_texts([texts[arm]], [truth])
+                row |= {arm: texts[arm], f"rouge1_{arm}": scores.rouge1, f"rouge2_{arm}": scores.rouge2,
+                        f"exact_{arm}": scores.exact, f"seconds_{arm}": seconds[arm]}  # fmt: skip
+            rows.append(row)
             print(rows[-1], flush=True)
-    summary = {}
+    summary: dict[str, dict[str, float]] = {}
     for method in ("tag", "lamp"):
         mine = [r for r in rows if r["method"] == method]
-        summary[method] = {
-            key: statistics.fmean(r[key] for r in mine)
-            for key in ("rouge1_ours", "rouge1_official", "rouge2_ours", "rouge2_official", "exact_ours",
-                        "exact_official", "seconds_ours", "seconds_official")
-        }  # fmt: skip
-        summary[method]["time_ratio_ours_over_official"] = (
-            summary[method]["seconds_ours"] / summary[method]["seconds_official"]
-        )
+        keys = [f"{score}_{arm}" for score in ("rouge1", "rouge2", "exact", "seconds") for arm in ARMS]
+        summary[method] = {key: statistics.fmean(r[key] for r in mine) for key in keys}
+        for arm in ("ours", "ours_pinned"):
+            summary[method][f"time_ratio_{arm}_over_official"] = (
+                summary[method][f"seconds_{arm}"] / summary[method]["seconds_official"]
+            )
     return {"model": "minilm", "dataset": "rotten_tomatoes", "batch_size": 1, "max_tokens": MAX_TOKENS,
             "budgets": {"tag_steps": tag_steps, "lamp_steps": lamp_steps, "lamp_starts": starts,
                         "lamp_swap_tries": 200, "prior": "none (coeff_perplexity 0 on both sides)"},

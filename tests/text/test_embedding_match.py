@@ -59,6 +59,21 @@ def test_tag_recovers_most_of_a_sentence(case):
     assert in_place >= 4 and len(content & set(got)) >= 3, words(tm, got)
 
 
+def test_pinned_special_tokens_stay_through_steps_starts_and_moves(case):
+    """LAMP's fix_special_tokens: [CLS] and [SEP] pinned at the ends; the starts' permutations and the
+    discrete moves shuffle only the positions between them."""
+    tm, obs, true = case
+    noise = null_observation(obs, torch.Generator().manual_seed(1))  # nothing to pull them there but the pin
+    lamp = create_attack("lamp", steps=30, init_candidates=5, swap_every=5, swap_burnin=0.0, swap_tries=10,
+                         first_token_id=true[0], last_token_id=true[-1])  # fmt: skip
+    got = lamp.reconstruct(noise, generator=torch.Generator().manual_seed(0)).token_ids[0]
+    assert got[0] == true[0] and got[-1] == true[-1] and len(got) == obs.input_shape[0]
+    with pytest.raises(AttackInputError, match=r"pinned token ids \[99999\]"):
+        create_attack("tag", first_token_id=99999).reconstruct(obs, generator=torch.Generator())
+    with pytest.raises(ValueError, match="first_token_id must be a token id"):
+        create_attack("tag", first_token_id=-1)
+
+
 @pytest.mark.parametrize("name", ["tag", "lamp"])
 def test_a_null_update_gives_none_of_the_words(case, name):
     tm, obs, true = case

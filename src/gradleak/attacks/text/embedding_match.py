@@ -110,6 +110,8 @@ class EmbeddingMatchConfig:
     vocab: str = "embedding"  # "embedding": the embedding gradient's non-zero rows; "full"
     grad_clip: float | None = None
     temperature: float = 0.05  # causal LMs: the soft next-token targets' softmax temperature (ours)
+    first_token_id: int | None = None  # every sequence starts with it (BERT's [CLS], 101): pinned at 0
+    last_token_id: int | None = None  # every sequence ends with it (BERT's [SEP], 102): pinned at T - 1
 
     def __post_init__(self) -> None:
         if self.distance not in DISTANCES:
@@ -136,6 +138,10 @@ class EmbeddingMatchConfig:
             raise ValueError(f"init_norm must be > 0, got {self.init_norm}")
         if not 0 < self.temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
+        for key in ("first_token_id", "last_token_id"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{key} must be a token id (an int >= 0) or None, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -371,7 +377,12 @@ class EmbeddingMatch:
         if obs.update.kind != "gradient":
             raise AttackInputError("TAG and LAMP invert one FedSGD gradient; this update is a FedAvg delta")
         table = input_embedding(model).weight.detach()
-        vocab = candidate_vocab(obs, model, c.vocab)
+        pinned = [v for v in (c.first_token_id, c.last_token_id) if v is not None]
+        if any(v >= table.shape[0] for v in pinned):
+            raise AttackInputError(f"pinned token ids {pinned}: the model has {table.shape[0]} tokens")
+        vocab = torch.unique(
+            torch.cat([candidate_vocab(obs, model, c.vocab), torch.tensor(pinned, dtype=torch.long)])
+        )
         task_loss = TASK_LOSSES[task](obs, table, vocab, c)
         read = sequence_length(obs, model)
         b, t = obs.update.num_samples, min(read or obs.input_shape[0], obs.input_shape[0])
@@ -386,7 +397,7 @@ class EmbeddingMatch:
         norm = c.init_norm if c.init_norm is not None else float(table[vocab].norm(dim=-1).mean())
         lm = self._prior(model, table, vocab, b, t)
         start = time.perf_counter()  # a prior built (or trained) above is not the attack's own time
-        x = self._start(problem, (b, t, table.shape[1]), norm, generator)
+        x = self._start(problem, (b, t, table.shape[1]), norm, generator, table)
         x.requires_grad_(True)
         opt = torch.optim.Adam([x], lr=c.lr)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=c.lr_decay)
@@ -401,6 +412,7 @@ class EmbeddingMatch:
                 torch.nn.utils.clip_grad_norm_([x], c.grad_clip)
             opt.step()
             sched.step()
+            self._pin(x, table)
             if c.swap_every and step >= c.swap_burnin * c.steps and step % c.swap_every == 1:
                 with torch.no_grad():
                     x.copy_(self._swap(problem, x.detach(), norm, generator, lm))
@@ -423,26 +435,55 @@ class EmbeddingMatch:
             loss = loss + self.config.norm_weight * (x.norm(dim=-1).mean() - norm).square()
         return loss
 
+    def _inner(self, length: int) -> tuple[int, int]:
+        """The positions ``[lo, hi)`` that are not pinned (``first_token_id``, ``last_token_id``)."""
+        c = self.config
+        return int(c.first_token_id is not None), max(1, length - int(c.last_token_id is not None))
+
+    @torch.no_grad()
+    def _pin(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """``x`` with the pinned tokens' embeddings at the first / last position (LAMP's
+        ``fix_special_tokens``); in place, and returned."""
+        c = self.config
+        if c.first_token_id is not None:
+            x[:, 0] = table[c.first_token_id].to(x)
+        if c.last_token_id is not None and x.shape[1] > 1:
+            x[:, -1] = table[c.last_token_id].to(x)
+        return x
+
     def _start(
-        self, problem: Inversion, shape: tuple[int, int, int], norm: float, generator: torch.Generator
+        self,
+        problem: Inversion,
+        shape: tuple[int, int, int],
+        norm: float,
+        generator: torch.Generator,
+        table: torch.Tensor,
     ) -> torch.Tensor:
         """The best of ``init_candidates`` Gaussian draws by the distance, then of as many permutations of
-        its positions (LAMP's ``get_init``), rescaled to ``norm`` where LAMP rescales (``norm_weight``)."""
+        its unpinned positions (LAMP's ``get_init``), rescaled to ``norm`` where LAMP rescales
+        (``norm_weight``); the pinned tokens in place throughout."""
         c = self.config
         like = problem.target[0]
+        lo, hi = self._inner(shape[1])
 
         def score(d: torch.Tensor) -> float:
             return float(problem.objective(d.clone().requires_grad_(True), create_graph=False))
 
-        best = min(
-            (torch.randn(shape, generator=generator).to(like) for _ in range(c.init_candidates)), key=score
+        draws = (
+            self._pin(torch.randn(shape, generator=generator).to(like), table)
+            for _ in range(c.init_candidates)
         )
+        best = min(draws, key=score)
         if c.init_candidates > 1:
-            perms = (best[:, torch.randperm(shape[1], generator=generator)] for _ in range(c.init_candidates))
-            best = min([best, *perms], key=score)
+
+            def permuted() -> torch.Tensor:
+                inner = lo + torch.randperm(hi - lo, generator=generator)
+                return best[:, torch.cat([torch.arange(lo), inner, torch.arange(hi, shape[1])])]
+
+            best = min([best, *(permuted() for _ in range(c.init_candidates))], key=score)
         if c.norm_weight or c.init_norm is not None:
             best = best / best.norm(dim=-1, keepdim=True) * norm
-        return best.detach().clone()
+        return self._pin(best.detach().clone(), table)
 
     def _prior(
         self, model: nn.Module, table: torch.Tensor, vocab: torch.Tensor, batch: int, length: int
@@ -484,8 +525,10 @@ class EmbeddingMatch:
         """LAMP's discrete step: for each sequence, the move of its positions that lowers the objective
         (plus, with a prior, the language-model term of the moved sequence)."""
         out = x.clone()
+        lo, hi = self._inner(x.shape[1])
         for s in range(x.shape[0]):
-            perms = moves(x.shape[1], generator, self.config.swap_tries)
+            perms = [torch.cat([torch.arange(lo), lo + p, torch.arange(hi, x.shape[1])])
+                     for p in moves(hi - lo, generator, self.config.swap_tries)]  # fmt: skip
             prior = lm(out[s], perms) if lm is not None else None
             scored = []
             for j, perm in enumerate(perms):
