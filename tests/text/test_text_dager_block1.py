@@ -25,27 +25,24 @@ from gradleak.tasks.text_client import fedsgd_text_update
 from gradleak.types import Observation
 
 
-def _search(tm, batch, mlp: bool = True):
-    """The encoder search's L2Search: checking block 2's attention inputs (``mlp``), else block 1's MLP's."""
+def _search(tm, batch):
     obs = Observation(
         tm.model, fedsgd_text_update(tm.model, batch, "classification"), (batch.input_ids.shape[1],), 2
     )
     model, spec = tm.model, family_of(tm.model)
-    templates, layer = (spec.attn_inputs, 1) if mlp else (spec.mlp_inputs, 0)
-    span2 = estimate_span(input_side_gradient(obs, model, templates, layer), spec.rank_tol)
+    span2 = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 1), spec.rank_tol)
     m1 = find_module(model, spec.attn_inputs[0].format(i=0))[1]
-    m2 = find_module(model, templates[0].format(i=layer))[1]
-    return obs, L2Search(model, m2, span2, spec.l2_threshold, first=m1, mlp=mlp)
+    m2 = find_module(model, spec.attn_inputs[0].format(i=1))[1]
+    return obs, L2Search(model, m2, span2, spec.l2_threshold, first=m1)
 
 
 def _tokens(batch):
     return sorted({t for s in batch.sequences() for t in s})
 
 
-@pytest.mark.parametrize("mlp", [True, False], ids=["block2_inputs", "block1_mlp_inputs"])
-def test_table_whole_sequences_equal_the_models_forward(bert_cls, make_batch, mlp):
+def test_table_whole_sequences_equal_the_models_forward(bert_cls, make_batch):
     batch = make_batch(bert_cls)
-    _, search = _search(bert_cls, batch, mlp)
+    _, search = _search(bert_cls, batch)
     tokens = _tokens(batch)
     search.tabulate(tokens, 9)
     table = search._table
@@ -59,13 +56,12 @@ def test_table_whole_sequences_equal_the_models_forward(bert_cls, make_batch, ml
         assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
 
 
-@pytest.mark.parametrize("mlp", [True, False], ids=["block2_inputs", "block1_mlp_inputs"])
-def test_table_site_equals_one_query_path_from_the_model(bert_cls, make_batch, mlp):
+def test_table_site_equals_one_query_path_from_the_model(bert_cls, make_batch):
     # the candidate at position t attending over a context at positions 0..t-1 (and, for site
     # residuals, a context with a gap at the site): the table against _bert_site on the model's own
     # layer-1 inputs
     batch = make_batch(bert_cls)
-    _, search = _search(bert_cls, batch, mlp)
+    _, search = _search(bert_cls, batch)
     tokens = _tokens(batch)
     search.tabulate(tokens, 8)
     table, layer = search._table, search._block1()
@@ -82,7 +78,7 @@ def test_table_site_equals_one_query_path_from_the_model(bert_cls, make_batch, m
         ]
     )
     zc = layer_inputs(bert_cls.model, search.first, torch.tensor(cands).unsqueeze(1), start_position=3)[:, 0]
-    ref = _bert_site(layer, zs.unsqueeze(0), zc, mlp)
+    ref = _bert_site(layer, zs.unsqueeze(0), zc)
     got = table.site(torch.tensor([seq]), positions, torch.tensor(cands), 3)
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5)
     # and against the model's whole forward of each edited sequence: seq[:3], the candidate, seq[3:6]
@@ -172,25 +168,6 @@ def test_attack_recovers_the_same_batch_with_and_without_the_table(bert_cls, mak
             out[table] = attack.reconstruct(obs, generator=torch.Generator().manual_seed(0)).token_ids
     assert built == [True]  # the first search used a table, the second none
     assert sorted(out[True]) == sorted(out[False]) == sorted(batch.sequences())
-
-
-def test_checking_block_1_s_mlp_inputs_recovers_the_batch_and_skips_its_feed_forward(bert_cls, make_batch):
-    batch = make_batch(bert_cls)
-    obs, _ = _search(bert_cls, batch)
-    end = int(bert_cls.tokenizer.sep_token_id)
-    layer = bert_cls.model.bert.encoder.layer[0]
-    calls = []
-    hook = layer.intermediate.register_forward_hook(lambda *_: calls.append(1))
-    try:
-        for table in (True, False):
-            attack = Dager(DagerConfig(encoder=EncoderSearch(end_token_id=end, table=table, check="mlp1")))
-            got = attack.reconstruct(obs, generator=torch.Generator().manual_seed(0)).token_ids
-            assert sorted(got) == sorted(batch.sequences())
-    finally:
-        hook.remove()
-    assert not calls  # block 1's feed-forward layer never ran: the check stops before it
-    with pytest.raises(ValueError, match="check must be one of"):
-        EncoderSearch(check="block3")
 
 
 def test_span_residual_equals_the_projection_reference_at_every_rank():

@@ -10,11 +10,6 @@ output projection and the feed-forward layer are the only work left per sequence
 model's own forward when built (:meth:`Block1Table.build` returns None where it does not agree), so it is a
 faster route to the same block-2 inputs (equal up to float rounding: the build check allows a relative
 error of 1e-4), not an approximation.
-
-With ``mlp=False`` the pass stops before block 1's feed-forward layer: the table gives the inputs of block
-1's first MLP projection (``intermediate.dense``), which the search checks against that projection's
-gradient span instead of block 2's (``encoder.check = "mlp1"``): the same identity one layer earlier, and
-the feed-forward layer, most of a sequence's work, is left out.
 """
 
 from __future__ import annotations
@@ -39,9 +34,8 @@ AGREEMENT_TOL = 1e-4  # relative error of the table's block-2 inputs against the
 class Block1Table:
     """Layer-1 inputs ``z1`` and block-1 queries, keys and values ``q``, ``k``, ``v`` (each ``(V, T, ...)``)
     of V tokens at positions ``0 .. T - 1``, and block 1 (``layer``, a BERT layer: ``attention.self``,
-    ``attention.output``, ``intermediate``, ``output``) to finish the pass (``mlp``: through its
-    feed-forward layer, giving block-2 inputs; False: up to it, giving its MLP inputs). ``rows`` maps a token
-    id to its row (-1: not tabulated)."""
+    ``attention.output``, ``intermediate``, ``output``) to finish the pass. ``rows`` maps a token id to its
+    row (-1: not tabulated)."""
 
     layer: Any
     rows: torch.Tensor  # (vocab size,) row of each token id, -1 where not tabulated
@@ -49,19 +43,16 @@ class Block1Table:
     q: torch.Tensor  # (V, T, h, dh)
     k: torch.Tensor
     v: torch.Tensor
-    mlp: bool = True
 
     @classmethod
     @torch.no_grad()
     def build(
-        cls, model: nn.Module, first: nn.Module, module: nn.Module, layer: Any, tokens: list[int], length: int,
-        mlp: bool = True,
-    ) -> Block1Table | None:  # fmt: skip
+        cls, model: nn.Module, first: nn.Module, module: nn.Module, layer: Any, tokens: list[int], length: int
+    ) -> Block1Table | None:
         """The table of ``tokens`` x positions ``0 .. length - 1`` for ``model`` whose block 1 is ``layer``
-        (``first`` its query projection, ``module`` the module whose input the search checks: block 2's
-        query projection with ``mlp``, block 1's first MLP projection without), or None when it would exceed
-        :data:`MAX_TABLE_BYTES` or its inputs of ``module`` disagree with the model's forward (relative error
-        above :data:`AGREEMENT_TOL` on a few sequences of the table's tokens)."""
+        (``first`` its query projection, ``module`` block 2's, whose input the search checks), or None when
+        it would exceed :data:`MAX_TABLE_BYTES` or its block-2 inputs disagree with the model's forward
+        (relative error above :data:`AGREEMENT_TOL` on a few sequences of the table's tokens)."""
         ids = sorted(set(tokens))
         sa = layer.attention.self
         d, size = int(sa.query.weight.shape[1]), int(sa.query.weight.element_size())
@@ -74,7 +65,7 @@ class Block1Table:
         vocab = int(max(ids)) + 1
         rows = torch.full((vocab,), -1, dtype=torch.long)
         rows[torch.tensor(ids)] = torch.arange(len(ids))
-        table = cls(layer, rows, z1, q, k, v, mlp)
+        table = cls(layer, rows, z1, q, k, v)
         probe = torch.tensor(ids)[torch.arange(3 * min(length, 8)).remainder(len(ids))].view(3, -1)
         ref = layer_inputs(model, module, probe)
         err = float((table.whole(probe) - ref).norm() / ref.norm().clamp_min(1e-30))
@@ -109,8 +100,7 @@ class Block1Table:
         return self.z1[r, p]
 
     def whole(self, seqs: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-        """Block-2 inputs (block 1's MLP inputs without ``mlp``) (n, L, d) of whole sequences ``seqs`` (n, L)
-        (positions 0 .. L - 1, no padding)."""
+        """Block-2 inputs (n, L, d) of whole sequences ``seqs`` (n, L) (positions 0 .. L - 1, no padding)."""
         t = torch.as_tensor(seqs)
         step = max(1, chunk // max(1, t.shape[1]))
         return torch.cat([self._whole(part) for part in t.split(step)])
@@ -121,7 +111,7 @@ class Block1Table:
         q, k, v = (x[r, p].transpose(1, 2) for x in (self.q, self.k, self.v))  # (n, h, L, dh)
         n, h, length, dh = q.shape
         out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, length, h * dh)
-        return finish(self.layer, out, self.z1[r, p], self.mlp)
+        return finish(self.layer, out, self.z1[r, p])
 
     def site(self, ctx: torch.Tensor, positions: torch.Tensor, cands: torch.Tensor, at: int) -> torch.Tensor:
         """(n, c, d): block-2 input of each candidate token ``cands`` (c,) placed at position ``at``,
@@ -130,8 +120,7 @@ class Block1Table:
         r, p = self.rows[torch.as_tensor(ctx)], torch.as_tensor(positions)
         rc = self.rows[torch.as_tensor(cands)]
         k, v = self.k[r, p], self.v[r, p]
-        q, kc, vc, z = self.q[rc, at], self.k[rc, at], self.v[rc, at], self.z1[rc, at]
-        return attend_one(self.layer, k, v, q, kc, vc, z, self.mlp)
+        return attend_one(self.layer, k, v, self.q[rc, at], self.k[rc, at], self.v[rc, at], self.z1[rc, at])
 
 
 @torch.no_grad()
@@ -143,11 +132,10 @@ def attend_one(
     k_c: torch.Tensor,
     v_c: torch.Tensor,
     z_c: torch.Tensor,
-    mlp: bool = True,
 ) -> torch.Tensor:
-    """(n, c, d): BERT block-1 output (its MLP input without ``mlp``) of each of c candidates (query ``q_c``,
-    key ``k_c``, value ``v_c`` (c, h, dh), layer-1 input ``z_c`` (c, d)) attending over its own key and each
-    of n contexts' keys and values ``k_ctx``, ``v_ctx`` (n, m, h, dh)."""
+    """(n, c, d): BERT block-1 output of each of c candidates (query ``q_c``, key ``k_c``, value ``v_c``
+    (c, h, dh), layer-1 input ``z_c`` (c, d)) attending over its own key and each of n contexts' keys and
+    values ``k_ctx``, ``v_ctx`` (n, m, h, dh)."""
     n, m, h, dh = k_ctx.shape
     c = q_c.shape[0]
     scale = dh**-0.5
@@ -156,13 +144,12 @@ def attend_one(
     w = torch.softmax(torch.cat([s_ctx, s_self], dim=-1), dim=-1)
     out = torch.einsum("ncht,nthd->nchd", w[..., :m], v_ctx) + w[..., m:] * v_c.unsqueeze(0)
     x = z_c.unsqueeze(0).expand(n, c, -1)
-    return finish(layer, out.reshape(n, c, h * dh), x, mlp)
+    return finish(layer, out.reshape(n, c, h * dh), x)
 
 
-def finish(layer: Any, attended: torch.Tensor, z1: torch.Tensor, mlp: bool = True) -> torch.Tensor:
-    """Block 1's output (its attention's output projection and LayerNorm, then with ``mlp`` the feed-forward
-    layer and its LayerNorm) from the heads' concatenated outputs ``attended`` and the layer-1 inputs
-    ``z1``; without ``mlp`` the input of the feed-forward layer."""
+def finish(layer: Any, attended: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+    """Block 1's output (its attention's output projection and LayerNorm, then the feed-forward layer and
+    its LayerNorm) from the heads' concatenated outputs ``attended`` and the layer-1 inputs ``z1``."""
     shape = z1.shape
     a = layer.attention.output(attended.reshape(-1, shape[-1]), z1.reshape(-1, shape[-1]))
-    return (layer.output(layer.intermediate(a), a) if mlp else a).view(shape)
+    return layer.output(layer.intermediate(a), a).view(shape)

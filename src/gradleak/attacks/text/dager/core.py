@@ -96,9 +96,6 @@ class DecoderSearch:
             raise ValueError(f"prefix_tol must be in (0, 1), got {self.prefix_tol}")
 
 
-CHECKS = ("block2", "mlp1")  # EncoderSearch.check
-
-
 @dataclass(frozen=True)
 class EncoderSearch:
     """Step 4, encoders (bidirectional attention): ``method`` ``"polish"`` (beam + exact local search),
@@ -113,11 +110,7 @@ class EncoderSearch:
     ``fill_to_batch`` completes B with the best rejected sequences (partial recovery). ``table``: evaluate
     block 1 from per-(token, position) tables where the layout allows (BERT; exact, checked against the
     model when built: :mod:`~gradleak.attacks.text.dager.block1`); False runs the model's forward for every
-    sequence (the same search, slower: for comparisons). ``check``: where whole sequences are checked,
-    ``"block2"`` (DAGER's L2 test: block 2's attention inputs against its attention gradient's span) or
-    ``"mlp1"`` (block 1's first MLP projection's inputs against its gradient's span: the same identity one
-    layer earlier, and block 1's feed-forward layer, most of a sequence's work, is left out; the update must
-    carry that projection's gradient)."""
+    sequence (the same search, slower: for comparisons)."""
 
     method: str = "polish"
     per_prefix: int = 4
@@ -132,13 +125,10 @@ class EncoderSearch:
     end_token_id: int | None = None
     fill_to_batch: bool = True
     table: bool = True
-    check: str = "block2"
 
     def __post_init__(self) -> None:
         if self.method not in ("polish", "beam", "sample"):
             raise ValueError(f"method must be 'polish', 'beam' or 'sample', got {self.method!r}")
-        if self.check not in CHECKS:
-            raise ValueError(f"check must be one of {CHECKS}, got {self.check!r}")
         if self.held_ngram < 0 or self.held_ngram == 1:
             raise ValueError(f"held_ngram must be 0 (off) or >= 2, got {self.held_ngram}")
         if not self.novelty >= 0:
@@ -218,13 +208,7 @@ class Dager:
         start = time.perf_counter()
         model = self.attacker_model(obs)
         spec = self.spec(model)
-        templates, layer, after_mlp = self.check_site(spec)
-        grads = [self.input_gradient(obs, model, spec, 0)]
-        grads.append(
-            self.input_gradient(obs, model, spec, 1)
-            if after_mlp
-            else input_side_gradient(obs, model, templates, layer)
-        )
+        grads = [self.input_gradient(obs, model, spec, i) for i in (0, 1)]
         if float(grads[0].abs().max()) == 0.0:
             raise AttackInputError(self.zero_gradient)
         span1, span2, spec, span_stats = self.spans(obs, spec, grads[0], grads[1])
@@ -239,12 +223,11 @@ class Dager:
             stats = {"rank_l1": float(span1.rank), "span_full": float(full)}
             return Reconstruction(token_ids=[], stats={**stats, **span_stats})
         m1 = find_module(model, spec.attn_inputs[0].format(i=0))[1]
-        m2 = find_module(model, templates[0].format(i=layer))[1]
+        m2 = find_module(model, spec.attn_inputs[0].format(i=1))[1]
         cands = self.position_candidates(model, spec, m1, span1, self.scan_vocab(obs, model))
         fallback: list[Scored] = []
         b = max(1, obs.update.num_samples)
         search = self.l2_search(model, m2, span2, spec.l2_threshold, m1, generator)
-        search.mlp = after_mlp
         if not spec.causal and self.config.encoder.table and cands:
             end = self.config.encoder.end_token_id
             search.tabulate([*set().union(*cands), *([] if end is None else [end])], len(cands))
@@ -291,14 +274,6 @@ class Dager:
         return Reconstruction(token_ids=seqs, stats=stats)
 
     zero_gradient = "the first block's attention gradient is zero (frozen or masked)"
-
-    def check_site(self, spec: FamilySpec) -> tuple[tuple[str, ...], int, bool]:
-        """Where whole sequences are checked: the module templates, their block, and whether their input
-        lies after block 1's MLP. DAGER's block 2 attention inputs; an encoder with ``encoder.check =
-        "mlp1"``: block 1's first MLP projection."""
-        if not spec.causal and self.config.encoder.check == "mlp1":
-            return spec.mlp_inputs, 0, False
-        return spec.attn_inputs, 1, True
 
     def saturated(self, span: Span, grad: torch.Tensor) -> bool:
         """Whether ``span`` fills the columns of the gradient it came from, so that it is a subspace of the

@@ -32,7 +32,7 @@ Scored = tuple[list[int], float]  # a token sequence and its (max) L2 residual
 @dataclass
 class L2Search:
     model: nn.Module
-    module: nn.Module  # block 2's first attention projection (or block 1's first MLP projection: ``mlp``)
+    module: nn.Module  # block 2's first attention projection
     span: Span
     threshold: float
     chunk: int = 4096
@@ -42,7 +42,6 @@ class L2Search:
     _held: torch.Tensor | None = None  # orthonormal basis (span coordinates) of the held block-2 inputs
     _fast: bool | None = None  # encoder beam: the one-token block-1 fast path agrees with the model
     _table: Block1Table | None = None  # encoders: block 1 from per-(token, position) tables (``tabulate``)
-    mlp: bool = True  # encoders: ``module``'s input lies after block 1's MLP (False: it is block 1's MLP)
 
     def tabulate(self, tokens: Sequence[int], length: int) -> None:
         """Evaluate block 1 from tables of ``tokens`` at positions ``0 .. length - 1`` from now on
@@ -52,9 +51,7 @@ class L2Search:
         :func:`_bert_site` on the model's own layer-1 inputs."""
         layer = self._block1()
         if layer is not None and self.first is not None:
-            self._table = Block1Table.build(
-                self.model, self.first, self.module, layer, list(tokens), length, self.mlp
-            )
+            self._table = Block1Table.build(self.model, self.first, self.module, layer, list(tokens), length)
         log.debug("block-1 table: %s", "used" if self._table is not None else "not used")
 
     def block2_inputs(self, seqs: torch.Tensor) -> torch.Tensor:
@@ -415,7 +412,7 @@ class L2Search:
             return z.reshape(n * c, -1)
         zp = layer_inputs(self.model, self.first, torch.tensor(prefixes))  # (n, t, d), context-free
         zc = layer_inputs(self.model, self.first, torch.tensor(cands).unsqueeze(1), start_position=t)[:, 0]
-        return _bert_site(layer, zp, zc, self.mlp).reshape(n * c, -1)
+        return _bert_site(layer, zp, zc).reshape(n * c, -1)
 
     @torch.no_grad()
     def site_residuals(
@@ -448,7 +445,7 @@ class L2Search:
         for i in sites:
             ctx = torch.cat([z1[:i], z1s[i:] if insert else z1[i + 1 :]]).unsqueeze(0)
             zc = layer_inputs(self.model, self.first, vocab_ids, start_position=i)[:, 0]
-            out.append(self.span.residual(_bert_site(layer, ctx, zc, self.mlp)[0]))
+            out.append(self.span.residual(_bert_site(layer, ctx, zc)[0]))
         return torch.stack(out)
 
     def _site_table(self, ctx: list[list[int]], cands: list[int], top: int) -> Block1Table | None:
@@ -705,10 +702,9 @@ def _log_objective(res: torch.Tensor) -> float:
     return float(torch.log10(res.clamp_min(1e-9)).mean())
 
 
-def _bert_site(layer: Any, ctx: torch.Tensor, zc: torch.Tensor, mlp: bool = True) -> torch.Tensor:
-    """(n, c, d): BERT block-1 output (its MLP input without ``mlp``) of each candidate (layer-1 inputs
-    ``zc`` (c, d)) attending over its own key and the context's (layer-1 inputs ``ctx`` (n, m, d), positions
-    already applied).
+def _bert_site(layer: Any, ctx: torch.Tensor, zc: torch.Tensor) -> torch.Tensor:
+    """(n, c, d): BERT block-1 output of each candidate (layer-1 inputs ``zc`` (c, d)) attending over its
+    own key and the context's (layer-1 inputs ``ctx`` (n, m, d), positions already applied).
 
     Under post-LN BERT layers the context's keys and values depend on their own layer-1 inputs only, so a
     single query per candidate gives that position's block-2 input exactly.
@@ -719,4 +715,4 @@ def _bert_site(layer: Any, ctx: torch.Tensor, zc: torch.Tensor, mlp: bool = True
     h, dh = int(sa.num_attention_heads), int(sa.attention_head_size)
     kp, vp = sa.key(ctx).view(n, m, h, dh), sa.value(ctx).view(n, m, h, dh)
     qc, kc, vc = (f(zc).view(c, h, dh) for f in (sa.query, sa.key, sa.value))
-    return attend_one(layer, kp, vp, qc, kc, vc, zc, mlp)
+    return attend_one(layer, kp, vp, qc, kc, vc, zc)
