@@ -29,7 +29,10 @@ difference of threat model: the official code knows where [CLS] and [SEP] are (`
 twice: with its defaults (``ours``) and with [CLS] and [SEP] pinned as the official code pins them
 (``first_token_id`` 101, ``last_token_id`` 102: ``ours_pinned``). Scores: ROUGE-1/2 and exact sequences of
 the text each returns (special tokens dropped), against the decoded sentence, and the wall time of each
-attack call.
+attack call: the official one includes computing the client's gradient and its Python loop over the
+vocabulary (``use_embedding``), gradleak's its model copy and vocabulary read. Other defaults kept as each
+side has them: LAMP's start norm is the official 1.4 (BERT-base's) against gradleak's mean norm of the
+vocabulary's embeddings; each side draws from its own seed (official 101, gradleak the run seed).
 
     python benchmarks/lamp_official.py --lamp /path/to/lamp --scale small --threads 1
 """

@@ -16,7 +16,9 @@ A benchmark file is an experiment config (the base every cell shares) plus a ``[
                                                 # clients that withheld their update: *_by_round)
     texts = true                                # text attacks: each row also the word-for-word
                                                 # reconstructions of every attacked update (paper 002
-                                                # Table XIII): its true sequences, each with its match
+                                                # Table XIII): its true sequences (the first 16), each
+                                                # with the reconstruction matched to it (an unordered
+                                                # attack: its recovered tokens, not aligned)
     base = "paper001_victim.toml"               # a shared experiment config under this one
     extends = "text_attacks.toml"               # another benchmark file under this one: its tables and
                                                 # [benchmark] keys but name and previous (cells or axes:

@@ -39,10 +39,12 @@ What the attacker must know or read (the official code's defaults, LAMP's threat
 
 - B is the update's sample count; T, the longest sequence, is read from the learned position embedding's
   gradient (the last position with a non-zero row: no gradient reaches a position no sequence holds), or,
-  for rotary positions (Llama, SmolLM2), from the rank of block 1's attention-input gradient (DAGER's
-  span, :func:`~gradleak.attacks.text.family.estimate_span`): under causal attention each position adds
-  one input, so T = rank / B rounded up; under the next-token loss the last position of a causal LM is
-  only a label (no gradient reaches its input), so T is one more there. T is at most the width of the
+  for rotary positions (Llama, SmolLM2), from the rank of block 2's attention-input gradient (DAGER's L2
+  span, :func:`~gradleak.attacks.text.family.estimate_span`): rotary positions enter block 1's attention
+  after its projections, so block 1's inputs are the tokens' alone (a repeated token adds no rank), while
+  block 2's input of each position carries its position and context, so T = rank / B rounded up; under
+  the next-token loss the last position of a causal LM is only a label (no gradient reaches its input), so
+  T is one more there. T is at most the width of the
   observation's input shape (the recipe's token limit, public), and is that width where the gradient does
   not show it (a flooded or missing position gradient, frozen attention, a null update; ``length_read`` 0
   in the stats). All sequences are taken to be T long (LAMP's ``know_padding`` off): a shorter one comes
@@ -65,6 +67,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -189,7 +192,14 @@ DISTANCE_OF: dict[str, Callable[[EmbeddingMatchConfig], Distance]] = {
 }
 
 
-TaskLoss = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, inputs_embeds) -> the client's loss
+class TaskLoss(Protocol):
+    """The client's loss of ``inputs_embeds`` ``x`` on the attacker's copy; ``labels`` the classification
+    labels it uses (granted), None where the labels are the sequence itself."""
+
+    @property
+    def labels(self) -> torch.Tensor | None: ...
+
+    def __call__(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def _ones(x: torch.Tensor) -> torch.Tensor:
@@ -216,6 +226,7 @@ class SoftNextTokenLoss:
     table: torch.Tensor  # the candidate tokens' embeddings, unit rows (|vocab|, d)
     vocab: torch.Tensor
     temperature: float
+    labels: torch.Tensor | None = None  # the labels are the sequence's own next tokens
 
     def __call__(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         logits = model(inputs_embeds=x, attention_mask=_ones(x)).logits[:, :-1]
@@ -239,7 +250,9 @@ def task_of(model: nn.Module) -> str:
     )
 
 
-def _classification(obs: Observation, table: torch.Tensor, vocab: torch.Tensor, c: EmbeddingMatchConfig):
+def _classification(
+    obs: Observation, table: torch.Tensor, vocab: torch.Tensor, c: EmbeddingMatchConfig
+) -> TaskLoss:
     if obs.labels is None:
         raise AttackInputError(
             "TAG and LAMP need the labels (grant them: audit.grant_labels = true, as LAMP assumes)"
@@ -249,7 +262,9 @@ def _classification(obs: Observation, table: torch.Tensor, vocab: torch.Tensor, 
     return ClassificationLoss(obs.labels.long())
 
 
-def _causal_lm(obs: Observation, table: torch.Tensor, vocab: torch.Tensor, c: EmbeddingMatchConfig):
+def _causal_lm(
+    obs: Observation, table: torch.Tensor, vocab: torch.Tensor, c: EmbeddingMatchConfig
+) -> TaskLoss:
     return SoftNextTokenLoss(F.normalize(table[vocab], dim=-1), vocab, c.temperature)
 
 
@@ -264,17 +279,27 @@ TASK_LOSSES: dict[
 
 @dataclass
 class Inversion:
-    """One inversion problem: the attacker's model, the parameters matched, the target, the task loss."""
+    """One inversion problem: the attacker's model, the parameters matched, the target, the task loss.
+    ``masks`` (one per parameter, None: all of it) zero what the attacker's copy cannot reproduce in both
+    the target and its own gradients (:func:`tied_mask`)."""
 
     model: nn.Module
     params: list[nn.Parameter]
     target: list[torch.Tensor]
     loss: TaskLoss
     distance: Distance
+    masks: list[torch.Tensor | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.masks is not None:
+            self.target = [t if m is None else t * m for t, m in zip(self.target, self.masks, strict=True)]
 
     def gradients(self, x: torch.Tensor, *, create_graph: bool) -> list[torch.Tensor]:
         loss = self.loss(self.model, x)
-        return list(torch.autograd.grad(loss, self.params, create_graph=create_graph, allow_unused=True))
+        grads = list(torch.autograd.grad(loss, self.params, create_graph=create_graph, allow_unused=True))
+        if self.masks is None:
+            return grads
+        return [g if g is None or m is None else g * m for g, m in zip(grads, self.masks, strict=True)]
 
     def objective(self, x: torch.Tensor, *, create_graph: bool = True) -> torch.Tensor:
         grads = self.gradients(x, create_graph=create_graph)
@@ -284,14 +309,14 @@ class Inversion:
 
 def sequence_length(obs: Observation, model: nn.Module) -> int | None:
     """T as the gradient shows it (module docstring), or None where it does not: one past the last learned
-    position whose embedding gradient is not zero; for rotary positions the rank of block 1's attention-input
+    position whose embedding gradient is not zero; for rotary positions the rank of block 2's attention-input
     gradient over B, rounded up. Under a causal LM's next-token loss the last position is only a label (its
     input feeds no prediction): one more."""
     spec = family_of(model)
     label_only = int(task_of(model) == "causal_lm")
     if spec.positions != "learned":
-        try:
-            span = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 0), spec.rank_tol)
+        try:  # block 2: rotary positions enter block 1's attention after its projections, not its inputs
+            span = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 1), spec.rank_tol)
         except AttackInputError:  # the update does not carry block 1's attention inputs (frozen)
             return None
         if span.rank == 0 or span.full:
@@ -317,8 +342,24 @@ def candidate_vocab(obs: Observation, model: nn.Module, mode: str) -> torch.Tens
             return nonzero
         rows, _ = select_rows(grad, RowNormConfig())
         if rows:
+            log.info("TAG/LAMP: every embedding row is non-zero; %d rows kept by the row-norm gap", len(rows))
             return torch.tensor(sorted(rows))
+    log.info("TAG/LAMP: the whole vocabulary is searched")
     return torch.arange(vocab_size(model))
+
+
+def tied_mask(model: nn.Module, vocab: torch.Tensor) -> torch.Tensor | None:
+    """For a tied LM head, the mask of the embedding rows outside ``vocab``: the client's gradient of the
+    tied matrix adds the input lookup's term on the rows of its input tokens, which an attacker feeding
+    ``inputs_embeds`` does not produce, so those rows are left out of the distance (in the target and the
+    attacker's gradient); elsewhere both hold the head's term alone. None for an untied head."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    table = input_embedding(model).weight
+    if head is None or getattr(head, "weight", None) is not table:
+        return None
+    mask = torch.ones(table.shape[0], 1, dtype=table.dtype, device=table.device)
+    mask[vocab.to(table.device)] = 0
+    return mask
 
 
 def nearest_tokens(x: torch.Tensor, table: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
@@ -370,7 +411,10 @@ class EmbeddingMatch:
     def distance(self) -> Distance:
         return DISTANCE_OF[self.config.distance](self.config)
 
-    def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
+    def problem(self, obs: Observation) -> tuple[Inversion, torch.Tensor, torch.Tensor, int, int | None]:
+        """The inversion problem of ``obs`` on a copy of its model, every input checked first (module
+        docstring): the problem, the embedding table, the candidate vocabulary, T and T as read off the
+        gradient (None where it does not show it)."""
         c = self.config
         model = obs.client_model()
         task = task_of(model)
@@ -385,7 +429,7 @@ class EmbeddingMatch:
         )
         task_loss = TASK_LOSSES[task](obs, table, vocab, c)
         read = sequence_length(obs, model)
-        b, t = obs.update.num_samples, min(read or obs.input_shape[0], obs.input_shape[0])
+        t = min(read or obs.input_shape[0], obs.input_shape[0])
         attention = getattr(model, "set_attn_implementation", None)
         if callable(attention):
             attention("eager")  # fused attention kernels have no double backward
@@ -393,7 +437,15 @@ class EmbeddingMatch:
             p.requires_grad_(True)
         carried = [(n, p) for n, p in model.named_parameters() if n in obs.update.tensors]
         target = [update_tensor(obs, n).to(p.dtype) for n, p in carried]
-        problem = Inversion(model, [p for _, p in carried], target, task_loss, self.distance())
+        tied, name = tied_mask(model, vocab), embedding_param(model)
+        masks = None if tied is None else [tied if n == name else None for n, _ in carried]
+        problem = Inversion(model, [p for _, p in carried], target, task_loss, self.distance(), masks)
+        return problem, table, vocab, t, read
+
+    def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
+        c = self.config
+        problem, table, vocab, t, read = self.problem(obs)
+        model, b = problem.model, obs.update.num_samples
         norm = c.init_norm if c.init_norm is not None else float(table[vocab].norm(dim=-1).mean())
         lm = self._prior(model, table, vocab, b, t)
         start = time.perf_counter()  # a prior built (or trained) above is not the attack's own time
@@ -416,6 +468,7 @@ class EmbeddingMatch:
             if c.swap_every and step >= c.swap_burnin * c.steps and step % c.swap_every == 1:
                 with torch.no_grad():
                     x.copy_(self._swap(problem, x.detach(), norm, generator, lm))
+                self._pin(x, table)
         ids = nearest_tokens(best[1], table, vocab)
         with torch.no_grad():  # the projected embeddings, scaled as LAMP scales them, scored once
             proj = table[ids] * (best[1].norm(dim=-1, keepdim=True) / table[ids].norm(dim=-1, keepdim=True))
@@ -424,7 +477,7 @@ class EmbeddingMatch:
                  "matching_loss": final, "matching_loss_continuous": best[0], "sequence_length": float(t),
                  "length_read": float(read is not None and read <= obs.input_shape[0]),
                  "vocabulary": float(len(vocab)), "prior": float(lm is not None)}  # fmt: skip
-        labels = obs.labels.clone() if task == "classification" and obs.labels is not None else None
+        labels = None if problem.loss.labels is None else problem.loss.labels.clone()
         return Reconstruction(token_ids=ids.tolist(), labels=labels, stats=stats)
 
     def _total(
@@ -557,7 +610,7 @@ ATTACKS.register(
     "tag",
     Tag,
     config_cls=EmbeddingMatchConfig,
-    summary="TAG: text from a classifier's gradient, L2+L1 embedding matching (Deng et al. 2021)",
+    summary="TAG: text from a classifier's or a causal LM's gradient, L2+L1 embedding matching (Deng et al.)",
     modality="text",
 )
 ATTACKS.register(
