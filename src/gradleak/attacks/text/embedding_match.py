@@ -317,7 +317,7 @@ def sequence_length(obs: Observation, model: nn.Module) -> int | None:
     if spec.positions != "learned":
         try:  # block 2: rotary positions enter block 1's attention after its projections, not its inputs
             span = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 1), spec.rank_tol)
-        except AttackInputError:  # the update does not carry block 1's attention inputs (frozen)
+        except AttackInputError:  # the update does not carry block 2's attention inputs (frozen)
             return None
         if span.rank == 0 or span.full:
             return None
