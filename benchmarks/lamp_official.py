@@ -115,7 +115,9 @@ def _unavailable(what: str) -> Any:
 
 
 def load_official(root: Path, args: types.SimpleNamespace) -> types.ModuleType:
-    """The official ``attack.py`` as a module, its imports resolved from ``root`` and the stand-ins."""
+    """The official ``attack.py`` as a module, its imports resolved from ``root`` and the stand-ins. Loaded
+    once: its module-level ``args`` (from ``get_args``) only seeds at import; ``reconstruct`` and everything
+    it calls take the options as an argument."""
     import transformers
 
     stubs = {
@@ -133,8 +135,6 @@ def load_official(root: Path, args: types.SimpleNamespace) -> types.ModuleType:
         if not hasattr(transformers, name):
             setattr(transformers, name, value)
     sys.path.insert(0, str(root))
-    for name in ("constants", "utilities", "init"):  # fresh: another run's args must not linger
-        sys.modules.pop(name, None)
     module = types.ModuleType("lamp_attack")
     module.__file__ = str(root / "attack.py")
     source = (root / "attack.py").read_text(encoding="utf-8")
@@ -176,6 +176,7 @@ def run(lamp: Path, scale: str, seed: int) -> dict[str, Any]:
     tm = build_model("minilm", (MAX_TOKENS,), 2, task="classification", seed=seed)
     model, tok = tm.model.eval(), tm.tokenizer
     lm = stand_in_lm(vocab_size(model))
+    official = load_official(lamp, official_args("tag", scale))
     rows: list[dict[str, Any]] = []
     for k, (sentence, label) in enumerate(sentences(tok, n, seed)):
         batch = encode([sentence], tok, max_tokens=MAX_TOKENS, labels=[label])
@@ -184,7 +185,6 @@ def run(lamp: Path, scale: str, seed: int) -> dict[str, Any]:
         obs = Observation(model, update, (batch.input_ids.shape[1],), 2, labels=batch.labels)
         for method in ("tag", "lamp"):
             args = official_args(method, scale)
-            official = load_official(lamp, args)
             np.random.seed(args.rng_seed)
             torch.manual_seed(args.rng_seed)
             random.seed(args.rng_seed)

@@ -493,6 +493,12 @@ class EmbeddingMatch:
         c = self.config
         return int(c.first_token_id is not None), max(1, length - int(c.last_token_id is not None))
 
+    def _around(self, inner: torch.Tensor, length: int) -> torch.Tensor:
+        """The permutation of ``length`` positions that moves the unpinned ones by ``inner`` (a permutation
+        of ``range(hi - lo)``) and keeps the pinned ends."""
+        lo, hi = self._inner(length)
+        return torch.cat([torch.arange(lo), lo + inner, torch.arange(hi, length)])
+
     @torch.no_grad()
     def _pin(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """``x`` with the pinned tokens' embeddings at the first / last position (LAMP's
@@ -530,8 +536,7 @@ class EmbeddingMatch:
         if c.init_candidates > 1:
 
             def permuted() -> torch.Tensor:
-                inner = lo + torch.randperm(hi - lo, generator=generator)
-                return best[:, torch.cat([torch.arange(lo), inner, torch.arange(hi, shape[1])])]
+                return best[:, self._around(torch.randperm(hi - lo, generator=generator), shape[1])]
 
             best = min([best, *(permuted() for _ in range(c.init_candidates))], key=score)
         if c.norm_weight or c.init_norm is not None:
@@ -580,8 +585,7 @@ class EmbeddingMatch:
         out = x.clone()
         lo, hi = self._inner(x.shape[1])
         for s in range(x.shape[0]):
-            perms = [torch.cat([torch.arange(lo), lo + p, torch.arange(hi, x.shape[1])])
-                     for p in moves(hi - lo, generator, self.config.swap_tries)]  # fmt: skip
+            perms = [self._around(p, x.shape[1]) for p in moves(hi - lo, generator, self.config.swap_tries)]
             prior = lm(out[s], perms) if lm is not None else None
             scored = []
             for j, perm in enumerate(perms):
