@@ -57,6 +57,13 @@ What the attacker must know or read (the official code's defaults, LAMP's threat
   before work.
 
 A model with neither a classification head nor a language-model head is refused before work.
+
+**FedAvg** (neither paper's setting; the reading ``dlg`` and ``dager_fedavg`` make): a delta of K plain SGD
+steps at learning rate lr is -lr times the sum of the gradients along the client's path, so
+(w_0 - w_T) / (lr K), from the public recipe, is their mean, which the attacker's copy reproduces best at
+the path's midpoint w_0 + delta / 2 (``midpoint_weights``, DAGER Sec. 6). Exact for one step on one batch;
+the more the weights move, the further the mean is from any one gradient. A hidden recipe, or an optimiser
+whose delta is not a multiple of the gradients (Adam, momentum, weight decay), is refused before work.
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradleak.attacks.text.family import (
+    at_midpoint,
     embedding_param,
     estimate_span,
     family_of,
@@ -113,6 +121,7 @@ class EmbeddingMatchConfig:
     vocab: str = "embedding"  # "embedding": the embedding gradient's non-zero rows; "full"
     grad_clip: float | None = None
     temperature: float = 0.05  # causal LMs: the soft next-token targets' softmax temperature (ours)
+    midpoint_weights: bool = True  # a FedAvg delta: the attacker's copy at w_0 + delta / 2 (module docstring)
     first_token_id: int | None = None  # every sequence starts with it (BERT's [CLS], 101): pinned at 0
     last_token_id: int | None = None  # every sequence ends with it (BERT's [SEP], 102): pinned at T - 1
 
@@ -330,6 +339,29 @@ def sequence_length(obs: Observation, model: nn.Module) -> int | None:
     return int(used.max()) + 1 + label_only if used.numel() else None
 
 
+def gradient_scale(obs: Observation) -> float:
+    """The factor that turns the update into the gradient the attacker's copy reproduces (module
+    docstring, "FedAvg"): 1 for a FedSGD gradient; for a FedAvg delta of K plain SGD steps at learning rate
+    lr (the public recipe), 1 / (lr K), so that the negated delta becomes the steps' mean gradient. Any
+    other recipe (hidden, Adam, momentum, weight decay: a delta that is not a multiple of gradients) is
+    refused before work."""
+    if obs.update.kind == "gradient":
+        return 1.0
+    tr = obs.training
+    if tr is None:
+        raise AttackInputError(
+            "TAG and LAMP read a FedAvg delta as plain SGD's mean gradient (w_0 - w_T) / (lr K), from the "
+            "client's public recipe (audit.training_public = true); the recipe is hidden"
+        )
+    if tr.optimizer != "sgd" or tr.momentum or tr.weight_decay:
+        raise AttackInputError(
+            f"TAG and LAMP read a FedAvg delta as plain SGD's mean gradient; the recipe's optimizer is "
+            f"{tr.optimizer!r} (momentum {tr.momentum}, weight decay {tr.weight_decay}), whose delta is not "
+            "a multiple of the gradients"
+        )
+    return 1.0 / (tr.lr * tr.steps(obs.update.num_samples))
+
+
 def candidate_vocab(obs: Observation, model: nn.Module, mode: str) -> torch.Tensor:
     """The token ids a position may take (module docstring): the embedding gradient's non-zero rows, or
     where all are non-zero (a tied LM head) the rows the row-norm channel keeps; else the whole
@@ -403,7 +435,7 @@ def moves(tokens: int, generator: torch.Generator, tries: int) -> list[torch.Ten
 class EmbeddingMatch:
     """TAG, or LAMP with :class:`LampConfig` (module docstring)."""
 
-    needs = AttackNeeds(update_kinds=("gradient",))  # a FedSGD gradient: TAG's distance is scale-bound
+    needs = AttackNeeds(update_kinds=("gradient", "delta"))  # a delta needs a plain-SGD public recipe
 
     def __init__(self, config: EmbeddingMatchConfig | None = None) -> None:
         self.config = config or EmbeddingMatchConfig()
@@ -416,10 +448,11 @@ class EmbeddingMatch:
         docstring): the problem, the embedding table, the candidate vocabulary, T and T as read off the
         gradient (None where it does not show it)."""
         c = self.config
+        scale = gradient_scale(obs)  # a FedAvg delta without a plain-SGD public recipe: refused here
         model = obs.client_model()
         task = task_of(model)
-        if obs.update.kind != "gradient":
-            raise AttackInputError("TAG and LAMP invert one FedSGD gradient; this update is a FedAvg delta")
+        if c.midpoint_weights:
+            at_midpoint(model, obs)
         table = input_embedding(model).weight.detach()
         pinned = [v for v in (c.first_token_id, c.last_token_id) if v is not None]
         if any(v >= table.shape[0] for v in pinned):
@@ -436,7 +469,7 @@ class EmbeddingMatch:
         for p in model.parameters():
             p.requires_grad_(True)
         carried = [(n, p) for n, p in model.named_parameters() if n in obs.update.tensors]
-        target = [update_tensor(obs, n).to(p.dtype) for n, p in carried]
+        target = [scale * update_tensor(obs, n).to(p.dtype) for n, p in carried]
         tied, name = tied_mask(model, vocab), embedding_param(model)
         masks = None if tied is None else [tied if n == name else None for n, _ in carried]
         problem = Inversion(model, [p for _, p in carried], target, task_loss, self.distance(), masks)

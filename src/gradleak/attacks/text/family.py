@@ -75,6 +75,18 @@ def update_tensor(obs: Observation, param: str) -> torch.Tensor:
     return t * obs.update.gradient_sign  # FedAvg deltas negated (exact: a sign flip)
 
 
+def at_midpoint(model: nn.Module, obs: Observation) -> nn.Module:
+    """``model`` (the attacker's copy at w_0) moved, in place, to the midpoint w_0 + delta / 2 of a FedAvg
+    delta's path, where the mean gradient of the client's local steps is best read (DAGER Sec. 6, FedAvg);
+    unchanged for a FedSGD gradient. Returns ``model``."""
+    if obs.update.kind == "delta":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in obs.update.tensors:
+                    p.add_(obs.update.tensors[name].to(p), alpha=0.5)
+    return model
+
+
 def input_side_gradient(
     obs: Observation, model: nn.Module, suffixes: tuple[str, ...], layer: int
 ) -> torch.Tensor:

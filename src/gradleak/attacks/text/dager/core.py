@@ -52,6 +52,7 @@ from gradleak.attacks.text.dager.search import L2Search, PolishConfig, Scored, s
 from gradleak.attacks.text.family import (
     FamilySpec,
     Span,
+    at_midpoint,
     embedding_param,
     estimate_span,
     family_of,
@@ -197,12 +198,7 @@ class Dager:
 
     def attacker_model(self, obs: Observation) -> nn.Module:
         model = obs.client_model()
-        if self.config.midpoint_weights and obs.update.kind == "delta":
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if name in obs.update.tensors:
-                        p.add_(obs.update.tensors[name].to(p.dtype), alpha=0.5)
-        return model
+        return at_midpoint(model, obs) if self.config.midpoint_weights else model
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         start = time.perf_counter()
