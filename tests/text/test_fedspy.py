@@ -1,5 +1,6 @@
 """FedSpy-LLM as read here (issue 53): the token set from the gradient, the order by aligning partial-sequence
-gradients with the update, on the 2-layer GPT-2 with the real tokenizer."""
+gradients with the update, where sequences end from block 2's span, on the 2-layer GPT-2 with the real
+tokenizer."""
 
 from __future__ import annotations
 
@@ -44,17 +45,32 @@ def test_the_span_reading_recovers_all_but_the_last_token(gpt2):
     assert run(obs, tokens="span") == [true[:-1]]
 
 
-@pytest.mark.slow  # 17 s: one backward pass per tried token and step
-def test_two_sentences_each_come_back_in_order(gpt2):
-    """Each sentence is the start of one recovered sequence: the first runs on into the other's words (an
-    extension from the rest of the batch also raises the cosine, measured +0.03 against +0.06-0.14 for the
-    true ones), and with shorter sentences ("great fun", "a dull movie") it takes a word the second then
-    lacks: where a sentence ends is what this reading of the ordering stage does not find."""
-    obs, truth = observe(gpt2, ["the film was great fun", "a dull and boring movie"])
-    got = run(obs)
-    assert len(got) == 2
-    for true in truth:
-        assert any(seq[: len(true)] == true for seq in got), (truth, got)
+@pytest.mark.parametrize(
+    "texts",
+    [
+        ["the film was great fun", "a dull and boring movie"],
+        ["great fun", "a dull movie"],  # short: the gain rule alone gave "great fun movie dull movie", "a dull"
+        ["the film was great fun", "a dull and boring movie", "it was fun"],
+    ],
+)
+def test_sentences_come_back_exactly_with_their_ends_read_off_block_2s_span(gpt2, texts):
+    """The cosine alone does not find where a sentence ends (an extension from the rest of the batch also
+    raises it: +0.03 measured, against +0.06-0.14 for true ones; the first sentence ran on into the
+    others' words in all three batches); the span test of the last position's block-2 input does."""
+    obs, truth = observe(gpt2, texts)
+    rec = create_attack("fedspy").reconstruct(obs, generator=torch.Generator().manual_seed(0))
+    assert sorted(rec.token_ids) == sorted(truth), [gpt2.tokenizer.decode(s) for s in rec.token_ids]
+    assert rec.stats["span_ends"] == 1
+
+
+def test_without_block_2s_attention_the_gain_rule_alone_ends_sequences(gpt2):
+    obs, (true,) = observe(gpt2, ["the film was great fun"])
+    frozen = {n: t for n, t in obs.update.tensors.items() if ".h.1.attn." not in n}
+    rec = create_attack("fedspy").reconstruct(
+        Observation(obs.model, Update(frozen, 1, kind="gradient"), obs.input_shape, 50257),
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert rec.token_ids == [true] and rec.stats["span_ends"] == 0
 
 
 def test_a_null_update_gives_none_of_the_words(gpt2):
