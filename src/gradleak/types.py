@@ -45,6 +45,9 @@ class Observation:
     times (``audit.views``; a malicious server's replay, or a client whose local data set is one batch in
     successive FedSGD rounds of a model that barely moves). Empty by default; attacks that do not average
     views read ``update`` alone.
+
+    ``lengths``: each text sample's number of real tokens, only where the threat model grants them
+    (``audit.grant_lengths``; LAMP's ``know_padding``, its official default); never under secure aggregation.
     """
 
     model: nn.Module
@@ -58,6 +61,7 @@ class Observation:
     num_clients: int = 1
     mode: str | None = None
     views: tuple[Update, ...] = ()
+    lengths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         """An attack never reads an invalid update: names and shapes must match the model's parameters
@@ -76,6 +80,15 @@ class Observation:
                 )
         if not self.input_shape or any(not isinstance(d, int) or d < 1 for d in self.input_shape):
             raise AttackInputError(f"input_shape must be positive ints, got {self.input_shape!r}")
+        if self.lengths is not None and (
+            len(self.lengths) != self.update.num_samples
+            or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.input_shape[0]
+                   for n in self.lengths)
+        ):  # fmt: skip
+            raise AttackInputError(
+                f"lengths must be one int in [1, {self.input_shape[0]}] per sample "
+                f"({self.update.num_samples}), got {self.lengths!r}"
+            )
         mode = self.mode if self.mode is not None else self.update.metadata.get(MODE, "train")
         if mode not in MODES:
             raise AttackInputError(f"mode must be one of {MODES}, got {mode!r}")

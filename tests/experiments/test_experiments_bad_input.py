@@ -39,6 +39,7 @@ def organamnist_only(tmp_path):
         (["audit.attacks=['dager']"], r"audit.attacks\[0\] works on text tasks, but data.dataset = "
                                       r"'organamnist' holds image data"),
         (["defenses=['aegis_llm']"], r"defenses\[0\] works on text tasks"),
+        (["audit.grant_lengths=true"], r"audit.grant_lengths works on text tasks, but data.dataset = "),
         (["audit.attacks.0.num_bins='many'"],
          r"audit.attacks\[0\]: attack 'robbing_the_fed' option num_bins: expected int, got str 'many'"),
         (["audit.public_dataset='cifar10'"], r"audit.public_dataset = 'cifar10' gives images of shape "

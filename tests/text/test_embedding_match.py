@@ -314,3 +314,88 @@ def test_tag_on_rotary_positions_recovers_most_tokens():
     obs = _rotary(ROTARY)
     rec = create_attack("tag", steps=300).reconstruct(obs, generator=torch.Generator().manual_seed(0))
     assert len(set(ROTARY) & set(rec.token_ids[0])) >= 4, rec.token_ids  # measured: 5 of 6
+
+
+# ---- granted per-sequence lengths (audit.grant_lengths; LAMP's know_padding)
+
+TWO = ("the film was great fun", "a dull movie")
+
+
+def _two(tm, task: str, labels: list[int] | None) -> tuple[Observation, list[list[int]]]:
+    batch = encode(list(TWO), tm.tokenizer, labels=labels)
+    seqs = batch.sequences()
+    update = fedsgd_text_update(tm.model, batch, task)
+    width = batch.input_ids.shape[1]
+    lengths = tuple(len(s) for s in seqs)
+    label_ids = None if labels is None else batch.labels
+    return Observation(tm.model, update, (width,), 2, labels=label_ids, lengths=lengths), seqs
+
+
+def test_granted_lengths_give_back_a_batch_of_two_lengths_exactly(case):
+    """B = 2, 7 and 5 tokens: with the lengths granted each sequence is its own length (padding masked,
+    [SEP] pinned at its end) and LAMP recovers both exactly (seeds 0 and 1 by hand); with them taken as
+    T = 7 the shorter one came back with guesses in its padding ("a dull movie [SEP] a [SEP]")."""
+    tm = case[0]
+    obs, seqs = _two(tm, "classification", [1, 0])
+    rec = create_attack(
+        "lamp", steps=300, init_candidates=50, first_token_id=101, last_token_id=102
+    ).reconstruct(obs, generator=torch.Generator().manual_seed(0))
+    assert rec.token_ids == seqs, [words(tm, s) for s in rec.token_ids]
+    assert rec.stats["lengths_granted"] == 1 and rec.stats["sequence_length"] == 7
+
+
+@pytest.mark.parametrize(("task", "tol"), [("classification", 1e-6), ("causal_lm", 1e-4)])
+def test_with_granted_lengths_the_objective_vanishes_at_the_truth_whatever_the_padding_holds(
+    case, causal, task, tol
+):
+    """The attacker's copy masks each sequence's padding as the client's forward does (attention, and the
+    next-token labels of a causal LM): at the true embeddings, with Gaussian noise in the padding, LAMP's
+    distance is float rounding (6e-8 measured; BERT's key biases, zero by construction, are left out: they
+    added 0.05), or under the next-token loss the soft labels' gap to one-hot (4e-6 measured)."""
+    from gradleak.attacks.text.embedding_match import Lamp, LampConfig
+
+    tm = case[0] if task == "classification" else causal[0]
+    obs, seqs = _two(tm, task, [1, 0] if task == "classification" else None)
+    problem, table, _, t, _ = Lamp(LampConfig()).problem(obs)
+    x = torch.randn(2, t, table.shape[1], generator=torch.Generator().manual_seed(0))
+    for b, s in enumerate(seqs):
+        x[b, : len(s)] = table[torch.tensor(s)]
+    assert abs(float(problem.objective(x.requires_grad_(True), create_graph=False))) < tol
+
+
+def test_bad_lengths_and_unequal_lengths_for_a_last_token_classifier_are_refused(case):
+    tm, obs, _ = case
+    with pytest.raises(AttackInputError, match="lengths must be one int"):
+        Observation(obs.model, obs.update, obs.input_shape, 2, labels=obs.labels, lengths=(3, 4))
+    with pytest.raises(AttackInputError, match="lengths must be one int"):
+        Observation(obs.model, obs.update, obs.input_shape, 2, labels=obs.labels, lengths=(99,))
+    gpt2 = build_model("gpt2_tiny", (16,), 2, task="classification", seed=0)
+    obs2, _ = _two(gpt2, "classification", [1, 0])
+    with pytest.raises(AttackInputError, match="granted lengths must be equal"):
+        create_attack("lamp").reconstruct(obs2, generator=torch.Generator())
+
+
+def test_the_server_view_grants_lengths_only_when_asked_and_never_on_a_sum(case):
+    from gradleak.data.text import TokenDataset
+    from gradleak.federation.simulation import server_view
+    from gradleak.tasks.client import ClientResult
+
+    tm, obs, _ = case
+    batch = encode(list(TWO), tm.tokenizer, labels=[1, 0])
+    truth = TokenDataset("two", batch.input_ids, batch.attention_mask, batch.labels, 2)
+    update = fedsgd_text_update(tm.model, batch, "classification")
+    results = [ClientResult(0, update, truth=truth)]
+    width = (batch.input_ids.shape[1],)
+    views = [
+        server_view(
+            tm.model,
+            results,
+            input_shape=width,
+            num_classes=2,
+            secure_aggregation=secagg,
+            training=None,
+            grant_lengths=grant,
+        )[0]  # fmt: skip
+        for secagg, grant in ((False, True), (False, False), (True, True))
+    ]
+    assert [v.lengths for v in views] == [(7, 5), None, None]

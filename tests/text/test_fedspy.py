@@ -49,7 +49,8 @@ def test_the_span_reading_recovers_all_but_the_last_token(gpt2):
     "texts",
     [
         ["the film was great fun", "a dull and boring movie"],
-        ["great fun", "a dull movie"],  # short: the gain rule alone gave "great fun movie dull movie", "a dull"
+        # short: the gain rule alone gave "great fun movie dull movie", "a dull"
+        ["great fun", "a dull movie"],
         ["the film was great fun", "a dull and boring movie", "it was fun"],
     ],
 )

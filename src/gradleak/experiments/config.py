@@ -9,7 +9,8 @@ Layout (every section optional except where noted; see ``examples/`` and the emb
     [fl]          rounds, fraction, server_lr, server_optimizer, server_weight_decay, secure_aggregation,
                   eval_every, [fl.training]
     [engine]      name ("inprocess" or "flower": Flower's simulation engine on Ray), [engine.options]
-    [audit]       clients, grant_labels, training_public, [audit.training], [[audit.attacks]] (name + options)
+    [audit]       clients, grant_labels, grant_lengths, training_public, [audit.training],
+                  [[audit.attacks]] (name + options)
     [[defenses]]  name + options
 
 Unknown keys, wrong types and unknown registry names are rejected before any work starts.
@@ -154,7 +155,8 @@ class AuditSection:
 
     ``clients``: how many of the next round's sampled clients to audit (0 disables the audit).
     ``training``: the recipe of the audited round (e.g. FedSGD on a small batch).
-    ``training_public``: whether the attacker knows that recipe; ``grant_labels``: whether it knows labels.
+    ``training_public``: whether the attacker knows that recipe; ``grant_labels``: whether it knows labels;
+    ``grant_lengths``: whether it knows each text sample's length (LAMP's ``know_padding``; text data only).
     ``max_samples``: audited clients keep only ``max_samples`` of their samples (None: all), the first ones
     or, with ``pick = "random"``, a seeded random subset (the same for every attack of the audit); the first
     samples of a client of a class-ordered data set (CIFAR-10) are one or two classes.
@@ -179,6 +181,7 @@ class AuditSection:
     training: LocalTraining = field(default_factory=lambda: LocalTraining(protocol="fedsgd", batch_size=4))
     training_public: bool = True
     grant_labels: bool = False
+    grant_lengths: bool = False
     attacks: tuple[ComponentSpec, ...] = (ComponentSpec("ig"),)
     views: int = 1
 
@@ -357,6 +360,8 @@ class ExperimentConfig:
         parts += [
             (f"grid.defenses[{i}]", DEFENSES.entry(s.name).modality) for i, s in enumerate(self.grid.defenses)
         ]
+        if self.audit.grant_lengths:
+            parts.append(("audit.grant_lengths", "text"))
         for key, modality in parts:
             if modality is not None and task is not None and modality != task:
                 raise ConfigError(

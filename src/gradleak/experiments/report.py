@@ -259,7 +259,8 @@ def setup_text(run: RunRow) -> list[str]:
         f"Audit: {audit['clients']} sampled client(s), {at['protocol']} on batches of {at['batch_size']}"
         f"{recipe_extras(at)}; "
         f"recipe {'known' if audit.get('training_public', True) else 'hidden'} to the attacker; labels "
-        f"{'granted' if audit.get('grant_labels') else 'recovered by the attack'}.",
+        f"{'granted' if audit.get('grant_labels') else 'recovered by the attack'}"
+        f"{'; text lengths granted' if audit.get('grant_lengths') else ''}.",
         *(f"Warning: {w}" for w in budget_warnings([ComponentSpec(a["name"], a.get("options", {}))
                                                       for a in audit["attacks"]])),
         f"Attacks: {', '.join(_attack_label(a) for a in audit['attacks'])}. Seed {c['experiment']['seed']}. "

@@ -454,7 +454,8 @@ class _Run:
                 results = honest["updates"]
             observations = server_view(
                 broadcast, results, input_shape=shape, num_classes=classes, secure_aggregation=False,
-                training=recipe, grant_labels=audit.grant_labels, secrets=secrets,
+                training=recipe, grant_labels=audit.grant_labels, grant_lengths=audit.grant_lengths,
+                secrets=secrets,
             )  # fmt: skip
             if not isinstance(attack, ModelModifyingAttack) and honest["views"]:
                 observations = [with_views(obs, honest["views"]) for obs in observations]

@@ -440,11 +440,13 @@ def server_view(
     training: LocalTraining | None,
     grant_labels: bool = False,
     secrets: Mapping[str, object] | None = None,
+    grant_lengths: bool = False,
 ) -> list[Observation]:
     """What the server observes: one Observation per received update, or one for the secure sum.
 
     ``training`` is the recipe the threat model makes public (None hides it). Labels are attached only when
-    ``grant_labels`` (and never under secure aggregation, where they would be a union across clients).
+    ``grant_labels``, text samples' lengths (their attention masks' sums) only when ``grant_lengths`` (and
+    neither under secure aggregation, where they would be a union across clients).
     ``secrets`` are what a malicious server planted in ``broadcast``.
     """
     secrets = dict(secrets or {})
@@ -460,7 +462,10 @@ def server_view(
     for r in received:
         truth_labels = None if r.truth is None else r.truth.labels
         labels = truth_labels.clone() if (grant_labels and truth_labels is not None) else None
-        out.append(Observation(w0, r.update, input_shape, num_classes, training, labels, secrets))  # type: ignore[arg-type]
+        mask = getattr(r.truth, "attention_mask", None) if grant_lengths else None
+        lengths = None if mask is None else tuple(int(n) for n in mask.sum(dim=1))
+        out.append(Observation(w0, r.update, input_shape, num_classes, training, labels, secrets,  # type: ignore[arg-type]
+                               lengths=lengths))  # fmt: skip
     return out
 
 

@@ -186,12 +186,22 @@ def l2_l1(grads: list[torch.Tensor], target: list[torch.Tensor], l1_weight: floa
     return total
 
 
+SILENT = 1e-7  # a target this small relative to the largest is rounding of a structural zero (mean_cosine)
+
+
 def mean_cosine(grads: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
-    """LAMP's distance: the mean over parameters of 1 - cos(g, t)."""
+    """LAMP's distance: the mean over parameters of 1 - cos(g, t). A parameter whose target is below
+    :data:`SILENT` times the largest target's norm is left out: it is float rounding of a gradient that is
+    zero by construction (BERT's key biases: the softmax ignores a shift shared by every key; 1.6e-12
+    measured), and its cosine with the attacker's own rounding is noise (each such parameter added a term
+    anywhere in [0, 2], 1 / 40 of it on the 2-layer BERT). TAG's distance keeps them: a few 1e-12 there."""
+    norms = [float(t.norm()) for t in target]
+    floor = SILENT * max(norms, default=0.0)
+    kept = [(g, t, n) for g, t, n in zip(grads, target, norms, strict=True) if n > floor]
     total = grads[0].new_zeros(())
-    for g, t in zip(grads, target, strict=True):
-        total = total + 1 - (g * t).sum() / (g.norm() * t.norm()).clamp_min(1e-12)
-    return total / len(grads)
+    for g, t, n in kept:
+        total = total + 1 - (g * t).sum() / (g.norm() * n).clamp_min(1e-12)
+    return total / max(1, len(kept))
 
 
 # config.distance -> the distance at the config's settings
@@ -211,18 +221,31 @@ class TaskLoss(Protocol):
     def __call__(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
 
 
-def _ones(x: torch.Tensor) -> torch.Tensor:
-    return torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
+def _attention(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The attention mask of ``x`` (B, T, d): ``mask`` (granted lengths), else every position real."""
+    if mask is None:
+        return torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
+    return mask.to(x.device)
+
+
+def length_mask(lengths: tuple[int, ...] | None, width: int) -> torch.Tensor | None:
+    """(B, ``width``) 1 on each sequence's first ``lengths[b]`` positions (right padding), or None."""
+    if lengths is None:
+        return None
+    return (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
 
 
 @dataclass(frozen=True)
 class ClassificationLoss:
-    """Cross-entropy at the granted labels (TAG's and LAMP's setting)."""
+    """Cross-entropy at the granted labels (TAG's and LAMP's setting); ``mask`` the padding of granted
+    lengths (None: every position real)."""
 
     labels: torch.Tensor
+    mask: torch.Tensor | None = None
 
     def __call__(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        loss: torch.Tensor = model(inputs_embeds=x, attention_mask=_ones(x), labels=self.labels).loss
+        attention = _attention(x, self.mask)
+        loss: torch.Tensor = model(inputs_embeds=x, attention_mask=attention, labels=self.labels).loss
         return loss
 
 
@@ -230,18 +253,25 @@ class ClassificationLoss:
 class SoftNextTokenLoss:
     """The next-token loss with soft labels read off ``x`` itself (module docstring): the target of position
     t is softmax over ``vocab`` of cos(x[t+1], E_v) / ``temperature``; the loss is the mean over the
-    B (T - 1) predicted positions of -sum_v q_v log p_v."""
+    B (T - 1) predicted positions of -sum_v q_v log p_v; with ``mask`` (granted lengths) over the positions
+    whose next one is real, as the client's loss leaves padded labels out."""
 
     table: torch.Tensor  # the candidate tokens' embeddings, unit rows (|vocab|, d)
     vocab: torch.Tensor
     temperature: float
     labels: torch.Tensor | None = None  # the labels are the sequence's own next tokens
+    mask: torch.Tensor | None = None
 
     def __call__(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        logits = model(inputs_embeds=x, attention_mask=_ones(x)).logits[:, :-1]
+        attention = _attention(x, self.mask)
+        logits = model(inputs_embeds=x, attention_mask=attention).logits[:, :-1]
         logp = torch.log_softmax(logits.to(x.dtype), dim=-1)[..., self.vocab.to(x.device)]
         q = torch.softmax(F.normalize(x[:, 1:], dim=-1) @ self.table.to(x).T / self.temperature, dim=-1)
-        return -(q * logp).sum(-1).mean()
+        nll = -(q * logp).sum(-1)
+        if self.mask is None:
+            return nll.mean()
+        predicted = attention[:, 1:].to(nll.dtype)
+        return (nll * predicted).sum() / predicted.sum()
 
 
 def task_of(model: nn.Module) -> str:
@@ -260,7 +290,11 @@ def task_of(model: nn.Module) -> str:
 
 
 def _classification(
-    obs: Observation, table: torch.Tensor, vocab: torch.Tensor, c: EmbeddingMatchConfig
+    obs: Observation,
+    table: torch.Tensor,
+    vocab: torch.Tensor,
+    c: EmbeddingMatchConfig,
+    mask: torch.Tensor | None,
 ) -> TaskLoss:
     if obs.labels is None:
         raise AttackInputError(
@@ -268,18 +302,24 @@ def _classification(
         )
     if len(obs.labels) != obs.update.num_samples:
         raise AttackInputError(f"{len(obs.labels)} labels granted for a batch of {obs.update.num_samples}")
-    return ClassificationLoss(obs.labels.long())
+    return ClassificationLoss(obs.labels.long(), mask)
 
 
 def _causal_lm(
-    obs: Observation, table: torch.Tensor, vocab: torch.Tensor, c: EmbeddingMatchConfig
+    obs: Observation,
+    table: torch.Tensor,
+    vocab: torch.Tensor,
+    c: EmbeddingMatchConfig,
+    mask: torch.Tensor | None,
 ) -> TaskLoss:
-    return SoftNextTokenLoss(F.normalize(table[vocab], dim=-1), vocab, c.temperature)
+    return SoftNextTokenLoss(F.normalize(table[vocab], dim=-1), vocab, c.temperature, mask=mask)
 
 
-# task_of(model) -> the loss the attacker's copy takes (checked before any work)
+# task_of(model) -> the loss the attacker's copy takes (checked before any work): the observation, the
+# embedding table, the candidate vocabulary, the options, the padding mask of granted lengths (or None)
 TASK_LOSSES: dict[
-    str, Callable[[Observation, torch.Tensor, torch.Tensor, EmbeddingMatchConfig], TaskLoss]
+    str,
+    Callable[[Observation, torch.Tensor, torch.Tensor, EmbeddingMatchConfig, torch.Tensor | None], TaskLoss],
 ] = {
     "classification": _classification,
     "causal_lm": _causal_lm,
@@ -298,6 +338,7 @@ class Inversion:
     loss: TaskLoss
     distance: Distance
     masks: list[torch.Tensor | None] | None = None
+    lengths: tuple[int, ...] | None = None  # granted per-sequence lengths (None: all T long)
 
     def __post_init__(self) -> None:
         if self.masks is not None:
@@ -401,6 +442,11 @@ def nearest_tokens(x: torch.Tensor, table: torch.Tensor, vocab: torch.Tensor) ->
     return vocab[sims.argmax(dim=-1)]
 
 
+def _lengths(lengths: tuple[int, ...] | None, batch: int, width: int) -> list[int]:
+    """Each sequence's length: the granted ones, else ``width`` for all ``batch``."""
+    return list(lengths) if lengths is not None else [width] * batch
+
+
 def moves(tokens: int, generator: torch.Generator, tries: int) -> list[torch.Tensor]:
     """LAMP's discrete moves of one sequence's positions: the identity, then by turns a swap of two
     positions, a token moved elsewhere, a span moved elsewhere, a prefix put at the end."""
@@ -460,9 +506,16 @@ class EmbeddingMatch:
         vocab = torch.unique(
             torch.cat([candidate_vocab(obs, model, c.vocab), torch.tensor(pinned, dtype=torch.long)])
         )
-        task_loss = TASK_LOSSES[task](obs, table, vocab, c)
         read = sequence_length(obs, model)
         t = min(read or obs.input_shape[0], obs.input_shape[0])
+        if obs.lengths is not None:
+            t = max(obs.lengths)
+            if task == "classification" and family_of(model).causal and len(set(obs.lengths)) > 1:
+                raise AttackInputError(
+                    f"{family_of(model).model_type}'s classifier pools each sequence's last token, which a "
+                    "forward of input embeddings cannot place per sequence: granted lengths must be equal"
+                )
+        task_loss = TASK_LOSSES[task](obs, table, vocab, c, length_mask(obs.lengths, t))
         attention = getattr(model, "set_attn_implementation", None)
         if callable(attention):
             attention("eager")  # fused attention kernels have no double backward
@@ -472,7 +525,9 @@ class EmbeddingMatch:
         target = [scale * update_tensor(obs, n).to(p.dtype) for n, p in carried]
         tied, name = tied_mask(model, vocab), embedding_param(model)
         masks = None if tied is None else [tied if n == name else None for n, _ in carried]
-        problem = Inversion(model, [p for _, p in carried], target, task_loss, self.distance(), masks)
+        problem = Inversion(
+            model, [p for _, p in carried], target, task_loss, self.distance(), masks, obs.lengths
+        )
         return problem, table, vocab, t, read
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
@@ -483,6 +538,7 @@ class EmbeddingMatch:
         lm = self._prior(model, table, vocab, b, t)
         start = time.perf_counter()  # a prior built (or trained) above is not the attack's own time
         x = self._start(problem, (b, t, table.shape[1]), norm, generator, table)
+        ends = problem.lengths
         x.requires_grad_(True)
         opt = torch.optim.Adam([x], lr=c.lr)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=c.lr_decay)
@@ -497,11 +553,11 @@ class EmbeddingMatch:
                 torch.nn.utils.clip_grad_norm_([x], c.grad_clip)
             opt.step()
             sched.step()
-            self._pin(x, table)
+            self._pin(x, table, ends)
             if c.swap_every and step >= c.swap_burnin * c.steps and step % c.swap_every == 1:
                 with torch.no_grad():
                     x.copy_(self._swap(problem, x.detach(), norm, generator, lm))
-                self._pin(x, table)
+                self._pin(x, table, ends)
         ids = nearest_tokens(best[1], table, vocab)
         with torch.no_grad():  # the projected embeddings, scaled as LAMP scales them, scored once
             proj = table[ids] * (best[1].norm(dim=-1, keepdim=True) / table[ids].norm(dim=-1, keepdim=True))
@@ -509,16 +565,21 @@ class EmbeddingMatch:
         stats = {"iterations": float(c.steps), "seconds": time.perf_counter() - start,
                  "matching_loss": final, "matching_loss_continuous": best[0], "sequence_length": float(t),
                  "length_read": float(read is not None and read <= obs.input_shape[0]),
+                 "lengths_granted": float(ends is not None),
                  "vocabulary": float(len(vocab)), "prior": float(lm is not None)}  # fmt: skip
         labels = None if problem.loss.labels is None else problem.loss.labels.clone()
-        return Reconstruction(token_ids=ids.tolist(), labels=labels, stats=stats)
+        token_ids = [row[:n] for row, n in zip(ids.tolist(), _lengths(ends, b, t), strict=True)]
+        return Reconstruction(token_ids=token_ids, labels=labels, stats=stats)
 
     def _total(
         self, problem: Inversion, x: torch.Tensor, norm: float, *, create_graph: bool = True
     ) -> torch.Tensor:
         loss = problem.objective(x, create_graph=create_graph)
         if self.config.norm_weight:
-            loss = loss + self.config.norm_weight * (x.norm(dim=-1).mean() - norm).square()
+            norms = x.norm(dim=-1)
+            real = length_mask(problem.lengths, x.shape[1])
+            mean = norms.mean() if real is None else norms[real.to(x.device).bool()].mean()
+            loss = loss + self.config.norm_weight * (mean - norm).square()
         return loss
 
     def _inner(self, length: int) -> tuple[int, int]:
@@ -533,14 +594,18 @@ class EmbeddingMatch:
         return torch.cat([torch.arange(lo), lo + inner, torch.arange(hi, length)])
 
     @torch.no_grad()
-    def _pin(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """``x`` with the pinned tokens' embeddings at the first / last position (LAMP's
-        ``fix_special_tokens``); in place, and returned."""
+    def _pin(
+        self, x: torch.Tensor, table: torch.Tensor, lengths: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
+        """``x`` with the pinned tokens' embeddings at each sequence's first / last position (its granted
+        length's last, else T's: LAMP's ``fix_special_tokens``); in place, and returned."""
         c = self.config
         if c.first_token_id is not None:
             x[:, 0] = table[c.first_token_id].to(x)
-        if c.last_token_id is not None and x.shape[1] > 1:
-            x[:, -1] = table[c.last_token_id].to(x)
+        if c.last_token_id is not None:
+            for s, n in enumerate(_lengths(lengths, x.shape[0], x.shape[1])):
+                if n > 1:
+                    x[s, n - 1] = table[c.last_token_id].to(x)
         return x
 
     def _start(
@@ -556,25 +621,32 @@ class EmbeddingMatch:
         (``norm_weight``); the pinned tokens in place throughout."""
         c = self.config
         like = problem.target[0]
-        lo, hi = self._inner(shape[1])
+        ends = problem.lengths
 
         def score(d: torch.Tensor) -> float:
             return float(problem.objective(d.clone().requires_grad_(True), create_graph=False))
 
         draws = (
-            self._pin(torch.randn(shape, generator=generator).to(like), table)
+            self._pin(torch.randn(shape, generator=generator).to(like), table, ends)
             for _ in range(c.init_candidates)
         )
         best = min(draws, key=score)
         if c.init_candidates > 1:
 
             def permuted() -> torch.Tensor:
-                return best[:, self._around(torch.randperm(hi - lo, generator=generator), shape[1])]
+                """``best`` with each sequence's unpinned real positions permuted (padding in place)."""
+                rows = []
+                for n in _lengths(ends, shape[0], shape[1]):
+                    lo, hi = self._inner(n)
+                    rows.append(torch.cat([self._around(torch.randperm(hi - lo, generator=generator), n),
+                                           torch.arange(n, shape[1])]))  # fmt: skip
+                index = torch.stack(rows).to(best.device)
+                return best.gather(1, index.unsqueeze(-1).expand_as(best))
 
             best = min([best, *(permuted() for _ in range(c.init_candidates))], key=score)
         if c.norm_weight or c.init_norm is not None:
             best = best / best.norm(dim=-1, keepdim=True) * norm
-        return self._pin(best.detach().clone(), table)
+        return self._pin(best.detach().clone(), table, ends)
 
     def _prior(
         self, model: nn.Module, table: torch.Tensor, vocab: torch.Tensor, batch: int, length: int
@@ -616,20 +688,20 @@ class EmbeddingMatch:
         """LAMP's discrete step: for each sequence, the move of its positions that lowers the objective
         (plus, with a prior, the language-model term of the moved sequence)."""
         out = x.clone()
-        lo, hi = self._inner(x.shape[1])
-        for s in range(x.shape[0]):
-            perms = [self._around(p, x.shape[1]) for p in moves(hi - lo, generator, self.config.swap_tries)]
-            prior = lm(out[s], perms) if lm is not None else None
+        for s, n in enumerate(_lengths(problem.lengths, x.shape[0], x.shape[1])):
+            lo, hi = self._inner(n)
+            perms = [self._around(p, n) for p in moves(hi - lo, generator, self.config.swap_tries)]
+            prior = lm(out[s, :n], perms) if lm is not None else None
             scored = []
             for j, perm in enumerate(perms):
                 trial = out.clone()
-                trial[s] = out[s, perm]
+                trial[s, :n] = out[s, perm]
                 with torch.enable_grad():  # a score only: no graph through the gradient
                     total = self._total(problem, trial.requires_grad_(True), norm, create_graph=False)
                 value = float(total.detach())
                 scored.append((value + (float(prior[j]) if prior is not None else 0.0), j))
             _, j = min(scored)
-            out[s] = out[s, perms[j]]
+            out[s, :n] = out[s, perms[j]]
         return out
 
 
