@@ -22,6 +22,7 @@ KEYS = [
     "fl.training.optimizer", "fl.training.shuffle",
     "audit.clients", "audit.max_samples", "audit.public_dataset", "audit.public_split", "audit.public_limit",
     "audit.training.batch_size", "audit.training.protocol", "audit.training_public", "audit.grant_labels",
+    "audit.grant_lengths",
     "audit.attacks.0.name", "audit.attacks.0.max_iterations", "audit.attacks.0.lr",
     "audit.attacks.0.tv_weight", "audit.attacks.0.restarts", "audit.attacks.0.bogus", "audit.attacks",
     "defenses", "experiment.bogus", "bogus.key", "fl.training.bogus",
