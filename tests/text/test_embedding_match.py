@@ -5,13 +5,16 @@ defaults but a short budget) recovers it exactly; TAG (its L2 + L1 distance, sta
 norm) recovers most of it; from a norm-matched null update neither recovers any of its words. Under the
 next-token loss of a causal LM (the 2-layer GPT-2 with the real tokenizer; a 2-block rotary Llama, whose
 T is read from the span's rank): LAMP recovers the sentence exactly, TAG most of its tokens, and from a
-null update neither any of its words. Both refuse, before work, a model with neither head and a
-classifier's batch whose labels are not granted. From a FedAvg delta of 3 SGD steps (the public recipe's
-mean gradient at the midpoint weights) LAMP recovers the sentence exactly; without a plain-SGD public
-recipe the delta is refused before work.
+null update neither any of its words. Hidden labels are read off the head's bias; both refuse, before
+work, a model with neither head and hidden labels behind a head without a bias. From a FedAvg delta of 3
+SGD steps (the public recipe's mean gradient at the midpoint weights) LAMP recovers the sentence exactly;
+without a plain-SGD public recipe the delta is refused before work. With granted lengths each sequence
+is its own length.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -86,12 +89,27 @@ def test_a_null_update_gives_none_of_the_words(case, name):
     assert not set(true[1:-1]) & set(rec.token_ids[0]), words(tm, rec.token_ids[0])
 
 
-def test_hidden_labels_and_a_model_without_a_head_are_refused_before_work(case):
-    tm, obs, _ = case
+def test_hidden_labels_are_read_off_the_heads_bias_and_a_model_without_a_head_is_refused(case):
+    """iDLG's sign for one sentence: LAMP recovers it and its label with the labels hidden; at B = 2 the
+    LLG-style counts give the batch's label multiset. A head without a bias (GPT-2's ``score``) gives no
+    reading and is refused, as is a model with neither head."""
+    tm, obs, true = case
     hidden = Observation(obs.model, obs.update, obs.input_shape, 2)
-    for name in ("tag", "lamp"):
-        with pytest.raises(AttackInputError, match="grant them"):
-            create_attack(name).reconstruct(hidden, generator=torch.Generator())
+    rec = create_attack("lamp", steps=300, init_candidates=50).reconstruct(
+        hidden, generator=torch.Generator().manual_seed(0)
+    )
+    assert (
+        rec.token_ids == [true] and torch.equal(rec.labels, obs.labels) and rec.stats["labels_recovered"] == 1
+    )
+    two, _ = _two(tm, "classification", [1, 0])
+    problem = create_attack("lamp").problem(dataclasses.replace(two, labels=None))[0]
+    assert sorted(problem.loss.labels.tolist()) == [0, 1]
+    gpt2 = build_model("gpt2_tiny", (16,), 2, task="classification", seed=0)
+    no_bias, _ = _two(gpt2, "classification", [1, 0])
+    with pytest.raises(AttackInputError, match="has no bias to read them from"):
+        create_attack("lamp").reconstruct(
+            dataclasses.replace(no_bias, labels=None, lengths=None), generator=torch.Generator()
+        )
     bare = tm.model.bert  # the encoder alone: neither a classification nor a language-model head
     update = Update({n: torch.zeros_like(p) for n, p in bare.named_parameters()}, 1, kind="gradient")
     with pytest.raises(AttackInputError, match="neither head"):
@@ -136,8 +154,6 @@ def test_the_midpoint_reproduces_the_mean_gradient_better_than_the_broadcast_wei
 
 
 def test_a_fedavg_delta_without_a_plain_sgd_public_recipe_is_refused_before_work(fedavg):
-    import dataclasses
-
     hidden = dataclasses.replace(fedavg, training=None)
     adam = dataclasses.replace(fedavg, training=dataclasses.replace(fedavg.training, optimizer="adam"))
     for name in ("tag", "lamp"):

@@ -53,8 +53,10 @@ What the attacker must know or read (the official code's defaults, LAMP's threat
   paper 002's channel 2) where the update carries it. A tied LM head makes every row non-zero; then the
   rows the row-norm channel keeps (:func:`~gradleak.attacks.text.rownorm.select_rows`). Without the
   embedding gradient, the whole vocabulary.
-- Classification labels: the granted ones (``audit.grant_labels``); else an :class:`AttackInputError`
-  before work.
+- Classification labels: the granted ones (``audit.grant_labels``, LAMP's threat model); else read off
+  the classification head's bias gradient (:func:`classifier_labels`: iDLG's sign for B = 1, exact;
+  LLG-style counts for B > 1, the multiset, whose order the optimisation assigns); a head without a bias
+  is refused before work.
 
 A model with neither a classification head nor a language-model head is refused before work.
 
@@ -80,6 +82,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from gradleak.attacks.image.labels import last_linear, recover_label_counts, recover_labels
 from gradleak.attacks.text.family import (
     at_midpoint,
     embedding_param,
@@ -296,13 +299,29 @@ def _classification(
     c: EmbeddingMatchConfig,
     mask: torch.Tensor | None,
 ) -> TaskLoss:
-    if obs.labels is None:
+    return ClassificationLoss(classifier_labels(obs), mask)
+
+
+def classifier_labels(obs: Observation) -> torch.Tensor:
+    """The batch's class labels: the granted ones, else read off the classification head's bias update
+    (iDLG for one sequence, LLG-style counts for more, as the image attacks read theirs:
+    :mod:`gradleak.attacks.image.labels`; a FedAvg delta through its public recipe's mean gradient). A head
+    without a bias (GPT-2's and Llama's ``score``) gives no reading: refused before work."""
+    n = obs.update.num_samples
+    if obs.labels is not None:
+        if len(obs.labels) != n:
+            raise AttackInputError(f"{len(obs.labels)} labels granted for a batch of {n}")
+        return obs.labels.long()
+    name, head = last_linear(obs.model)
+    if head.bias is None:
         raise AttackInputError(
-            "TAG and LAMP need the labels (grant them: audit.grant_labels = true, as LAMP assumes)"
+            f"the labels are hidden and the classification head {name!r} has no bias to read them from: "
+            "grant them (audit.grant_labels = true, as LAMP assumes)"
         )
-    if len(obs.labels) != obs.update.num_samples:
-        raise AttackInputError(f"{len(obs.labels)} labels granted for a batch of {obs.update.num_samples}")
-    return ClassificationLoss(obs.labels.long(), mask)
+    if obs.update.kind == "gradient":
+        return recover_labels(obs, n)
+    assert obs.training is not None  # gradient_scale refused a delta without its recipe
+    return recover_label_counts(obs, n, lr=obs.training.lr, steps=obs.training.steps(n))
 
 
 def _causal_lm(
@@ -565,9 +584,10 @@ class EmbeddingMatch:
         stats = {"iterations": float(c.steps), "seconds": time.perf_counter() - start,
                  "matching_loss": final, "matching_loss_continuous": best[0], "sequence_length": float(t),
                  "length_read": float(read is not None and read <= obs.input_shape[0]),
-                 "lengths_granted": float(ends is not None),
-                 "vocabulary": float(len(vocab)), "prior": float(lm is not None)}  # fmt: skip
+                 "lengths_granted": float(ends is not None), "vocabulary": float(len(vocab)),
+                 "prior": float(lm is not None)}  # fmt: skip
         labels = None if problem.loss.labels is None else problem.loss.labels.clone()
+        stats["labels_recovered"] = float(labels is not None and obs.labels is None)
         token_ids = [row[:n] for row, n in zip(ids.tolist(), _lengths(ends, b, t), strict=True)]
         return Reconstruction(token_ids=token_ids, labels=labels, stats=stats)
 
