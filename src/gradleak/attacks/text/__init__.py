@@ -17,6 +17,7 @@ from gradleak.attacks.text import dager as _dager  # noqa: F401  (registers DAGE
 from gradleak.attacks.text import embedding_match as _embedding_match  # noqa: F401
 from gradleak.attacks.text import embedding_norm as _embedding_norm  # noqa: F401
 from gradleak.attacks.text import fedspy as _fedspy  # noqa: F401
+from gradleak.attacks.text import grab as _grab  # noqa: F401
 from gradleak.attacks.text import lm_head as _lm_head  # noqa: F401
 from gradleak.attacks.text import mlp_spectral as _mlp_spectral  # noqa: F401
 from gradleak.attacks.text import mlp_svd as _mlp_svd  # noqa: F401

@@ -76,7 +76,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -358,6 +358,7 @@ class Inversion:
     distance: Distance
     masks: list[torch.Tensor | None] | None = None
     lengths: tuple[int, ...] | None = None  # granted per-sequence lengths (None: all T long)
+    variables: list[dict[str, Any]] = field(default_factory=list)  # further Adam groups (GRAB's masks)
 
     def __post_init__(self) -> None:
         if self.masks is not None:
@@ -559,7 +560,7 @@ class EmbeddingMatch:
         x = self._start(problem, (b, t, table.shape[1]), norm, generator, table)
         ends = problem.lengths
         x.requires_grad_(True)
-        opt = torch.optim.Adam([x], lr=c.lr)
+        opt = torch.optim.Adam([{"params": [x]}, *problem.variables], lr=c.lr)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=c.lr_decay)
         best = (float("inf"), x.detach().clone())
         for step in bar(range(c.steps), desc=f"{type(self).__name__} steps"):
@@ -697,6 +698,10 @@ class EmbeddingMatch:
 
         return term
 
+    def _moves(self, tokens: int, generator: torch.Generator) -> list[torch.Tensor]:
+        """The permutations of ``tokens`` unpinned positions one discrete step tries (LAMP's random moves)."""
+        return moves(tokens, generator, self.config.swap_tries)
+
     def _swap(
         self,
         problem: Inversion,
@@ -710,7 +715,7 @@ class EmbeddingMatch:
         out = x.clone()
         for s, n in enumerate(_lengths(problem.lengths, x.shape[0], x.shape[1])):
             lo, hi = self._inner(n)
-            perms = [self._around(p, n) for p in moves(hi - lo, generator, self.config.swap_tries)]
+            perms = [self._around(p, n) for p in self._moves(hi - lo, generator)]
             prior = lm(out[s, :n], perms) if lm is not None else None
             scored = []
             for j, perm in enumerate(perms):
