@@ -156,11 +156,14 @@ class AttackNeeds:
     and the experiment config is checked against it before any work.
 
     ``update_kinds``: the update kinds it inverts (FedSGD sends ``"gradient"``, FedAvg ``"delta"``);
-    ``public_recipe``: whether it needs the client's training recipe (``Observation.training``).
+    ``public_recipe``: whether it needs the client's training recipe (``Observation.training``);
+    ``sgd_delta``: whether it reads a FedAvg delta as plain SGD's mean gradient, so a delta needs the recipe
+    public and plain SGD (:attr:`~gradleak.update.LocalTraining.plain_sgd`).
     """
 
     update_kinds: tuple[UpdateKind, ...] = ("gradient", "delta")
     public_recipe: bool = False
+    sgd_delta: bool = False
 
 
 class AttackInputError(ValueError):

@@ -73,6 +73,18 @@ class LocalTraining:
         ):
             raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
 
+    @property
+    def plain_sgd(self) -> bool:
+        """Whether each local step moves the weights by -lr times the batch's gradient and nothing else
+        (SGD without momentum or weight decay, random batches of known count), so that a FedAvg delta over
+        K steps is -lr K times the mean of its steps' gradients."""
+        return (
+            self.optimizer == "sgd"
+            and not self.momentum
+            and not self.weight_decay
+            and self.batching == DEFAULT_BATCHING
+        )
+
     def steps(self, num_samples: int) -> int:
         """The local steps this recipe takes on ``num_samples`` samples: 1 for FedSGD, else ``epochs`` x
         ceil(num_samples / batch_size) (at least one batch). With ``batching = "same_label"`` each label's

@@ -81,6 +81,10 @@ def test_the_model_seed_is_derived_or_given(tmp_path):
     (["data.partition='label_skew'"], "splits by label.*has no labels"),
     (["data.options.max_tokens=100"], "max_tokens"),
     (["audit.attacks=['ig']"], "works on image tasks"),
+    (["audit.attacks=['lamp']", "audit.training={protocol='fedavg', optimizer='adam', batch_size=2}"],
+     r"'lamp' reads a FedAvg delta as plain SGD's mean gradient.*optimizer 'adam'"),
+    (["audit.attacks=['tag']", "audit.training={protocol='fedavg', batch_size=2}",
+      "audit.training_public=false"], r"'tag' reads a FedAvg delta as plain SGD's mean gradient"),
 ])  # fmt: skip
 def test_bad_text_configs_fail_before_any_training(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -102,11 +102,13 @@ def test_hidden_labels_are_read_off_the_heads_bias_and_a_model_without_a_head_is
         rec.token_ids == [true] and torch.equal(rec.labels, obs.labels) and rec.stats["labels_recovered"] == 1
     )
     two, _ = _two(tm, "classification", [1, 0])
-    problem = create_attack("lamp").problem(dataclasses.replace(two, labels=None))[0]
+    problem = create_attack("lamp").problem(dataclasses.replace(two, labels=None, lengths=None))[0]
     assert sorted(problem.loss.labels.tolist()) == [0, 1]
+    with pytest.raises(AttackInputError, match="which label goes with which length is not known"):
+        create_attack("lamp").reconstruct(dataclasses.replace(two, labels=None), generator=torch.Generator())
     gpt2 = build_model("gpt2_tiny", (16,), 2, task="classification", seed=0)
     no_bias, _ = _two(gpt2, "classification", [1, 0])
-    with pytest.raises(AttackInputError, match="has no bias to read them from"):
+    with pytest.raises(AttackInputError, match="carries no bias of the classification head .score."):
         create_attack("lamp").reconstruct(
             dataclasses.replace(no_bias, labels=None, lengths=None), generator=torch.Generator()
         )
@@ -415,3 +417,14 @@ def test_the_server_view_grants_lengths_only_when_asked_and_never_on_a_sum(case)
         for secagg, grant in ((False, True), (False, False), (True, True))
     ]
     assert [v.lengths for v in views] == [(7, 5), None, None]
+
+
+def test_lamps_distance_leaves_out_structural_zeros_and_stays_on_the_graph_when_all_are():
+    from gradleak.attacks.text.embedding_match import mean_cosine
+
+    g = [torch.tensor([1.0, 0.0], requires_grad=True), torch.tensor([0.3, 0.4], requires_grad=True)]
+    t = [torch.tensor([1.0, 0.0]), torch.tensor([1e-12, 0.0])]  # the second: rounding of a zero
+    assert float(mean_cosine(g, t)) == pytest.approx(0.0, abs=1e-7)
+    zero = mean_cosine(g, [torch.zeros(2), torch.zeros(2)])
+    zero.backward()
+    assert float(zero) == 1.0 and g[0].grad is not None

@@ -103,6 +103,12 @@ def _fit(context: Preflight) -> list[Finding]:
             out.append(Finding("error", "attack fit", (
                 f"{spec.name} reads {reads} updates, but this audit sees a {context.update_kind} (FedSGD "
                 "sends a gradient; use ig or dlg, or audit a FedAvg round)")))  # fmt: skip
+        recipe = context.recipe
+        sgd = context.recipe_known and recipe is not None and recipe.plain_sgd
+        if needs.sgd_delta and context.update_kind == "delta" and not sgd:
+            out.append(Finding("error", "attack fit", (
+                f"{spec.name} reads a FedAvg delta as plain SGD's mean gradient: state a plain SGD recipe "
+                "(training=; no momentum, weight decay or same-label batches) or audit FedSGD")))  # fmt: skip
         if needs.public_recipe and not context.recipe_known:
             out.append(Finding("error", "attack fit", (
                 f"{spec.name} needs the clients' training recipe (lr, epochs, batch size): state it "

@@ -346,6 +346,18 @@ class ExperimentConfig:
                     f"audit.attacks[{i}] {spec.name!r} needs the client's training recipe, but "
                     "audit.training_public = false hides it"
                 )
+            if (
+                needs.sgd_delta
+                and kind == "delta"
+                and not (self.audit.training_public and training.plain_sgd)
+            ):
+                raise ConfigError(
+                    f"audit.attacks[{i}] {spec.name!r} reads a FedAvg delta as plain SGD's mean gradient: it "
+                    "needs audit.training_public = true and a plain SGD recipe (no momentum, no weight "
+                    f"decay, random batches); got optimizer {training.optimizer!r}, momentum "
+                    f"{training.momentum}, weight_decay {training.weight_decay}, "
+                    f"batching {training.batching!r}"
+                )
 
     def _check_modalities(self) -> None:
         """Every attack (of an audit that runs: ``audit.clients > 0``), defense and model must work on the

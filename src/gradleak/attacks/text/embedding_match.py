@@ -55,8 +55,10 @@ What the attacker must know or read (the official code's defaults, LAMP's threat
   embedding gradient, the whole vocabulary.
 - Classification labels: the granted ones (``audit.grant_labels``, LAMP's threat model); else read off
   the classification head's bias gradient (:func:`classifier_labels`: iDLG's sign for B = 1, exact;
-  LLG-style counts for B > 1, the multiset, whose order the optimisation assigns); a head without a bias
-  is refused before work.
+  LLG-style counts for B > 1: the multiset, whose order the optimisation assigns where the sequences are
+  interchangeable). Refused before work: a head without a bias in the update, and recovered labels of
+  more than one class with granted unequal lengths (each slot then has its own length, and which label
+  goes with which length is not known: grant the labels too, as LAMP's threat model does).
 
 A model with neither a classification head nor a language-model head is refused before work.
 
@@ -126,7 +128,7 @@ class EmbeddingMatchConfig:
     temperature: float = 0.05  # causal LMs: the soft next-token targets' softmax temperature (ours)
     midpoint_weights: bool = True  # a FedAvg delta: the attacker's copy at w_0 + delta / 2 (module docstring)
     first_token_id: int | None = None  # every sequence starts with it (BERT's [CLS], 101): pinned at 0
-    last_token_id: int | None = None  # every sequence ends with it (BERT's [SEP], 102): pinned at T - 1
+    last_token_id: int | None = None  # every sequence ends with it (BERT's [SEP], 102): pinned at its end
 
     def __post_init__(self) -> None:
         if self.distance not in DISTANCES:
@@ -201,6 +203,8 @@ def mean_cosine(grads: list[torch.Tensor], target: list[torch.Tensor]) -> torch.
     norms = [float(t.norm()) for t in target]
     floor = SILENT * max(norms, default=0.0)
     kept = [(g, t, n) for g, t, n in zip(grads, target, norms, strict=True) if n > floor]
+    if not kept:  # an all-zero target: every term 1 - 0, kept on the graph
+        return 1 + 0 * torch.stack([g.sum() for g in grads]).sum()
     total = grads[0].new_zeros(())
     for g, t, n in kept:
         total = total + 1 - (g * t).sum() / (g.norm() * n).clamp_min(1e-12)
@@ -313,10 +317,10 @@ def classifier_labels(obs: Observation) -> torch.Tensor:
             raise AttackInputError(f"{len(obs.labels)} labels granted for a batch of {n}")
         return obs.labels.long()
     name, head = last_linear(obs.model)
-    if head.bias is None:
+    if head.bias is None or f"{name}.bias" not in obs.update.tensors:
         raise AttackInputError(
-            f"the labels are hidden and the classification head {name!r} has no bias to read them from: "
-            "grant them (audit.grant_labels = true, as LAMP assumes)"
+            f"the labels are hidden and the update carries no bias of the classification head {name!r} to "
+            "read them from: grant them (audit.grant_labels = true, as LAMP assumes)"
         )
     if obs.update.kind == "gradient":
         return recover_labels(obs, n)
@@ -404,8 +408,8 @@ def gradient_scale(obs: Observation) -> float:
     """The factor that turns the update into the gradient the attacker's copy reproduces (module
     docstring, "FedAvg"): 1 for a FedSGD gradient; for a FedAvg delta of K plain SGD steps at learning rate
     lr (the public recipe), 1 / (lr K), so that the negated delta becomes the steps' mean gradient. Any
-    other recipe (hidden, Adam, momentum, weight decay: a delta that is not a multiple of gradients) is
-    refused before work."""
+    other recipe (hidden, Adam, momentum, weight decay, same-label batches: a delta that is not a known
+    multiple of gradients) is refused before work."""
     if obs.update.kind == "gradient":
         return 1.0
     tr = obs.training
@@ -414,11 +418,11 @@ def gradient_scale(obs: Observation) -> float:
             "TAG and LAMP read a FedAvg delta as plain SGD's mean gradient (w_0 - w_T) / (lr K), from the "
             "client's public recipe (audit.training_public = true); the recipe is hidden"
         )
-    if tr.optimizer != "sgd" or tr.momentum or tr.weight_decay:
+    if not tr.plain_sgd:
         raise AttackInputError(
             f"TAG and LAMP read a FedAvg delta as plain SGD's mean gradient; the recipe's optimizer is "
-            f"{tr.optimizer!r} (momentum {tr.momentum}, weight decay {tr.weight_decay}), whose delta is not "
-            "a multiple of the gradients"
+            f"{tr.optimizer!r} (momentum {tr.momentum}, weight decay {tr.weight_decay}, batching "
+            f"{tr.batching!r}), whose delta is not a known multiple of the gradients"
         )
     return 1.0 / (tr.lr * tr.steps(obs.update.num_samples))
 
@@ -501,7 +505,7 @@ def moves(tokens: int, generator: torch.Generator, tries: int) -> list[torch.Ten
 class EmbeddingMatch:
     """TAG, or LAMP with :class:`LampConfig` (module docstring)."""
 
-    needs = AttackNeeds(update_kinds=("gradient", "delta"))  # a delta needs a plain-SGD public recipe
+    needs = AttackNeeds(update_kinds=("gradient", "delta"), sgd_delta=True)
 
     def __init__(self, config: EmbeddingMatchConfig | None = None) -> None:
         self.config = config or EmbeddingMatchConfig()
@@ -536,6 +540,17 @@ class EmbeddingMatch:
                     "forward of input embeddings cannot place per sequence: granted lengths must be equal"
                 )
         task_loss = TASK_LOSSES[task](obs, table, vocab, c, length_mask(obs.lengths, t))
+        recovered = task_loss.labels if obs.labels is None else None
+        if (
+            recovered is not None
+            and obs.lengths
+            and len(set(obs.lengths)) > 1
+            and recovered.unique().numel() > 1
+        ):
+            raise AttackInputError(
+                "the labels are recovered as a multiset and the granted lengths differ: which label goes "
+                "with which length is not known; grant them too (audit.grant_labels = true, as LAMP does)"
+            )
         attention = getattr(model, "set_attn_implementation", None)
         if callable(attention):
             attention("eager")  # fused attention kernels have no double backward
@@ -546,8 +561,8 @@ class EmbeddingMatch:
         tied, name = tied_mask(model, vocab), embedding_param(model)
         masks = None if tied is None else [tied if n == name else None for n, _ in carried]
         problem = Inversion(
-            model, [p for _, p in carried], target, task_loss, self.distance(), masks, obs.lengths
-        )
+            model, [p for _, p in carried], target, task_loss, self.distance(), masks, obs.lengths,
+        )  # fmt: skip
         return problem, table, vocab, t, read
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:

@@ -147,7 +147,8 @@ class SpanEnds:
 
     def continues(self, prefixes: list[list[int]]) -> list[bool]:
         """For each prefix (all of one length), whether its last token has a successor in the batch."""
-        z = layer_inputs(self.model, self.module, torch.tensor(prefixes))[:, -1]
+        ids = torch.tensor(prefixes, device=module_device(self.model))
+        z = layer_inputs(self.model, self.module, ids)[:, -1]  # no graph: capture_input runs without one
         return (self.span.residual(z) < self.threshold).tolist()
 
 
