@@ -46,6 +46,23 @@ def test_each_mismatch_is_an_error_before_work_and_a_small_budget_a_warning():
     assert findings(["ig"], images=torch.rand(8, *SHAPE)) == []
 
 
+def test_a_fedavg_delta_for_an_sgd_reading_needs_a_stated_plain_sgd_recipe():
+    from gradleak.update import LocalTraining
+
+    def fit(recipe, known=True):
+        context = Preflight([ComponentSpec("lamp")], model(), "delta", known, None, recipe)
+        return [f for f in run_checks(context) if f.check == "attack fit" and "plain SGD" in f.message]
+
+    assert fit(LocalTraining(protocol="fedavg", lr=0.1)) == []
+    for bad in (
+        LocalTraining(protocol="fedavg", optimizer="adam"),
+        LocalTraining(protocol="fedavg", momentum=0.9),
+    ):
+        (f,) = fit(bad)
+        assert f.level == "error" and "lamp reads a FedAvg delta as plain SGD's mean gradient" in f.message
+    assert len(fit(None, known=False)) == 1
+
+
 def test_a_check_that_breaks_is_an_error_that_names_it():
     @register_check("broken")
     def broken(context):
