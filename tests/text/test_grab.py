@@ -37,9 +37,8 @@ def dropout_case():
     def record(name):
         def hook(_m, args, out):
             x = args[0]
-            drawn[name] = torch.where(
-                x != 0, out / torch.where(x != 0, x, torch.ones_like(x)), torch.ones_like(x)
-            )
+            ratio = out / torch.where(x != 0, x, torch.ones_like(x))
+            drawn[name] = torch.where(x != 0, ratio, torch.ones_like(x)).detach()
 
         return hook
 
@@ -59,7 +58,7 @@ def test_with_the_clients_masks_the_objective_vanishes_at_the_truth(dropout_case
     tm, obs, true, drawn = dropout_case
     grab = Grab(GrabConfig())
     problem, table, _, _, _ = grab.problem(obs)
-    assert obs.mode == "train" and grab.masks is not None and set(grab.masks.masks) == set(drawn)
+    assert obs.mode == "train" and grab.masks is not None and set(grab.masks.logits) == set(drawn)
     x = table[torch.tensor([true])]
     expected = float(problem.objective(x.clone().requires_grad_(True), create_graph=False))
     grab.masks.set(drawn)
@@ -67,15 +66,19 @@ def test_with_the_clients_masks_the_objective_vanishes_at_the_truth(dropout_case
     assert expected > 0.05
 
 
-def test_grab_recovers_a_sentence_from_a_gradient_taken_with_dropout(dropout_case):
-    """Seeds 0 and 1 by hand: exact both; LAMP at the same budget, whose copy draws fresh masks each
-    forward, gave "[CLS] [CLS] film was great fun [SEP]" and "[CLS] [CLS] film was great [SEP] film"."""
-    tm, obs, true, _ = dropout_case
-    rec = create_attack("grab", steps=300, init_candidates=50).reconstruct(
-        obs, generator=torch.Generator().manual_seed(0)
-    )
+def test_grab_recovers_a_sentence_and_the_classifiers_dropout_mask(dropout_case):
+    """Seeds 0 and 1 by hand: the sentence exact both; LAMP at the same budget, whose copy draws fresh
+    masks each forward, gave "[CLS] [CLS] film was great fun [SEP]" and "[CLS] [CLS] film was great [SEP]
+    film". The learned classifier mask's mean error to the client's falls from 0.196 (all 1) to 0.052
+    (both seeds); the inner masks are not identified (0.17-0.28 after, 0.19-0.25 before)."""
+    tm, obs, true, drawn = dropout_case
+    grab = Grab(GrabConfig(steps=300, init_candidates=50))
+    rec = grab.reconstruct(obs, generator=torch.Generator().manual_seed(0))
     assert rec.token_ids == [true], tm.tokenizer.convert_ids_to_tokens(rec.token_ids[0])
-    assert rec.stats["dropout_masks"] == 6
+    assert rec.stats["dropout_masks"] == 6 and grab.masks is not None
+    before = float((1 - drawn["dropout"]).abs().mean())
+    after = float((grab.masks.mask("dropout").detach() - drawn["dropout"]).abs().mean())
+    assert before > 0.15 and after < 0.1, (before, after)
 
 
 def test_a_null_update_gives_none_of_the_words(dropout_case):

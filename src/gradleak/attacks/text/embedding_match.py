@@ -589,7 +589,7 @@ class EmbeddingMatch:
             opt.step()
             sched.step()
             self._pin(x, table, ends)
-            if c.swap_every and step >= c.swap_burnin * c.steps and step % c.swap_every == 1:
+            if c.swap_every and step >= c.swap_burnin * c.steps and step % c.swap_every == 1 % c.swap_every:
                 with torch.no_grad():
                     x.copy_(self._swap(problem, x.detach(), norm, generator, lm))
                 self._pin(x, table, ends)
