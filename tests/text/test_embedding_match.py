@@ -428,3 +428,17 @@ def test_lamps_distance_leaves_out_structural_zeros_and_stays_on_the_graph_when_
     zero = mean_cosine(g, [torch.zeros(2), torch.zeros(2)])
     zero.backward()
     assert float(zero) == 1.0 and g[0].grad is not None
+
+
+@pytest.mark.parametrize(("every", "calls"), [(1, 4), (2, 2)])
+def test_the_discrete_moves_run_every_swap_every_steps(case, monkeypatch, every, calls):
+    """Steps 1, 1 + k, 1 + 2k, ... (LAMP's ``it % swap_every == 1``); with k = 1 every step (it was never)."""
+    from gradleak.attacks.text.embedding_match import EmbeddingMatch
+
+    _, obs, _ = case
+    seen = []
+    monkeypatch.setattr(EmbeddingMatch, "_swap", lambda self, problem, x, *a, **k: seen.append(1) or x)
+    create_attack("lamp", steps=4, init_candidates=1, swap_every=every, swap_burnin=0.0).reconstruct(
+        obs, generator=torch.Generator().manual_seed(0)
+    )
+    assert len(seen) == calls
