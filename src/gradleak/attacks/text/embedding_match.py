@@ -84,6 +84,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from gradleak.attacks.image.dlg import gradient_target
 from gradleak.attacks.image.labels import last_linear, recover_label_counts, recover_labels
 from gradleak.attacks.text.family import (
     at_midpoint,
@@ -324,7 +325,7 @@ def classifier_labels(obs: Observation) -> torch.Tensor:
         )
     if obs.update.kind == "gradient":
         return recover_labels(obs, n)
-    assert obs.training is not None  # gradient_scale refused a delta without its recipe
+    assert obs.training is not None  # require_sgd_reading refused a delta without its recipe
     return recover_label_counts(obs, n, lr=obs.training.lr, steps=obs.training.steps(n))
 
 
@@ -404,14 +405,13 @@ def sequence_length(obs: Observation, model: nn.Module) -> int | None:
     return int(used.max()) + 1 + label_only if used.numel() else None
 
 
-def gradient_scale(obs: Observation) -> float:
-    """The factor that turns the update into the gradient the attacker's copy reproduces (module
-    docstring, "FedAvg"): 1 for a FedSGD gradient; for a FedAvg delta of K plain SGD steps at learning rate
-    lr (the public recipe), 1 / (lr K), so that the negated delta becomes the steps' mean gradient. Any
-    other recipe (hidden, Adam, momentum, weight decay, same-label batches: a delta that is not a known
-    multiple of gradients) is refused before work."""
+def require_sgd_reading(obs: Observation) -> None:
+    """A FedAvg delta is matched as the mean gradient (w_0 - w_T) / (lr K) of K plain SGD steps (module
+    docstring, "FedAvg"; :func:`~gradleak.attacks.image.dlg.gradient_target` computes it): refused before
+    work where the recipe is hidden or not plain SGD (Adam, momentum, weight decay, same-label batches: a
+    delta that is not a known multiple of gradients). A FedSGD gradient passes."""
     if obs.update.kind == "gradient":
-        return 1.0
+        return
     tr = obs.training
     if tr is None:
         raise AttackInputError(
@@ -424,7 +424,6 @@ def gradient_scale(obs: Observation) -> float:
             f"{tr.optimizer!r} (momentum {tr.momentum}, weight decay {tr.weight_decay}, batching "
             f"{tr.batching!r}), whose delta is not a known multiple of the gradients"
         )
-    return 1.0 / (tr.lr * tr.steps(obs.update.num_samples))
 
 
 def candidate_vocab(obs: Observation, model: nn.Module, mode: str) -> torch.Tensor:
@@ -518,7 +517,7 @@ class EmbeddingMatch:
         docstring): the problem, the embedding table, the candidate vocabulary, T and T as read off the
         gradient (None where it does not show it)."""
         c = self.config
-        scale = gradient_scale(obs)  # a FedAvg delta without a plain-SGD public recipe: refused here
+        require_sgd_reading(obs)
         model = obs.client_model()
         task = task_of(model)
         if c.midpoint_weights:
@@ -557,7 +556,7 @@ class EmbeddingMatch:
         for p in model.parameters():
             p.requires_grad_(True)
         carried = [(n, p) for n, p in model.named_parameters() if n in obs.update.tensors]
-        target = [scale * update_tensor(obs, n).to(p.dtype) for n, p in carried]
+        target = gradient_target(obs, carried)
         tied, name = tied_mask(model, vocab), embedding_param(model)
         masks = None if tied is None else [tied if n == name else None for n, _ in carried]
         problem = Inversion(
