@@ -6,7 +6,8 @@ sparsified gradient's kept entries: adaptive, against pruning), ``embedding_norm
 (Channel 3, adaptive), ``mlp_spectral`` (Channel 3 above a noise or flood's bulk edge: adaptive, against
 AEGIS's MLP flood and DP noise), ``lm_head_probe`` (untied heads); ``tag`` and ``lamp`` (embedding matching
 on a classifier's gradient, issue 53), ``fedspy`` (FedSpy-LLM as read here: gradient tokens, ordered by
-partial-gradient alignment, issue 53); ``peftleak_lora`` (a malicious server's pass-through backbone
+partial-gradient alignment, issue 53), ``grab`` (GRAB as read here: LAMP's matching with learned dropout
+masks), ``somp`` (SOMP as read here: DAGER's token test, then OMP over block 2's head blocks); ``peftleak_lora`` (a malicious server's pass-through backbone
 and MLP bins read off LoRA adapters, issue 52); ``utr`` (UTR: DAGER's span test on bottleneck adapters'
 down projections, issue 52). For text, ``Observation.input_shape`` is
 ``(seq_len,)`` (the padded length) and ``num_classes`` the label count (classification) or the vocabulary
@@ -22,4 +23,5 @@ from gradleak.attacks.text import lm_head as _lm_head  # noqa: F401
 from gradleak.attacks.text import mlp_spectral as _mlp_spectral  # noqa: F401
 from gradleak.attacks.text import mlp_svd as _mlp_svd  # noqa: F401
 from gradleak.attacks.text import peftleak as _peftleak  # noqa: F401
+from gradleak.attacks.text import somp as _somp  # noqa: F401
 from gradleak.attacks.text import utr as _utr  # noqa: F401

@@ -208,9 +208,7 @@ class Dager:
         if float(grads[0].abs().max()) == 0.0:
             raise AttackInputError(self.zero_gradient)
         span1, span2, spec, span_stats = self.spans(obs, spec, grads[0], grads[1])
-        full = any(
-            span.full or self.saturated(span, grad) for span, grad in ((span1, grads[0]), (span2, grads[1]))
-        )
+        full = self.unreadable(span1, span2, grads)
         if span1.rank == 0 or span2.rank == 0 or full:
             log.warning(
                 "DAGER: the input-gradient span is %s; nothing can be recovered",
@@ -270,6 +268,12 @@ class Dager:
         return Reconstruction(token_ids=seqs, stats=stats)
 
     zero_gradient = "the first block's attention gradient is zero (frozen or masked)"
+
+    def unreadable(self, span1: Span, span2: Span, grads: list[torch.Tensor]) -> bool:
+        """Whether a span fills its input space (or its gradient's columns), so the span tests cannot
+        discriminate and nothing can be recovered."""
+        pairs = zip((span1, span2), grads, strict=True)
+        return any(span.full or self.saturated(span, grad) for span, grad in pairs)
 
     def saturated(self, span: Span, grad: torch.Tensor) -> bool:
         """Whether ``span`` fills the columns of the gradient it came from, so that it is a subspace of the

@@ -1,0 +1,126 @@
+"""SOMP as read here (issue 53): DAGER's token test, then simultaneous OMP over block 2's head blocks, on the
+2-layer GPT-2 (64 wide, 4 heads) with the real tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradleak.attacks import create_attack
+from gradleak.attacks.text.baseline import null_observation
+from gradleak.attacks.text.family import family_of, input_side_gradient
+from gradleak.attacks.text.somp import HeadPool, SompConfig
+from gradleak.data.text import encode
+from gradleak.metrics.text import decode, score_texts
+from gradleak.models import build_model
+from gradleak.tasks.text_client import fedsgd_text_update
+from gradleak.types import AttackInputError, Observation, Update
+
+REVIEWS = [
+    "the film was great fun", "a dull and boring movie", "it was fun to watch with friends",
+    "the acting is wooden and the plot thin", "an utterly charming little comedy",
+    "i did not like the ending at all", "a masterpiece of quiet menace", "too long by half and never funny",
+    "she steals every scene she is in", "the score is lovely but the script is weak",
+    "nothing here you have not seen before", "brave bold and often very moving",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return build_model("gpt2_tiny", (16,), 2, task="causal_lm", seed=0)
+
+
+def observe(tm, texts: list[str]) -> tuple[Observation, list[list[int]]]:
+    batch = encode(texts, tm.tokenizer, max_tokens=16)
+    update = fedsgd_text_update(tm.model, batch, "causal_lm")
+    return Observation(tm.model, update, (batch.input_ids.shape[1],), 50257), batch.sequences()
+
+
+def run(obs: Observation, **options) -> list[list[int]]:
+    attack = create_attack("somp", **options)
+    return attack.reconstruct(obs, generator=torch.Generator().manual_seed(0)).token_ids
+
+
+@pytest.mark.parametrize(
+    "texts",
+    [
+        ["the film was great fun"],
+        ["great fun", "a dull movie"],
+        ["the film was great fun", "a dull and boring movie", "it was fun"],
+        ["the film was great fun", "the film was dull"],  # a shared prefix branches
+        REVIEWS[:8],
+    ],
+)
+def test_every_sentence_comes_back_exactly(gpt2, texts):
+    obs, true = observe(gpt2, texts)
+    assert sorted(run(obs)) == sorted(true)
+
+
+def test_a_null_update_gives_none_of_the_words(gpt2):
+    """Noise of the update's norms fills both spans, so SOMP reads the tokens the embedding rows' noise keeps
+    (past-the-rank-limit fallback): none of the batch's words."""
+    obs, true = observe(gpt2, ["the film was great fun", "a dull and boring movie"])
+    got = run(null_observation(obs, torch.Generator().manual_seed(1)))
+    scores = score_texts(decode(gpt2.tokenizer, got), decode(gpt2.tokenizer, true), with_meteor=False)
+    assert scores.rouge1 == 0.0
+
+
+def test_the_pooled_gain_matches_the_residual_it_explains(gpt2):
+    """HeadPool's gain of an atom against a slow reference: the mean over heads of the drop of the
+    unit-normalised head block's squared residual when the atom joins the chosen ones (least squares)."""
+    obs, _ = observe(gpt2, REVIEWS[:3])
+    grad = input_side_gradient(obs, gpt2.model, family_of(gpt2.model).attn_inputs, 1)
+    pool = HeadPool(grad, 16)
+    assert pool.heads == 12  # Q, K and V of 4 heads
+    gen = torch.Generator().manual_seed(0)
+    atoms = torch.randn(3, 64, generator=gen, dtype=torch.float64)
+    pool.add(atoms[0])
+    pool.add(atoms[1])
+
+    def residual(chosen: torch.Tensor) -> float:
+        out = []
+        for block in grad.to(torch.float64).split(16, dim=1):
+            block = block / block.norm()
+            coef = torch.linalg.lstsq(chosen.T, block).solution
+            out.append(float((block - chosen.T @ coef).pow(2).sum()))
+        return sum(out) / len(out)
+
+    drop = residual(atoms[:2]) - residual(atoms[:3])
+    assert float(pool.gains(atoms[2:], 1e-6)[0]) == pytest.approx(drop, rel=1e-9, abs=1e-12)
+    # an atom in the chosen span adds no direction
+    assert float(pool.gains((atoms[0] + 2 * atoms[1]).unsqueeze(0), 1e-6)[0]) == 0.0
+
+
+def test_the_true_block_2_inputs_explain_the_whole_gradient(gpt2):
+    """After the attack, the chosen atoms (the true prefixes' block-2 inputs) explain the pooled gradient."""
+    obs, _ = observe(gpt2, REVIEWS[:4])
+    out = create_attack("somp").reconstruct(obs, generator=torch.Generator().manual_seed(0))
+    assert out.stats["explained_l2"] == pytest.approx(1.0, abs=1e-9)
+    assert out.stats["heads"] == 12
+
+
+def test_past_dagers_rank_limit_words_come_back_from_the_embedding_rows(gpt2):
+    """12 sentences: 62 block-1 inputs in 64 dimensions, a full span. SOMP falls back to the embedding rows'
+    tokens at every position and OMP on block 2 (full too): words, little order (measured R-1 0.302,
+    R-2 0.083; tolerance 0.05)."""
+    obs, true = observe(gpt2, REVIEWS)
+    got = run(obs)
+    scores = score_texts(decode(gpt2.tokenizer, got), decode(gpt2.tokenizer, true), with_meteor=False)
+    assert scores.rouge1 == pytest.approx(0.302, abs=0.05)
+    assert scores.rouge2 == pytest.approx(0.083, abs=0.05)
+
+
+def test_what_it_cannot_read_is_refused_before_work(gpt2):
+    bert = build_model("bert_tiny", (16,), 2, seed=0)
+    batch = encode(["the film was great fun"], bert.tokenizer, labels=[1], max_tokens=16)
+    update = fedsgd_text_update(bert.model, batch, "classification")
+    with pytest.raises(AttackInputError, match="causal language model"):
+        run(Observation(bert.model, update, (16,), 2))
+    obs, _ = observe(gpt2, ["the film was great fun"])
+    delta = Update({k: -v for k, v in obs.update.tensors.items()}, kind="delta", num_samples=1)
+    with pytest.raises(AttackInputError, match="FedAvg delta"):
+        run(Observation(gpt2.model, delta, obs.input_shape, 50257))
+    with pytest.raises(ValueError, match="go together"):
+        SompConfig(prior_weight=0.5)
+    with pytest.raises(ValueError, match="min_gain"):
+        SompConfig(min_gain=0.0)
