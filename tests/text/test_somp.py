@@ -124,3 +124,50 @@ def test_what_it_cannot_read_is_refused_before_work(gpt2):
         SompConfig(prior_weight=0.5)
     with pytest.raises(ValueError, match="min_gain"):
         SompConfig(min_gain=0.0)
+
+
+def test_rotary_positions_and_grouped_query_heads():
+    """A 2-block Llama (rotary positions, 4 query heads sharing 2 key/value heads, tied head): Q's 4 heads and
+    K's and V's 2 each make 8 blocks of 16 columns; both sentences come back exactly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gradleak.data.text import TextBatch
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    seqs = [[17, 42, 101, 7, 250, 99], [5, 42, 180, 33, 2]]
+    ids = torch.tensor([s + [0] * (6 - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (6 - len(s)) for s in seqs])
+    update = fedsgd_text_update(model, TextBatch(ids, mask), "causal_lm")
+    out = create_attack("somp").reconstruct(
+        Observation(model, update, (16,), 300), generator=torch.Generator().manual_seed(0)
+    )
+    assert sorted(out.token_ids) == sorted(seqs)
+    assert out.stats["heads"] == 8
+
+
+def test_the_prior_scores_each_extended_prefix_and_the_gain_still_decides(gpt2, monkeypatch):
+    """LM guidance: the prior is asked for the mean NLL of every extended prefix (never of a lone first token)
+    and ranks the atoms; a prior that prefers every wrong token (NLL 0 for wrong, 50 for true) changes no
+    sentence here: each level's admissible atoms are the true extensions."""
+    from gradleak.attacks.text import somp
+
+    texts = ["the film was great fun", "a dull and boring movie", "it was fun"]
+    obs, true = observe(gpt2, texts)
+    prefixes = {tuple(s[:i]) for s in true for i in range(2, len(s) + 1)}
+    calls: list[torch.Tensor] = []
+
+    class Spy:
+        def nll(self, ids: torch.Tensor) -> torch.Tensor:
+            calls.append(ids)
+            return torch.tensor([50.0 if tuple(r) in prefixes else 0.0 for r in ids.tolist()])
+
+    monkeypatch.setattr(somp, "load_prior", lambda config: Spy())
+    got = run(obs, prior={"tokenizer": "gpt2_tiny"}, prior_weight=1.0)
+    assert sorted(got) == sorted(true)
+    assert calls and all(c.shape[1] >= 2 for c in calls)
+    assert any(tuple(r) in prefixes for c in calls for r in c.tolist())
