@@ -12,21 +12,25 @@ reconstruction over an LM-guided beam, scaling token recovery to larger batch si
    heads' column blocks G_h (Q, K and V, ``head_dim`` columns each), each scaled to unit Frobenius norm.
    Every column of every block is a combination of the same block-2 inputs y_t: a simultaneous sparse
    recovery problem (multiple measurement vectors; Tropp, Gilbert and Strauss, Signal Processing 2006) whose
-   atoms are the block-2 inputs of candidate prefixes. An atom's *gain* is the pooled share of the gradient
-   it explains beyond the atoms already chosen: with q its unit component orthogonal to them,
-   mean_h ||G_h^T q||^2. Each head counts the same, whatever its gradient's scale.
+   atoms are the block-2 inputs of candidate prefixes. An atom's *score* is simultaneous OMP's selection
+   rule pooled over the heads: mean_h ||R_h^T a||^2 / ||a||^2, R_h the head block's residual after the
+   chosen atoms' least-squares fit. Each head counts the same, whatever its gradient's scale.
 3. **Orthogonal matching pursuit over the beam.** Sequences grow left to right over the whole batch at once,
    as DAGER's decoder search does (under causal attention a prefix's last block-2 input depends on the prefix
    alone). At each length, the extensions of every live prefix by the position's candidates are the
-   dictionary; those outside block 2's span (DAGER's L2 test, where the span is not full) or repeating
-   their prefix's last input are left out; OMP picks the atom of highest gain, projects it out, and repeats
-   while the best gain is at least ``min_gain`` and fewer than B (the update's sample count) prefixes are
-   live. A prefix with no picked extension is a finished sequence. Because a picked atom is projected out,
-   an extension that only re-explains what the batch's other prefixes already explain gains ~nothing: the
-   beam needs no width beyond B.
+   dictionary. Those outside block 2's span (DAGER's L2 test) or repeating their prefix's last input are
+   left out: where the span is not full, the L2 test accepts and OMP ranks. OMP picks the atom of highest
+   score, projects it out, and repeats while fewer than B (the update's sample count) prefixes are live and
+   the score is at least ``min_score`` (and, where block 2's span is full and there is no L2 test,
+   ``chance_ratio`` times what a random direction would score). A prefix with no picked extension is
+   finished. A picked atom is projected out, so an extension that only re-explains what another prefix
+   explains scores ~0, and no more than B prefixes are kept where DAGER keeps up to 64.
 4. **LM guidance** (``prior``, optional: LAMP's kind of prior, :mod:`~gradleak.attacks.text.lm_prior`): the
-   atoms are ranked by log gain - ``prior_weight`` x the prior's mean NLL of the extended prefix; the gain
+   atoms are ranked by log score - ``prior_weight`` x the prior's mean NLL of the extended prefix; the score
    alone decides acceptance.
+5. **Past DAGER's rank limit** (block 1's span full): the embedding rows' tokens (paper 002's Channel 2) at
+   every position. OMP holds at most d atoms, so there it cannot hold every true prefix: the paper's
+   "scaling" is not reproduced by this reading (docs/attacks-text.md, "SOMP as read here").
 
 Last tokens (only labels under the next-token loss) come from the LM head as in DAGER. Scope: causal
 language models (GPT-2 arch, SmolLM2/Llama), FedSGD; an encoder or a FedAvg delta is refused before work.
@@ -72,63 +76,88 @@ def head_dim(model: nn.Module) -> int:
 
 
 class HeadPool:
-    """Step 2: the head blocks of an input-side gradient (d, k), each of unit Frobenius norm, and the atoms
-    chosen so far (an orthonormal basis of their span)."""
+    """Step 2: the head blocks of an input-side gradient (d, k), each of unit Frobenius norm (heads below
+    ``floor`` of the largest head's norm, float rounding, are left out), and the atoms chosen so far (an
+    orthonormal basis of their span)."""
 
-    def __init__(self, grad: torch.Tensor, width: int) -> None:
+    def __init__(self, grad: torch.Tensor, width: int, floor: float = 1e-6) -> None:
         if grad.shape[1] % width:
             raise AttackInputError(f"the gradient's {grad.shape[1]} columns are not whole heads of {width}")
         blocks = grad.to(torch.float64).T.reshape(-1, width, grad.shape[0])  # (heads, width, d)
         norms = blocks.flatten(1).norm(dim=1)
-        self.blocks = blocks[norms > 0] / norms[norms > 0, None, None]
+        keep = norms > floor * norms.max() if norms.numel() and float(norms.max()) > 0 else norms > 0
+        self.blocks = blocks[keep] / norms[keep, None, None]
         self.basis = grad.new_zeros((grad.shape[0], 0), dtype=torch.float64)
 
     @property
     def heads(self) -> int:
         return int(self.blocks.shape[0])
 
+    @property
+    def dim(self) -> int:
+        return int(self.basis.shape[0])
+
     def orthogonal(self, z: torch.Tensor) -> torch.Tensor:
         """The components of the rows of ``z`` (n, d) orthogonal to the chosen atoms."""
         z = z.to(torch.float64)
         return z - (z @ self.basis) @ self.basis.T
 
-    def gains(self, z: torch.Tensor, tol: float) -> torch.Tensor:
-        """Each atom's pooled gain, mean_h ||G_h^T q||^2 (q: its unit component orthogonal to the chosen
-        atoms); 0 where that component is below ``tol`` of the atom's norm (it adds no new direction)."""
+    def scores(self, z: torch.Tensor, tol: float) -> torch.Tensor:
+        """Simultaneous OMP's selection score of each atom (row of ``z``): the pooled squared correlation
+        of the unit atom with the residual, mean_h ||R_h^T z||^2 / ||z||^2 (R_h: head block h with the
+        chosen atoms' least-squares fit removed; R_h^T z = G_h^T z_perp, z_perp the atom's component off the
+        chosen ones). An atom nearly inside the chosen span scores nearly 0; below ``tol`` of its norm off
+        it, exactly 0."""
+        z = z.to(torch.float64)
         perp = self.orthogonal(z)
-        norm = perp.norm(dim=1)
-        q = perp / norm.clamp_min(1e-300)[:, None]
-        gain = torch.einsum("hwd,nd->nhw", self.blocks, q).pow(2).sum(-1).mean(-1)
-        return torch.where(norm > tol * z.to(torch.float64).norm(dim=1), gain, torch.zeros_like(gain))
+        norm, full = perp.norm(dim=1), z.norm(dim=1).clamp_min(1e-300)
+        score = torch.einsum("hwd,nd->nhw", self.blocks, perp).pow(2).sum(-1).mean(-1) / full.pow(2)
+        return torch.where(norm > tol * full, score, torch.zeros_like(score))
 
     def add(self, z: torch.Tensor) -> None:
-        perp = self.orthogonal(z.unsqueeze(0))[0]
+        perp = self.orthogonal(self.orthogonal(z.unsqueeze(0)))[0]  # twice: Gram-Schmidt keeps its basis
         self.basis = torch.cat([self.basis, (perp / perp.norm())[:, None]], dim=1)
 
     def explained(self) -> float:
-        """The pooled share of the gradient the chosen atoms explain, in [0, 1]."""
+        """The pooled share of the gradient the chosen atoms explain, in [0, 1] (0 without heads)."""
+        if self.heads == 0:
+            return 0.0
         return float(torch.einsum("hwd,dm->hwm", self.blocks, self.basis).pow(2).sum((1, 2)).mean())
+
+    def chance(self) -> float:
+        """The score a random unit direction gets in expectation: the unexplained share over the dimensions
+        left, (1 - explained) / (d - chosen)."""
+        return (1.0 - self.explained()) / max(1, self.dim - self.basis.shape[1])
 
 
 @dataclass(frozen=True)
 class SompConfig(DagerConfig):
-    """DAGER's span tests and token candidates (the parent's options), and steps 2-4: ``min_gain`` the
-    smallest pooled gain an extension must add (ours: 1e-6, above float64 rounding of a repeated atom,
-    below the smallest true token's share measured on GPT-2 small, ~1e-4); ``parallel_tol`` an atom whose
-    component off the chosen ones is below this share of its norm adds no direction; ``prior`` /
-    ``prior_weight`` the LM guidance (none by default)."""
+    """DAGER's span tests and token candidates (the parent's options; the decoder's ``search`` and
+    ``beam_width`` and the ``encoder`` options are not used: OMP keeps at most B prefixes, and encoders are
+    refused), and steps 2-4:
+    - ``min_score``: the smallest OMP score an atom must reach (ours: 1e-9, above float64 rounding of an
+      atom inside the chosen span);
+    - ``parallel_tol``: an atom whose component off the chosen ones is below this share of its norm adds no
+      direction (ours: 1e-3);
+    - ``chance_ratio``: where block 2's span is full (no span test), an atom must also score this many times
+      what a random direction would (:meth:`HeadPool.chance`; ours: 2, from the tiny GPT-2 under Prune-50 %:
+      1 let a wrong token trail the one sentence, 4 lost one of two sentences and 3 of 3);
+    - ``prior`` / ``prior_weight``: the LM guidance (none by default)."""
 
-    min_gain: float = 1e-6
-    parallel_tol: float = 1e-6
+    min_score: float = 1e-9
+    parallel_tol: float = 1e-3
+    chance_ratio: float = 2.0
     prior_weight: float = 0.0
     prior: LMPriorConfig = field(default_factory=LMPriorConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 < self.min_gain < 1:
-            raise ValueError(f"min_gain must be in (0, 1), got {self.min_gain}")
+        if not 0 < self.min_score < 1:
+            raise ValueError(f"min_score must be in (0, 1), got {self.min_score}")
         if not 0 < self.parallel_tol < 1:
             raise ValueError(f"parallel_tol must be in (0, 1), got {self.parallel_tol}")
+        if not 1 <= self.chance_ratio < float("inf"):
+            raise ValueError(f"chance_ratio must be a finite number >= 1, got {self.chance_ratio}")
         if not 0 <= self.prior_weight < float("inf"):
             raise ValueError(f"prior_weight must be a finite number >= 0, got {self.prior_weight}")
         if not isinstance(self.prior, LMPriorConfig):
@@ -138,6 +167,18 @@ class SompConfig(DagerConfig):
                 "prior.tokenizer and prior_weight go together: name the victim's tokenizer and give a weight "
                 f"> 0, or neither (got {self.prior.tokenizer!r} and {self.prior_weight})"
             )
+        if (
+            self.prior.tokenizer is not None
+            and self.prior.kind == "gpt2"
+            and self.prior.context < self.max_positions
+        ):
+            raise ValueError(
+                f"the GPT-2 prior reads {self.prior.context} tokens (prior.context), fewer than "
+                f"max_positions ({self.max_positions}): raise prior.context or lower max_positions"
+            )
+
+
+PRIOR_CHUNK = 256  # extended prefixes the prior scores at once
 
 
 @dataclass
@@ -146,8 +187,9 @@ class OmpSearch(L2Search):
 
     pool: HeadPool | None = None
     batch: int = 1
-    min_gain: float = 1e-6
-    parallel_tol: float = 1e-6
+    min_score: float = 1e-9
+    parallel_tol: float = 1e-3
+    chance_ratio: float = 2.0
     prior: LMPrior | None = None
     prior_weight: float = 0.0
 
@@ -158,8 +200,8 @@ class OmpSearch(L2Search):
             return []
         firsts = [[v] for v in cands[0]]
         z = self.block2_inputs(torch.tensor(cands[0]).unsqueeze(1))[:, 0]
-        gains: dict[tuple[int, ...], float] = {}
-        live = self.pick(firsts, z, self.admissible(z, None), gains)
+        scores: dict[tuple[int, ...], float] = {}
+        live = self.pick(firsts, z, self.admissible(z, None), scores)
         done: list[list[int]] = []
         for p in range(1, len(cands)):
             if not live:
@@ -169,12 +211,12 @@ class OmpSearch(L2Search):
             z = torch.cat([zz for zz, _ in parts])
             prev = torch.cat([pp for _, pp in parts])
             seqs = [s + [v] for s in live for v in cands[p]]
-            nxt = self.pick(seqs, z, self.admissible(z, prev), gains)
+            nxt = self.pick(seqs, z, self.admissible(z, prev), scores)
             grown = {tuple(s[:-1]) for s in nxt}
             done += [s for s in live if tuple(s) not in grown]
             live = nxt
         done += live
-        return [(s, -sum(gains.get(tuple(s[:i]), 0.0) for i in range(1, len(s) + 1))) for s in done]
+        return [(s, -sum(scores.get(tuple(s[:i]), 0.0) for i in range(1, len(s) + 1))) for s in done]
 
     def admissible(self, z: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
         """The atoms OMP may pick: inside block 2's span (unless it is full: no test) and, for extensions,
@@ -187,26 +229,37 @@ class OmpSearch(L2Search):
         return ok
 
     def pick(
-        self, seqs: list[list[int]], z: torch.Tensor, ok: torch.Tensor, gains: dict[tuple[int, ...], float]
+        self, seqs: list[list[int]], z: torch.Tensor, ok: torch.Tensor, scores: dict[tuple[int, ...], float]
     ) -> list[list[int]]:
-        """OMP over the atoms ``z`` of ``seqs``: the highest-ranked admissible atom is chosen and projected
-        out while its gain is >= ``min_gain`` and fewer than B are chosen; their gains go to ``gains``."""
+        """OMP over the admissible atoms ``z[ok]`` of ``seqs``: the highest-ranked atom is chosen and
+        projected out while its score is >= ``min_score`` (and, on a full span, ``chance_ratio`` times
+        chance) and fewer than B are chosen; their scores go to ``scores``."""
         assert self.pool is not None
-        penalty = torch.zeros(len(seqs), dtype=torch.float64)  # a first token: nothing to predict
-        if self.prior is not None and len(seqs[0]) > 1 and ok.any():
-            penalty = self.prior_weight * self.prior.nll(torch.tensor(seqs)).to(torch.float64)
+        idx = torch.nonzero(ok).flatten()
+        if idx.numel() == 0:
+            return []
+        z = z[idx]
+        penalty = torch.zeros(len(idx), dtype=torch.float64)  # a first token: nothing to predict
+        if self.prior is not None and len(seqs[0]) > 1:
+            ids = torch.tensor([seqs[int(i)] for i in idx])
+            penalty = (
+                self.prior_weight * torch.cat([self.prior.nll(c) for c in ids.split(PRIOR_CHUNK)]).double()
+            )
+        free = torch.ones(len(idx), dtype=torch.bool)
         chosen: list[int] = []
-        while len(chosen) < self.batch and ok.any():
-            g = self.pool.gains(z, self.parallel_tol)
-            rank = torch.where(ok & (g >= self.min_gain), g.clamp_min(1e-300).log() - penalty, -math.inf)
+        while len(chosen) < self.batch and free.any():
+            score = self.pool.scores(z, self.parallel_tol)
+            floor = self.min_score
+            if self.span.full:
+                floor = max(floor, self.chance_ratio * self.pool.chance())
+            rank = torch.where(free & (score >= floor), score.clamp_min(1e-300).log() - penalty, -math.inf)
             j = int(rank.argmax())
             if rank[j] == -math.inf:
                 break
-            gains[tuple(seqs[j])] = float(g[j])
+            scores[tuple(seqs[int(idx[j])])] = float(score[j])
             self.pool.add(z[j])
-            chosen.append(j)
-            ok = ok.clone()
-            ok[j] = False
+            chosen.append(int(idx[j]))
+            free[j] = False
         return [seqs[j] for j in chosen]
 
 
@@ -219,6 +272,8 @@ class Somp(Dager):
         super().__init__(config or SompConfig())
         self._pool: HeadPool | None = None
         self._rows: list[int] | None = None
+        self._prior: LMPrior | None = None
+        self._fallback = False
         self._batch = 1
 
     def embedding_rows(self, obs: Observation, model: nn.Module) -> list[int] | None:
@@ -236,7 +291,7 @@ class Somp(Dager):
         return self.config
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
-        model = obs.client_model()
+        model = obs.model  # read only here; DAGER's pipeline below works on its own copy
         if not family_of(model).causal:
             raise AttackInputError(
                 "SOMP's beam grows causal prefixes (a prefix's block-2 input depends on the prefix alone): "
@@ -244,21 +299,24 @@ class Somp(Dager):
             )
         if obs.update.kind != "gradient":
             raise AttackInputError("SOMP reads one FedSGD gradient; this update is a FedAvg delta")
-        self.check_prior(model)
+        self._prior = self.prior(model)
         width = head_dim(model)
         self._batch = max(1, obs.update.num_samples)
         self._pool = HeadPool(self.input_gradient(obs, model, self.spec(model), 1), width)
         self._rows = self.embedding_rows(obs, model)
+        self._fallback = False
         out = super().reconstruct(obs, generator=generator)
-        stats = {**out.stats, "heads": float(self._pool.heads), "explained_l2": self._pool.explained()}
+        stats = {**out.stats, "heads": float(self._pool.heads), "explained_l2": self._pool.explained(),
+                 "rows_fallback": float(self._fallback)}  # fmt: skip
         return Reconstruction(token_ids=out.token_ids, stats=stats)
 
     def unreadable(self, span1: Span, span2: Span, grads: list[torch.Tensor]) -> bool:
-        """Scaling past DAGER's rank limit: a full block-2 span only drops the span test from step 3 (OMP's
-        gains still rank the atoms), and a full block-1 span falls back to the embedding channel's tokens at
+        """Past DAGER's rank limit: a full block-2 span drops the span test from step 3 (OMP's scores
+        against chance decide), and a full block-1 span falls back to the embedding channel's tokens at
         every position (:meth:`position_candidates`); only a full block-1 span without that channel is
-        unreadable."""
-        return span1.full and self._rows is None
+        unreadable. OMP holds at most d atoms, so past the limit it cannot hold every true prefix."""
+        full1 = span1.full or self.saturated(span1, grads[0])
+        return full1 and self._rows is None
 
     def position_candidates(
         self, model: nn.Module, spec: FamilySpec, module: nn.Module, span: Span, scan: torch.Tensor
@@ -266,17 +324,22 @@ class Somp(Dager):
         if not span.full:
             return super().position_candidates(model, spec, module, span, scan)
         assert self._rows is not None
+        self._fallback = True
         log.info("SOMP: block 1's span is full; %d embedding-row tokens at each position", len(self._rows))
         return [self._rows] * self.config.max_positions
 
-    def check_prior(self, model: nn.Module) -> None:
-        """A prior for another vocabulary is refused before any is built."""
+    def prior(self, model: nn.Module) -> LMPrior | None:
+        """The LM prior, built (or loaded) before any other work; one for another vocabulary is refused
+        before it is built."""
         c = self.somp
-        if c.prior.tokenizer is not None and vocabulary_size(c.prior.tokenizer) != vocab_size(model):
+        if c.prior.tokenizer is None:
+            return None
+        if vocabulary_size(c.prior.tokenizer) != vocab_size(model):
             raise AttackInputError(
                 f"the prior's tokenizer ({c.prior.tokenizer!r}) is not the model's vocabulary: name the "
                 "victim's tokenizer in prior.tokenizer"
             )
+        return load_prior(c.prior)
 
     def l2_search(
         self, model: nn.Module, m2: nn.Module, span2: Span, threshold: float, m1: nn.Module,
@@ -285,8 +348,8 @@ class Somp(Dager):
         c = self.somp
         return OmpSearch(
             model, m2, span2, threshold, c.chunk, c.repeat_tol, m1,
-            pool=self._pool, batch=self._batch, min_gain=c.min_gain, parallel_tol=c.parallel_tol,
-            prior=load_prior(c.prior) if c.prior.tokenizer is not None else None, prior_weight=c.prior_weight,
+            pool=self._pool, batch=self._batch, min_score=c.min_score, parallel_tol=c.parallel_tol,
+            chance_ratio=c.chance_ratio, prior=self._prior, prior_weight=c.prior_weight,
         )  # fmt: skip
 
 
