@@ -211,7 +211,8 @@ class OmpSearch(L2Search):
             z = torch.cat([zz for zz, _ in parts])
             prev = torch.cat([pp for _, pp in parts])
             seqs = [s + [v] for s in live for v in cands[p]]
-            nxt = self.pick(seqs, z, self.admissible(z, prev), scores)
+            parents = torch.arange(len(live)).repeat_interleave(len(cands[p]))
+            nxt = self.pick(seqs, z, self.admissible(z, prev), scores, parents)
             grown = {tuple(s[:-1]) for s in nxt}
             done += [s for s in live if tuple(s) not in grown]
             live = nxt
@@ -229,22 +230,30 @@ class OmpSearch(L2Search):
         return ok
 
     def pick(
-        self, seqs: list[list[int]], z: torch.Tensor, ok: torch.Tensor, scores: dict[tuple[int, ...], float]
+        self,
+        seqs: list[list[int]],
+        z: torch.Tensor,
+        ok: torch.Tensor,
+        scores: dict[tuple[int, ...], float],
+        parents: torch.Tensor | None = None,
     ) -> list[list[int]]:
         """OMP over the admissible atoms ``z[ok]`` of ``seqs``: the highest-ranked atom is chosen and
         projected out while its score is >= ``min_score`` (and, on a full span, ``chance_ratio`` times
-        chance) and fewer than B are chosen; their scores go to ``scores``."""
+        chance) and fewer than B are chosen; their scores go to ``scores``. With ``parents`` (each
+        extension's live prefix), every prefix with an acceptable extension first gets its best one, so a
+        wrong extension cannot close a true prefix by taking its place under the cap; then branches."""
         assert self.pool is not None
         idx = torch.nonzero(ok).flatten()
         if idx.numel() == 0:
             return []
         z = z[idx]
+        parent = parents[idx] if parents is not None else None
+        unserved = set(parent.tolist()) if parent is not None else set()
         penalty = torch.zeros(len(idx), dtype=torch.float64)  # a first token: nothing to predict
         if self.prior is not None and len(seqs[0]) > 1:
             ids = torch.tensor([seqs[int(i)] for i in idx])
-            penalty = (
-                self.prior_weight * torch.cat([self.prior.nll(c) for c in ids.split(PRIOR_CHUNK)]).double()
-            )
+            nll = torch.cat([self.prior.nll(c) for c in ids.split(PRIOR_CHUNK)])
+            penalty = self.prior_weight * nll.to(torch.float64)
         free = torch.ones(len(idx), dtype=torch.bool)
         chosen: list[int] = []
         while len(chosen) < self.batch and free.any():
@@ -252,14 +261,22 @@ class OmpSearch(L2Search):
             floor = self.min_score
             if self.span.full:
                 floor = max(floor, self.chance_ratio * self.pool.chance())
-            rank = torch.where(free & (score >= floor), score.clamp_min(1e-300).log() - penalty, -math.inf)
+            eligible = free & (score >= floor)
+            if parent is not None and unserved:
+                eligible &= torch.isin(parent, torch.tensor(sorted(unserved)))
+            rank = torch.where(eligible, score.clamp_min(1e-300).log() - penalty, -math.inf)
             j = int(rank.argmax())
             if rank[j] == -math.inf:
+                if unserved:  # no prefix left to serve: branches next
+                    unserved.clear()
+                    continue
                 break
             scores[tuple(seqs[int(idx[j])])] = float(score[j])
             self.pool.add(z[j])
             chosen.append(int(idx[j]))
             free[j] = False
+            if parent is not None:
+                unserved.discard(int(parent[j]))
         return [seqs[j] for j in chosen]
 
 
