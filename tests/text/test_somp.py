@@ -181,3 +181,22 @@ def test_the_prior_scores_each_extended_prefix_and_the_gain_still_decides(gpt2, 
     assert sorted(got) == sorted(true)
     assert calls and all(c.shape[1] >= 2 for c in calls)
     assert any(tuple(r) in prefixes for c in calls for r in c.tolist())
+
+
+def test_each_live_prefix_gets_its_best_extension_before_any_branches():
+    """A synthetic level: prefix 0's true extension explains most of the gradient, prefix 1's a little; a
+    wrong extension of prefix 0 correlates with a later level's input and outscores prefix 1's true one.
+    Under the cap of B = 2, prefix 1 keeps its extension (by hand, without ``parents``: prefix 0's
+    wrong extension took its place)."""
+    from gradleak.attacks.text.family import Span
+    from gradleak.attacks.text.somp import OmpSearch
+
+    d = 64
+    e = torch.eye(d, dtype=torch.float64)
+    grad = torch.stack([10 * e[0] + 1 * e[1] + 3 * e[3]] * 4, dim=1)  # one head of 4 columns
+    atoms = torch.stack([e[0], e[1], (e[2] + e[3]) / 2**0.5])  # true of 0, true of 1, wrong of 0
+    seqs = [[1, 10], [2, 20], [1, 30]]
+    pool = HeadPool(grad, 4)
+    search = OmpSearch(None, None, Span(e, torch.ones(d)), 0.5, pool=pool, batch=2)  # type: ignore[arg-type]
+    picked = search.pick(seqs, atoms, torch.ones(3, dtype=torch.bool), {}, torch.tensor([0, 1, 0]))
+    assert picked == [[1, 10], [2, 20]]

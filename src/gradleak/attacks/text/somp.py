@@ -22,7 +22,8 @@ reconstruction over an LM-guided beam, scaling token recovery to larger batch si
    left out: where the span is not full, the L2 test accepts and OMP ranks. OMP picks the atom of highest
    score, projects it out, and repeats while fewer than B (the update's sample count) prefixes are live and
    the score is at least ``min_score`` (and, where block 2's span is full and there is no L2 test,
-   ``chance_ratio`` times what a random direction would score). A prefix with no picked extension is
+   ``chance_ratio`` times what a random direction would score); each live prefix with an acceptable
+   extension gets its best one before any prefix branches. A prefix with no picked extension is
    finished. A picked atom is projected out, so an extension that only re-explains what another prefix
    explains scores ~0, and no more than B prefixes are kept where DAGER keeps up to 64.
 4. **LM guidance** (``prior``, optional: LAMP's kind of prior, :mod:`~gradleak.attacks.text.lm_prior`): the
@@ -263,7 +264,10 @@ class OmpSearch(L2Search):
                 floor = max(floor, self.chance_ratio * self.pool.chance())
             eligible = free & (score >= floor)
             if parent is not None and unserved:
-                eligible &= torch.isin(parent, torch.tensor(sorted(unserved)))
+                serve = free & torch.isin(parent, torch.tensor(sorted(unserved)))
+                # where the L2 test accepted them, a prefix's extensions need no score: OMP only ranks them
+                # (a true input close to chosen ones, e.g. a repeated <unk>, scores ~0 and must not close it)
+                eligible = serve if not self.span.full else eligible & serve
             rank = torch.where(eligible, score.clamp_min(1e-300).log() - penalty, -math.inf)
             j = int(rank.argmax())
             if rank[j] == -math.inf:
