@@ -20,12 +20,6 @@ def gpt2():
     return build_model("gpt2_tiny", (16,), 2, task="causal_lm", seed=0)
 
 
-def observe(tm, texts: list[str]) -> tuple[Observation, list[list[int]]]:
-    batch = encode(texts, tm.tokenizer, max_tokens=16)
-    update = fedsgd_text_update(tm.model, batch, "causal_lm")
-    return Observation(tm.model, update, (batch.input_ids.shape[1],), 50257), batch.sequences()
-
-
 def run(obs: Observation, **options) -> list[list[int]]:
     return (
         create_attack("fedspy", **options)
@@ -34,14 +28,14 @@ def run(obs: Observation, **options) -> list[list[int]]:
     )
 
 
-def test_one_sentence_comes_back_exactly_from_the_embedding_rows(gpt2):
-    obs, (true,) = observe(gpt2, ["the film was great fun"])
+def test_one_sentence_comes_back_exactly_from_the_embedding_rows(observe_lm, gpt2):
+    obs, (true,) = observe_lm(gpt2, ["the film was great fun"])
     assert run(obs) == [true]
 
 
-def test_the_span_reading_recovers_all_but_the_last_token(gpt2):
+def test_the_span_reading_recovers_all_but_the_last_token(observe_lm, gpt2):
     """Under the next-token loss the last token is only a label: no block-1 input holds it."""
-    obs, (true,) = observe(gpt2, ["the film was great fun"])
+    obs, (true,) = observe_lm(gpt2, ["the film was great fun"])
     assert run(obs, tokens="span") == [true[:-1]]
 
 
@@ -54,18 +48,18 @@ def test_the_span_reading_recovers_all_but_the_last_token(gpt2):
         ["the film was great fun", "a dull and boring movie", "it was fun"],
     ],
 )
-def test_sentences_come_back_exactly_with_their_ends_read_off_block_2s_span(gpt2, texts):
+def test_sentences_come_back_exactly_with_their_ends_read_off_block_2s_span(observe_lm, gpt2, texts):
     """The cosine alone does not find where a sentence ends (an extension from the rest of the batch also
     raises it: +0.03 measured, against +0.06-0.14 for true ones; the first sentence ran on into the
     others' words in all three batches); the span test of the last position's block-2 input does."""
-    obs, truth = observe(gpt2, texts)
+    obs, truth = observe_lm(gpt2, texts)
     rec = create_attack("fedspy").reconstruct(obs, generator=torch.Generator().manual_seed(0))
     assert sorted(rec.token_ids) == sorted(truth), [gpt2.tokenizer.decode(s) for s in rec.token_ids]
     assert rec.stats["span_ends"] == 1
 
 
-def test_without_block_2s_attention_the_gain_rule_alone_ends_sequences(gpt2):
-    obs, (true,) = observe(gpt2, ["the film was great fun"])
+def test_without_block_2s_attention_the_gain_rule_alone_ends_sequences(observe_lm, gpt2):
+    obs, (true,) = observe_lm(gpt2, ["the film was great fun"])
     frozen = {n: t for n, t in obs.update.tensors.items() if ".h.1.attn." not in n}
     rec = create_attack("fedspy").reconstruct(
         Observation(obs.model, Update(frozen, 1, kind="gradient"), obs.input_shape, 50257),
@@ -74,15 +68,15 @@ def test_without_block_2s_attention_the_gain_rule_alone_ends_sequences(gpt2):
     assert rec.token_ids == [true] and rec.stats["span_ends"] == 0
 
 
-def test_a_null_update_gives_none_of_the_words(gpt2):
-    obs, (true,) = observe(gpt2, ["the film was great fun"])
+def test_a_null_update_gives_none_of_the_words(observe_lm, gpt2):
+    obs, (true,) = observe_lm(gpt2, ["the film was great fun"])
     null = null_observation(obs, torch.Generator().manual_seed(1))
     got = run(null, max_length=6)
     assert not set(true) & {t for seq in got for t in seq}
 
 
-def test_what_fedspy_cannot_read_is_refused_before_work(gpt2):
-    obs, _ = observe(gpt2, ["the film was great fun"])
+def test_what_fedspy_cannot_read_is_refused_before_work(observe_lm, gpt2):
+    obs, _ = observe_lm(gpt2, ["the film was great fun"])
     delta = Observation(obs.model, Update(dict(obs.update.tensors), 1, kind="delta"), obs.input_shape, 50257)
     with pytest.raises(AttackInputError, match="FedAvg delta"):
         run(delta)

@@ -31,12 +31,6 @@ def gpt2():
     return build_model("gpt2_tiny", (16,), 2, task="causal_lm", seed=0)
 
 
-def observe(tm, texts: list[str]) -> tuple[Observation, list[list[int]]]:
-    batch = encode(texts, tm.tokenizer, max_tokens=16)
-    update = fedsgd_text_update(tm.model, batch, "causal_lm")
-    return Observation(tm.model, update, (batch.input_ids.shape[1],), 50257), batch.sequences()
-
-
 def run(obs: Observation, **options) -> list[list[int]]:
     attack = create_attack("somp", **options)
     return attack.reconstruct(obs, generator=torch.Generator().manual_seed(0)).token_ids
@@ -52,24 +46,24 @@ def run(obs: Observation, **options) -> list[list[int]]:
         REVIEWS[:8],
     ],
 )
-def test_every_sentence_comes_back_exactly(gpt2, texts):
-    obs, true = observe(gpt2, texts)
+def test_every_sentence_comes_back_exactly(observe_lm, gpt2, texts):
+    obs, true = observe_lm(gpt2, texts)
     assert sorted(run(obs)) == sorted(true)
 
 
-def test_a_null_update_gives_none_of_the_words(gpt2):
+def test_a_null_update_gives_none_of_the_words(observe_lm, gpt2):
     """Noise of the update's norms fills both spans, so SOMP reads the tokens the embedding rows' noise keeps
     (past-the-rank-limit fallback): none of the batch's words."""
-    obs, true = observe(gpt2, ["the film was great fun", "a dull and boring movie"])
+    obs, true = observe_lm(gpt2, ["the film was great fun", "a dull and boring movie"])
     got = run(null_observation(obs, torch.Generator().manual_seed(1)))
     scores = score_texts(decode(gpt2.tokenizer, got), decode(gpt2.tokenizer, true), with_meteor=False)
     assert scores.rouge1 == 0.0
 
 
-def test_the_score_is_simultaneous_omps_pooled_over_heads(gpt2):
+def test_the_score_is_simultaneous_omps_pooled_over_heads(observe_lm, gpt2):
     """HeadPool's score of an atom against a slow reference: the mean over heads of ||R_h^T a||^2 / ||a||^2,
     R_h the unit-normalised head block minus its least-squares fit on the chosen atoms."""
-    obs, _ = observe(gpt2, REVIEWS[:3])
+    obs, _ = observe_lm(gpt2, REVIEWS[:3])
     grad = input_side_gradient(obs, gpt2.model, family_of(gpt2.model).attn_inputs, 1)
     pool = HeadPool(grad, 16)
     assert pool.heads == 12  # Q, K and V of 4 heads
@@ -88,26 +82,26 @@ def test_the_score_is_simultaneous_omps_pooled_over_heads(gpt2):
     assert float(pool.scores((atoms[0] + 2 * atoms[1]).unsqueeze(0), 1e-3)[0]) == 0.0
 
 
-def test_the_true_block_2_inputs_explain_the_whole_gradient(gpt2):
+def test_the_true_block_2_inputs_explain_the_whole_gradient(observe_lm, gpt2):
     """After the attack, the chosen atoms (the true prefixes' block-2 inputs) explain the pooled gradient."""
-    obs, _ = observe(gpt2, REVIEWS[:4])
+    obs, _ = observe_lm(gpt2, REVIEWS[:4])
     out = create_attack("somp").reconstruct(obs, generator=torch.Generator().manual_seed(0))
     assert out.stats["explained_l2"] == pytest.approx(1.0, abs=1e-9)
     assert out.stats["heads"] == 12
 
 
-def test_omp_alone_orders_two_sentences(gpt2):
+def test_omp_alone_orders_two_sentences(observe_lm, gpt2):
     """With the L2 test off (threshold 0.999: every extension admissible), OMP's scores and the cap of B
     live prefixes decide alone, and two sentences still come back exactly."""
-    obs, true = observe(gpt2, REVIEWS[:2])
+    obs, true = observe_lm(gpt2, REVIEWS[:2])
     assert sorted(run(obs, l2_threshold=0.999)) == sorted(true)
 
 
-def test_through_half_the_entries_pruned_the_embedding_rows_and_omp_read_the_sentence(gpt2):
+def test_through_half_the_entries_pruned_the_embedding_rows_and_omp_read_the_sentence(observe_lm, gpt2):
     """Prune-50 % (a seeded mask) fills both spans, so DAGER's tests cannot discriminate. SOMP takes the
     embedding rows' tokens at every position, and OMP against chance (``chance_ratio`` 2) grows the one
     sentence exactly: the pruned gradient's energy still lies along the true block-2 inputs."""
-    obs, true = observe(gpt2, REVIEWS[:1])
+    obs, true = observe_lm(gpt2, REVIEWS[:1])
     gen = torch.Generator().manual_seed(0)
     kept = {k: v * (torch.rand(v.shape, generator=gen) < 0.5) for k, v in obs.update.tensors.items()}
     pruned = Observation(gpt2.model, Update(kept, kind="gradient", num_samples=1), obs.input_shape, 50257)
@@ -116,13 +110,13 @@ def test_through_half_the_entries_pruned_the_embedding_rows_and_omp_read_the_sen
     assert out.token_ids == true
 
 
-def test_what_it_cannot_read_is_refused_before_work(gpt2):
+def test_what_it_cannot_read_is_refused_before_work(observe_lm, gpt2):
     bert = build_model("bert_tiny", (16,), 2, seed=0)
     batch = encode(["the film was great fun"], bert.tokenizer, labels=[1], max_tokens=16)
     update = fedsgd_text_update(bert.model, batch, "classification")
     with pytest.raises(AttackInputError, match="causal language model"):
         run(Observation(bert.model, update, (16,), 2))
-    obs, _ = observe(gpt2, ["the film was great fun"])
+    obs, _ = observe_lm(gpt2, ["the film was great fun"])
     delta = Update({k: -v for k, v in obs.update.tensors.items()}, kind="delta", num_samples=1)
     with pytest.raises(AttackInputError, match="FedAvg delta"):
         run(Observation(gpt2.model, delta, obs.input_shape, 50257))
@@ -136,38 +130,24 @@ def test_what_it_cannot_read_is_refused_before_work(gpt2):
         SompConfig(prior=LMPriorConfig(tokenizer="gpt2_tiny", kind="gpt2", context=32), prior_weight=1.0)
 
 
-def test_rotary_positions_and_grouped_query_heads():
+def test_rotary_positions_and_grouped_query_heads(tiny_llama):
     """A 2-block Llama (rotary positions, 4 query heads sharing 2 key/value heads, tied head): Q's 4 heads and
     K's and V's 2 each make 8 blocks of 16 columns; both sentences come back exactly."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from gradleak.data.text import TextBatch
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-    )  # fmt: skip
-    model = LlamaForCausalLM(cfg).eval()
     seqs = [[17, 42, 101, 7, 250, 99], [5, 42, 180, 33, 2]]
-    ids = torch.tensor([s + [0] * (6 - len(s)) for s in seqs])
-    mask = torch.tensor([[1] * len(s) + [0] * (6 - len(s)) for s in seqs])
-    update = fedsgd_text_update(model, TextBatch(ids, mask), "causal_lm")
-    out = create_attack("somp").reconstruct(
-        Observation(model, update, (16,), 300), generator=torch.Generator().manual_seed(0)
-    )
+    obs = tiny_llama(seqs, kv_heads=2)
+    out = create_attack("somp").reconstruct(obs, generator=torch.Generator().manual_seed(0))
     assert sorted(out.token_ids) == sorted(seqs)
     assert out.stats["heads"] == 8
 
 
-def test_the_prior_scores_each_extended_prefix_and_the_gain_still_decides(gpt2, monkeypatch):
+def test_the_prior_scores_each_extended_prefix_and_the_gain_still_decides(observe_lm, gpt2, monkeypatch):
     """LM guidance: the prior is asked for the mean NLL of every extended prefix (never of a lone first token)
     and ranks the atoms; a prior that prefers every wrong token (NLL 0 for wrong, 50 for true) changes no
     sentence here: each level's admissible atoms are the true extensions."""
     from gradleak.attacks.text import somp
 
     texts = ["the film was great fun", "a dull and boring movie", "it was fun"]
-    obs, true = observe(gpt2, texts)
+    obs, true = observe_lm(gpt2, texts)
     prefixes = {tuple(s[:i]) for s in true for i in range(2, len(s) + 1)}
     calls: list[torch.Tensor] = []
 

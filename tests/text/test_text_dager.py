@@ -107,28 +107,11 @@ def test_span_rank_is_after_the_last_sharp_drop():
     assert noise.full
 
 
-def _tiny_llama_observation(seqs: list[list[int]]):
-    """A 2-block random-init Llama (rotary, tied head) and the causal-LM FedSGD gradient of ``seqs``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from gradleak.data.text import TextBatch
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=True,
-    )  # fmt: skip
-    model = LlamaForCausalLM(cfg).eval()
-    batch = TextBatch(torch.tensor(seqs), torch.ones(len(seqs), len(seqs[0]), dtype=torch.long))
-    update = fedsgd_text_update(model, batch, "causal_lm")
-    return Observation(model, update, (len(seqs[0]),), cfg.vocab_size)
-
-
-def test_dager_rotary_rejects_repeated_token_runs():
+def test_dager_rotary_rejects_repeated_token_runs(tiny_llama):
     # Under rotary attention [a, a, ...] has the block-2 input of [a] at every position, so each first
     # token also grows a run that the span accepts; the repeat rule removes those runs.
     seqs = [[11, 57, 203, 9, 141, 77], [34, 120, 5, 260, 88, 19]]
-    obs = _tiny_llama_observation(seqs)
+    obs = tiny_llama(seqs)
     rec = Dager().reconstruct(obs, generator=_gen())
     assert sorted(s[:-1] for s in rec.token_ids) == sorted(s[:-1] for s in seqs), rec.token_ids
     assert rec.stats["accepted"] == 2
