@@ -8,7 +8,7 @@ import torch
 
 from gradleak.attacks import create_attack
 from gradleak.attacks.text.baseline import null_observation
-from gradleak.attacks.text.family import family_of, input_side_gradient
+from gradleak.attacks.text.family import Span, family_of, input_side_gradient
 from gradleak.attacks.text.lm_prior import LMPriorConfig
 from gradleak.attacks.text.somp import HeadPool, SompConfig
 from gradleak.data.text import encode
@@ -42,7 +42,7 @@ def run(obs: Observation, **options) -> list[list[int]]:
         ["the film was great fun"],
         ["great fun", "a dull movie"],
         ["the film was great fun", "a dull and boring movie", "it was fun"],
-        ["the film was great fun", "the film was dull"],  # a shared prefix branches
+        ["the film was great fun", "the film was dull and boring"],  # a shared prefix branches
         REVIEWS[:8],
     ],
 )
@@ -52,8 +52,8 @@ def test_every_sentence_comes_back_exactly(observe_lm, gpt2, texts):
 
 
 def test_a_null_update_gives_none_of_the_words(observe_lm, gpt2):
-    """Noise of the update's norms fills both spans, so SOMP reads the tokens the embedding rows' noise keeps
-    (past-the-rank-limit fallback): none of the batch's words."""
+    """Noise of the update's norms fills both spans; nothing the embedding rows' noise keeps stands out from
+    chance on block 2: none of the batch's words."""
     obs, true = observe_lm(gpt2, ["the film was great fun", "a dull and boring movie"])
     got = run(null_observation(obs, torch.Generator().manual_seed(1)))
     scores = score_texts(decode(gpt2.tokenizer, got), decode(gpt2.tokenizer, true), with_meteor=False)
@@ -69,8 +69,8 @@ def test_the_score_is_simultaneous_omps_pooled_over_heads(observe_lm, gpt2):
     assert pool.heads == 12  # Q, K and V of 4 heads
     gen = torch.Generator().manual_seed(0)
     atoms = torch.randn(3, 64, generator=gen, dtype=torch.float64)
-    pool.add(atoms[0])
-    pool.add(atoms[1])
+    pool.add(atoms[0], 1e-3)
+    pool.add(atoms[1], 1e-3)
     chosen = atoms[:2].T
     ref = []
     for block in grad.to(torch.float64).split(16, dim=1):
@@ -92,7 +92,8 @@ def test_the_true_block_2_inputs_explain_the_whole_gradient(observe_lm, gpt2):
 
 def test_omp_alone_orders_two_sentences(observe_lm, gpt2):
     """With the L2 test off (threshold 0.999: every extension admissible), OMP's scores and the cap of B
-    live prefixes decide alone, and two sentences still come back exactly."""
+    live prefixes decide alone, and two sentences of one length come back in order. Where they end is not
+    decided here: with the L2 test off no admissible extension is refused (unequal lengths fail)."""
     obs, true = observe_lm(gpt2, REVIEWS[:2])
     assert sorted(run(obs, l2_threshold=0.999)) == sorted(true)
 
@@ -140,7 +141,7 @@ def test_rotary_positions_and_grouped_query_heads(tiny_llama):
     assert out.stats["heads"] == 8
 
 
-def test_the_prior_scores_each_extended_prefix_and_the_gain_still_decides(observe_lm, gpt2, monkeypatch):
+def test_the_prior_scores_each_extended_prefix_and_the_score_still_decides(observe_lm, gpt2, monkeypatch):
     """LM guidance: the prior is asked for the mean NLL of every extended prefix (never of a lone first token)
     and ranks the atoms; a prior that prefers every wrong token (NLL 0 for wrong, 50 for true) changes no
     sentence here: each level's admissible atoms are the true extensions."""
@@ -180,3 +181,51 @@ def test_each_live_prefix_gets_its_best_extension_before_any_branches():
     search = OmpSearch(None, None, Span(e, torch.ones(d)), 0.5, pool=pool, batch=2)  # type: ignore[arg-type]
     picked = search.pick(seqs, atoms, torch.ones(3, dtype=torch.bool), {}, torch.tensor([0, 1, 0]))
     assert picked == [[1, 10], [2, 20]]
+
+
+def _synthetic(atoms: dict[tuple[int, ...], torch.Tensor], grad: torch.Tensor, span: Span, batch: int):
+    """An OmpSearch over hand-made block-2 inputs (``atoms`` by prefix; an extension never repeats)."""
+    from gradleak.attacks.text.somp import OmpSearch
+
+    class Synthetic(OmpSearch):
+        def block2_inputs(self, seqs: torch.Tensor) -> torch.Tensor:
+            return torch.stack([atoms[tuple(s)] for s in seqs.tolist()]).unsqueeze(1)
+
+        def extension_inputs(self, prefixes, cands):
+            z = torch.stack([atoms[(*s, v)] for s in prefixes for v in cands])
+            return z, torch.stack([-atoms[tuple(s)] for s in prefixes for _ in cands])
+
+    return Synthetic(None, None, span, 0.5, pool=HeadPool(grad, 4), batch=batch)  # type: ignore[arg-type]
+
+
+def test_extend_serves_each_live_prefix_through_its_own_extensions():
+    """Through ``extend``: two first tokens, three candidates after each. Prefix 1's wrong extension (1, 20)
+    outscores prefix 2's true (2, 20); each prefix is served from its own extensions (parents aligned with
+    the prefix-outer, candidate-inner order)."""
+    d = 64
+    e = torch.eye(d, dtype=torch.float64)
+    atoms = {(1,): e[4], (2,): e[5], (1, 10): e[0], (1, 20): (e[2] + e[3]) / 2**0.5, (1, 30): e[7],
+             (2, 10): e[6], (2, 20): e[1], (2, 30): e[7] + e[6]}  # fmt: skip
+    grad = torch.stack([10 * e[0] + e[1] + 3 * e[3] + 5 * e[4] + 4 * e[5]] * 4, dim=1)
+    search = _synthetic(atoms, grad, Span(e, torch.ones(d)), batch=2)
+    found = search.extend([[1, 2], [10, 20, 30]], "greedy", 64)
+    assert sorted(s for s, _ in found) == [[1, 10], [2, 20]]
+
+
+@pytest.mark.parametrize("twin", [1e-5, 1.0])
+def test_where_the_l2_test_accepts_a_prefix_grows_whatever_its_score(twin):
+    """Block 2's span not full: prefix 2's true extension is (nearly or exactly) the input prefix 1's already
+    explains, so it scores ~0 (a repeated "<unk>" on SmolLM2 closed its sentence this way); it grows anyway,
+    an exactly parallel atom leaves the basis as it was, and prefix 1's branch (1, 30) is still picked."""
+    d = 64
+    e = torch.eye(d, dtype=torch.float64)
+    twin_atom = e[0] + 1e-5 * e[5] if twin < 1 else 2 * e[0]
+    search = _synthetic({}, torch.stack([10 * e[0] + 3 * e[2]] * 4, dim=1), Span(e[:, :8], torch.ones(8)), 3)
+    assert search.pool is not None
+    atoms = torch.stack([e[0], twin_atom, e[2]])
+    got = search.pick(
+        [[1, 10], [2, 20], [1, 30]], atoms, torch.ones(3, dtype=torch.bool), {}, torch.tensor([0, 1, 0])
+    )
+    assert got == [[1, 10], [2, 20], [1, 30]]
+    assert torch.isfinite(search.pool.basis).all()
+    assert search.pool.basis.shape[1] == 2  # e0 and e2: the twin added no direction

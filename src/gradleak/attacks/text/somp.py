@@ -20,12 +20,13 @@ reconstruction over an LM-guided beam, scaling token recovery to larger batch si
    alone). At each length, the extensions of every live prefix by the position's candidates are the
    dictionary. Those outside block 2's span (DAGER's L2 test) or repeating their prefix's last input are
    left out: where the span is not full, the L2 test accepts and OMP ranks. OMP picks the atom of highest
-   score, projects it out, and repeats while fewer than B (the update's sample count) prefixes are live and
-   the score is at least ``min_score`` (and, where block 2's span is full and there is no L2 test,
-   ``chance_ratio`` times what a random direction would score); each live prefix with an acceptable
-   extension gets its best one before any prefix branches. A prefix with no picked extension is
-   finished. A picked atom is projected out, so an extension that only re-explains what another prefix
-   explains scores ~0, and no more than B prefixes are kept where DAGER keeps up to 64.
+   score and projects it out, at most B (the update's sample count) a length. First each live prefix gets
+   its best extension: any admissible one where the span is not full (the L2 test accepted it), else one
+   scoring at least ``chance_ratio`` times what a random direction would (no L2 test there). Then branches
+   (another extension of a prefix already extended) while the score is at least ``min_score`` (and that
+   chance floor on a full span). A prefix with no picked extension is finished. A picked atom is projected
+   out, so a branch that only re-explains what another prefix explains scores ~0, and no more than B
+   prefixes are kept where DAGER keeps up to 64.
 4. **LM guidance** (``prior``, optional: LAMP's kind of prior, :mod:`~gradleak.attacks.text.lm_prior`): the
    atoms are ranked by log score - ``prior_weight`` x the prior's mean NLL of the extended prefix; the score
    alone decides acceptance.
@@ -115,8 +116,13 @@ class HeadPool:
         score = torch.einsum("hwd,nd->nhw", self.blocks, perp).pow(2).sum(-1).mean(-1) / full.pow(2)
         return torch.where(norm > tol * full, score, torch.zeros_like(score))
 
-    def add(self, z: torch.Tensor) -> None:
+    def add(self, z: torch.Tensor, tol: float) -> None:
+        """Project ``z`` out from now on; an atom less than ``tol`` of its norm off the chosen span adds no
+        direction (its remainder is rounding) and leaves the basis as it is."""
+        z = z.to(torch.float64)
         perp = self.orthogonal(self.orthogonal(z.unsqueeze(0)))[0]  # twice: Gram-Schmidt keeps its basis
+        if float(perp.norm()) <= tol * float(z.norm()):
+            return
         self.basis = torch.cat([self.basis, (perp / perp.norm())[:, None]], dim=1)
 
     def explained(self) -> float:
@@ -126,8 +132,8 @@ class HeadPool:
         return float(torch.einsum("hwd,dm->hwm", self.blocks, self.basis).pow(2).sum((1, 2)).mean())
 
     def chance(self) -> float:
-        """The score a random unit direction gets in expectation: the unexplained share over the dimensions
-        left, (1 - explained) / (d - chosen)."""
+        """The score a random unit direction orthogonal to the chosen atoms gets in expectation: the
+        unexplained share over the dimensions left, (1 - explained) / (d - chosen)."""
         return (1.0 - self.explained()) / max(1, self.dim - self.basis.shape[1])
 
 
@@ -239,10 +245,12 @@ class OmpSearch(L2Search):
         parents: torch.Tensor | None = None,
     ) -> list[list[int]]:
         """OMP over the admissible atoms ``z[ok]`` of ``seqs``: the highest-ranked atom is chosen and
-        projected out while its score is >= ``min_score`` (and, on a full span, ``chance_ratio`` times
-        chance) and fewer than B are chosen; their scores go to ``scores``. With ``parents`` (each
-        extension's live prefix), every prefix with an acceptable extension first gets its best one, so a
-        wrong extension cannot close a true prefix by taking its place under the cap; then branches."""
+        projected out, at most B in all; their scores go to ``scores``. With ``parents`` (each extension's
+        live prefix), every prefix first gets its best extension (where the span is not full whatever its
+        score, the L2 test having accepted it; on a full span one scoring >= ``chance_ratio`` times chance),
+        so a wrong extension cannot close a true prefix by taking its place under the cap. Then (and for
+        first tokens, without parents) atoms are picked while they score >= ``min_score`` (and, on a full
+        span, the chance floor)."""
         assert self.pool is not None
         idx = torch.nonzero(ok).flatten()
         if idx.numel() == 0:
@@ -276,7 +284,7 @@ class OmpSearch(L2Search):
                     continue
                 break
             scores[tuple(seqs[int(idx[j])])] = float(score[j])
-            self.pool.add(z[j])
+            self.pool.add(z[j], self.parallel_tol)
             chosen.append(int(idx[j]))
             free[j] = False
             if parent is not None:
