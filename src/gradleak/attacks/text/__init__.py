@@ -7,11 +7,11 @@ sparsified gradient's kept entries: adaptive, against pruning), ``embedding_norm
 AEGIS's MLP flood and DP noise), ``lm_head_probe`` (untied heads); ``tag`` and ``lamp`` (embedding matching
 on a classifier's gradient, issue 53), ``fedspy`` (FedSpy-LLM as read here: gradient tokens, ordered by
 partial-gradient alignment, issue 53), ``grab`` (GRAB as read here: LAMP's matching with learned dropout
-masks), ``somp`` (SOMP as read here: DAGER's token test, then OMP over block 2's head blocks); ``peftleak_lora`` (a malicious server's pass-through backbone
-and MLP bins read off LoRA adapters, issue 52); ``utr`` (UTR: DAGER's span test on bottleneck adapters'
-down projections, issue 52). For text, ``Observation.input_shape`` is
-``(seq_len,)`` (the padded length) and ``num_classes`` the label count (classification) or the vocabulary
-size (causal LM); the attacks read neither.
+masks), ``somp`` (SOMP as read here: DAGER's token test, then OMP over block 2's head blocks);
+``peftleak_lora`` (a malicious server's pass-through backbone and MLP bins read off LoRA adapters, issue
+52); ``utr`` (UTR: DAGER's span test on bottleneck adapters' down projections, issue 52). For text,
+``Observation.input_shape`` is ``(seq_len,)`` (the padded length) and ``num_classes`` the label count
+(classification) or the vocabulary size (causal LM); the attacks read neither.
 """
 
 from gradleak.attacks.text import dager as _dager  # noqa: F401  (registers DAGER and its adaptive variants)
