@@ -52,13 +52,10 @@ from gradleak.attacks.text.dager.search import L2Search, Scored
 from gradleak.attacks.text.family import (
     FamilySpec,
     Span,
-    embedding_param,
     family_of,
-    update_tensor,
     vocab_size,
 )
 from gradleak.attacks.text.lm_prior import LMPrior, LMPriorConfig, load_prior, vocabulary_size
-from gradleak.attacks.text.rownorm import RowNormConfig, select_rows
 from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, AttackNeeds, Observation, Reconstruction
 
@@ -304,15 +301,7 @@ class Somp(Dager):
         self._prior: LMPrior | None = None
         self._fallback = False
         self._batch = 1
-
-    def embedding_rows(self, obs: Observation, model: nn.Module) -> list[int] | None:
-        """The tokens the embedding row-norm channel keeps (paper 002's Channel 2), or None where the update
-        lacks the embedding gradient or the channel keeps nothing."""
-        name = embedding_param(model)
-        if name not in obs.update.tensors:
-            return None
-        tokens, _ = select_rows(update_tensor(obs, name), RowNormConfig())
-        return sorted(tokens) or None
+        self._width = 1
 
     @property
     def somp(self) -> SompConfig:
@@ -329,15 +318,23 @@ class Somp(Dager):
         if obs.update.kind != "gradient":
             raise AttackInputError("SOMP reads one FedSGD gradient; this update is a FedAvg delta")
         self._prior = self.prior(model)
-        width = head_dim(model)
+        self._width = head_dim(model)
         self._batch = max(1, obs.update.num_samples)
-        self._pool = HeadPool(self.input_gradient(obs, model, self.spec(model), 1), width)
+        self._pool = None  # built from block 2's gradient in :meth:`spans`
         self._rows = self.embedding_rows(obs, model)
         self._fallback = False
         out = super().reconstruct(obs, generator=generator)
+        assert self._pool is not None  # DAGER's pipeline reads the spans before it returns
         stats = {**out.stats, "heads": float(self._pool.heads), "explained_l2": self._pool.explained(),
                  "rows_fallback": float(self._fallback)}  # fmt: skip
         return Reconstruction(token_ids=out.token_ids, stats=stats)
+
+    def spans(
+        self, obs: Observation, spec: FamilySpec, grad1: torch.Tensor, grad2: torch.Tensor
+    ) -> tuple[Span, Span, FamilySpec, dict[str, float]]:
+        """DAGER's spans; block 2's gradient also gives step 2's head blocks."""
+        self._pool = HeadPool(grad2, self._width)
+        return super().spans(obs, spec, grad1, grad2)
 
     def unreadable(self, span1: Span, span2: Span, grads: list[torch.Tensor]) -> bool:
         """Past DAGER's rank limit: a full block-2 span drops the span test from step 3 (OMP's scores

@@ -477,11 +477,17 @@ class Dager:
         only the tokens the embedding row-norm selection keeps are scanned; the full vocabulary when the
         update lacks the embedding gradient.
         """
-        full = torch.arange(vocab_size(model))
-        if self.config.vocab == "full" or embedding_param(model) not in obs.update.tensors:
-            return full
-        tokens, _ = select_rows(update_tensor(obs, embedding_param(model)), RowNormConfig())
-        return torch.tensor(sorted(tokens), dtype=torch.long) if tokens else full
+        rows = self.embedding_rows(obs, model) if self.config.vocab == "embedding" else None
+        return torch.tensor(rows, dtype=torch.long) if rows else torch.arange(vocab_size(model))
+
+    def embedding_rows(self, obs: Observation, model: nn.Module) -> list[int] | None:
+        """The tokens the embedding row-norm channel keeps (paper 002's Channel 2), sorted, or None where the
+        update lacks the embedding gradient or the channel keeps nothing."""
+        name = embedding_param(model)
+        if name not in obs.update.tensors:
+            return None
+        tokens, _ = select_rows(update_tensor(obs, name), RowNormConfig())
+        return sorted(tokens) or None
 
     def position_candidates(
         self, model: nn.Module, spec: FamilySpec, module: nn.Module, span: Span, scan: torch.Tensor
