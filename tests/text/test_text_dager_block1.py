@@ -118,8 +118,9 @@ def test_search_residuals_are_the_same_with_and_without_the_table(bert_cls, make
     for a, b in zip(search.whole_residuals([seq, seq[:-2] + seq[-1:]]), whole_plain, strict=True):
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-6)
     assert torch.allclose(search.encoder_last_residuals(prefixes, vocab, 3), last_plain, rtol=1e-3, atol=1e-6)
-    # one site call per screened site and one for the beam step; one whole call per sequence length
-    assert calls["site"] == 2 * len(sites) + 1 and calls["whole"] == 2
+    # one site call per screen (every site at once: substitutions, insertions) and one for the beam step;
+    # one whole call per sequence length
+    assert calls["site"] == 3 and calls["whole"] == 2
 
 
 def test_sequences_the_table_does_not_cover_use_the_models_forward(bert_cls, make_batch):
@@ -188,3 +189,21 @@ def test_span_residual_equals_the_projection_reference_at_every_rank():
             ref = (z64 - (z64 @ basis) @ basis.T).norm(dim=-1) / z64.norm(dim=-1).clamp_min(1e-30)
             assert torch.allclose(span.residual(z), ref, rtol=1e-6, atol=1e-12)
     assert span.complement.shape == (d, 0)
+
+
+def test_float32_screen_residual_is_the_float64_one_to_1e_6():
+    # Span.residual32 (the site screens' ranking) against Span.residual, on both of its routes (the
+    # complement where d - r < 2 r, else the basis); a projected span has no float32 shortcut
+    from gradleak.attacks.text.family import ProjectedSpan, Span
+
+    g = torch.Generator().manual_seed(0)
+    d = 64
+    for r in (5, 40):
+        basis, _ = torch.linalg.qr(torch.randn(d, r, dtype=torch.float64, generator=g))
+        span = Span(basis, torch.ones(r))
+        inside = (torch.randn(20, r, dtype=torch.float64, generator=g) @ basis.T).float()
+        z = torch.cat([inside, torch.randn(20, d, generator=g)])
+        assert torch.allclose(span.residual32(z).double(), span.residual(z), rtol=0, atol=1e-6)
+    small, _ = torch.linalg.qr(torch.randn(8, 3, dtype=torch.float64, generator=g))
+    proj = ProjectedSpan.of(Span(small, torch.ones(3)), torch.randn(8, d, dtype=torch.float64, generator=g))
+    assert torch.equal(proj.residual32(z), proj.residual(z))

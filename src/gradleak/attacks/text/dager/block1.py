@@ -113,13 +113,19 @@ class Block1Table:
         out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, length, h * dh)
         return finish(self.layer, out, self.z1[r, p])
 
-    def site(self, ctx: torch.Tensor, positions: torch.Tensor, cands: torch.Tensor, at: int) -> torch.Tensor:
+    def site(
+        self, ctx: torch.Tensor, positions: torch.Tensor, cands: torch.Tensor, at: int | torch.Tensor
+    ) -> torch.Tensor:
         """(n, c, d): block-2 input of each candidate token ``cands`` (c,) placed at position ``at``,
-        attending over itself and each context ``ctx`` (n, m) of tokens at ``positions`` (m,) (the
-        context's keys and values are its own tokens', as under BERT's post-LN layers)."""
+        attending over itself and each context ``ctx`` (n, m) of tokens at ``positions`` (the context's
+        keys and values are its own tokens', as under BERT's post-LN layers). ``positions`` (m,) and
+        ``at`` (an int) are shared by the contexts, or given per context ((n, m) and (n,)): one call then
+        screens several sites of a sequence."""
         r, p = self.rows[torch.as_tensor(ctx)], torch.as_tensor(positions)
-        rc = self.rows[torch.as_tensor(cands)]
+        rc, at = self.rows[torch.as_tensor(cands)], torch.as_tensor(at)
         k, v = self.k[r, p], self.v[r, p]
+        if at.dim() == 1:  # per context: (n, c) rows at (n, 1) positions
+            rc, at = rc.unsqueeze(0), at.unsqueeze(1)
         return attend_one(self.layer, k, v, self.q[rc, at], self.k[rc, at], self.v[rc, at], self.z1[rc, at])
 
 
@@ -134,17 +140,18 @@ def attend_one(
     z_c: torch.Tensor,
 ) -> torch.Tensor:
     """(n, c, d): BERT block-1 output of each of c candidates (query ``q_c``, key ``k_c``, value ``v_c``
-    (c, h, dh), layer-1 input ``z_c`` (c, d)) attending over its own key and each of n contexts' keys and
-    values ``k_ctx``, ``v_ctx`` (n, m, h, dh)."""
+    (c, h, dh), layer-1 input ``z_c`` (c, d), shared by the contexts, or (n, c, ...), one set per context)
+    attending over its own key and each of n contexts' keys and values ``k_ctx``, ``v_ctx`` (n, m, h, dh)."""
     n, m, h, dh = k_ctx.shape
-    c = q_c.shape[0]
+    if q_c.dim() == 3:  # shared by the contexts
+        q_c, k_c, v_c, z_c = (t.unsqueeze(0) for t in (q_c, k_c, v_c, z_c))
+    c = q_c.shape[1]
     scale = dh**-0.5
-    s_ctx = torch.einsum("chd,nthd->ncht", q_c, k_ctx) * scale  # (n, c, h, m)
+    s_ctx = torch.einsum("nchd,nthd->ncht", q_c.expand(n, -1, -1, -1), k_ctx) * scale  # (n, c, h, m)
     s_self = (q_c * k_c).sum(-1).mul(scale).expand(n, c, h).unsqueeze(-1)  # (n, c, h, 1)
     w = torch.softmax(torch.cat([s_ctx, s_self], dim=-1), dim=-1)
-    out = torch.einsum("ncht,nthd->nchd", w[..., :m], v_ctx) + w[..., m:] * v_c.unsqueeze(0)
-    x = z_c.unsqueeze(0).expand(n, c, -1)
-    return finish(layer, out.reshape(n, c, h * dh), x)
+    out = torch.einsum("ncht,nthd->nchd", w[..., :m], v_ctx) + w[..., m:] * v_c
+    return finish(layer, out.reshape(n, c, h * dh), z_c.expand(n, c, -1))
 
 
 def finish(layer: Any, attended: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:

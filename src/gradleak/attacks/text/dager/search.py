@@ -436,7 +436,7 @@ class L2Search:
         assert self.first is not None
         table = self._site_table([seq], vocab, len(seq) - 1 + insert)
         if table is not None:
-            return torch.stack([self._table_site(table, seq, vocab, i, insert) for i in sites])
+            return self._table_sites(table, seq, vocab, sites, insert)
         z1 = layer_inputs(self.model, self.first, torch.tensor([seq]))[0]  # context-free layer-1 inputs
         # insert: seq[j] for j >= i moves to position j + 1 (layer-1 input of seq[j] at j + 1)
         z1s = layer_inputs(self.model, self.first, torch.tensor([seq[:1] + seq]))[0][1:] if insert else z1
@@ -445,7 +445,7 @@ class L2Search:
         for i in sites:
             ctx = torch.cat([z1[:i], z1s[i:] if insert else z1[i + 1 :]]).unsqueeze(0)
             zc = layer_inputs(self.model, self.first, vocab_ids, start_position=i)[:, 0]
-            out.append(self.span.residual(_bert_site(layer, ctx, zc)[0]))
+            out.append(self.span.residual32(_bert_site(layer, ctx, zc)[0]))
         return torch.stack(out)
 
     def _site_table(self, ctx: list[list[int]], cands: list[int], top: int) -> Block1Table | None:
@@ -454,21 +454,22 @@ class L2Search:
         ok = table is not None and top < table.length and table.has(ctx) and table.has(cands)
         return table if ok else None
 
-    def _table_site(
-        self, table: Block1Table, seq: list[int], vocab: list[int], i: int, insert: bool
+    def _table_sites(
+        self, table: Block1Table, seq: list[int], vocab: list[int], sites: list[int], insert: bool
     ) -> torch.Tensor:
-        """:meth:`site_residuals`' row for site ``i`` from the block-1 table: the context is ``seq`` without
-        position i (or, with ``insert``, all of it, its tokens from i on one position later)."""
-        ctx = seq if insert else [*seq[:i], *seq[i + 1 :]]
-        positions = [j if j < i else j + 1 for j in range(len(ctx))]
-        z = table.site(torch.tensor([ctx]), torch.tensor(positions), torch.tensor(vocab), i)
-        return self.span.residual(z[0])
+        """:meth:`site_residuals` from the block-1 table, every site in one call: site i's context is
+        ``seq`` without position i (or, with ``insert``, all of it, its tokens from i on one position
+        later)."""
+        ctx = [seq if insert else [*seq[:i], *seq[i + 1 :]] for i in sites]
+        positions = [[j if j < i else j + 1 for j in range(len(c))] for i, c in zip(sites, ctx, strict=True)]
+        z = table.site(torch.tensor(ctx), torch.tensor(positions), torch.tensor(vocab), torch.tensor(sites))
+        return self.span.residual32(z)
 
     def _site_full(self, seq: list[int], vocab: list[int], i: int, insert: bool) -> torch.Tensor:
         rest = seq[i:] if insert else seq[i + 1 :]
         seqs = torch.tensor([[*seq[:i], v, *rest] for v in vocab])
         z = self.block2_inputs(seqs)
-        return self.span.residual(z[:, i])
+        return self.span.residual32(z[:, i])
 
     def whole_inputs(self, seqs: list[list[int]]) -> list[torch.Tensor]:
         """Block-2 inputs (len, d) of each whole sequence (grouped by length, one forward per group)."""
