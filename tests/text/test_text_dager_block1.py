@@ -207,3 +207,28 @@ def test_float32_screen_residual_is_the_float64_one_to_1e_6():
     small, _ = torch.linalg.qr(torch.randn(8, 3, dtype=torch.float64, generator=g))
     proj = ProjectedSpan.of(Span(small, torch.ones(3)), torch.randn(8, d, dtype=torch.float64, generator=g))
     assert torch.equal(proj.residual32(z), proj.residual(z))
+    from gradleak.attacks.text.dager.spectral import NoisySpan
+
+    noisy = NoisySpan(basis, torch.linspace(2, 1, 40, dtype=torch.float64), noise_std=0.1, cap=10.0)
+    assert torch.equal(noisy.residual32(z), noisy.residual(z))  # a noise-aware bound: its own residual
+
+
+def test_table_site_with_a_context_per_site_equals_the_edited_sequences(bert_cls, make_batch):
+    # several sites in one call (each context its own positions and site) against the model's forward
+    # of each edited sequence, substitution and insertion
+    batch = make_batch(bert_cls)
+    _, search = _search(bert_cls, batch)
+    tokens = _tokens(batch)
+    search.tabulate(tokens, 10)
+    table = search._table
+    assert table is not None
+    seq, cands, sites = batch.sequences()[1], tokens[:4], [1, 3, 5]
+    for insert in (False, True):
+        ctx = [seq if insert else [*seq[:i], *seq[i + 1 :]] for i in sites]
+        pos = [[j if j < i else j + 1 for j in range(len(c))] for i, c in zip(sites, ctx, strict=True)]
+        got = table.site(torch.tensor(ctx), torch.tensor(pos), torch.tensor(cands), torch.tensor(sites))
+        assert got.shape[:2] == (len(sites), len(cands))
+        for row, i in zip(got, sites, strict=True):
+            edited = torch.tensor([[*seq[:i], c, *(seq[i:] if insert else seq[i + 1 :])] for c in cands])
+            ref = layer_inputs(bert_cls.model, search.module, edited)[:, i]
+            assert float((row - ref).abs().max()) <= 1e-5 * float(ref.abs().max())

@@ -148,7 +148,10 @@ class Span:
 
     def residual32(self, z: torch.Tensor) -> torch.Tensor:
         """:meth:`residual` in float32 (absolute error ~1e-6; about twice as fast): for screens that only
-        rank candidates, never for a pass/fail test."""
+        rank candidates, never for a pass/fail test. A subclass that measures its residual otherwise (a
+        projected space, a noise-aware bound) gets its own :meth:`residual`: no float32 shortcut."""
+        if type(self).residual is not Span.residual:
+            return self.residual(z)
         z = z.to(torch.float32)
         basis, complement = self._screen_basis
         out = z @ basis if complement else z - (z @ basis) @ basis.T
@@ -192,9 +195,6 @@ class ProjectedSpan(Span):
         pz = z.to(torch.float64) @ self.projection.T
         inside = (pz @ self.coords) @ self.coords.T
         return (pz - inside).norm(dim=-1) / pz.norm(dim=-1).clamp_min(1e-30)
-
-    def residual32(self, z: torch.Tensor) -> torch.Tensor:
-        return self.residual(z)  # the projected space's residual: no float32 shortcut
 
 
 def estimate_span(

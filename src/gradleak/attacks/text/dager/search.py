@@ -419,15 +419,16 @@ class L2Search:
         self, seq: list[int], vocab: list[int], sites: list[int], insert: bool
     ) -> torch.Tensor:
         """(len(sites), len(vocab)): L2 residual at position i of ``seq`` with token v put at i, with the
-        whole sequence around it as context (``insert``: v inserted before ``seq[i]``, the rest shifted).
+        whole sequence around it as context (``insert``: v inserted before ``seq[i]``, the rest shifted),
+        in float32 (:meth:`Span.residual32`): a screen that ranks candidates, never a pass/fail test.
 
-        This is the exact block-2 input of position i of the edited sequence (bidirectional attention over
-        every other position), so on a mostly right sequence the true token ranks first at each position,
-        unlike the prefix-only score. BERT layouts use the one-query fast path of :meth:`_bert_last`;
-        other models recompute the edited sequences.
+        It is taken of the exact block-2 input of position i of the edited sequence (bidirectional
+        attention over every other position), so on a mostly right sequence the true token ranks first at
+        each position, unlike the prefix-only score. BERT layouts use the one-query fast path of
+        :meth:`_bert_last`; other models recompute the edited sequences.
         """
         if not sites:
-            return torch.empty(0, len(vocab), dtype=torch.float64)
+            return torch.empty(0, len(vocab), dtype=torch.float32)
         layer = self._block1()
         if layer is not None and self._fast is None:
             self._encoder_last_inputs([seq[:2]], vocab[:4], 2)  # checks the fast path once
@@ -457,13 +458,23 @@ class L2Search:
     def _table_sites(
         self, table: Block1Table, seq: list[int], vocab: list[int], sites: list[int], insert: bool
     ) -> torch.Tensor:
-        """:meth:`site_residuals` from the block-1 table, every site in one call: site i's context is
+        """:meth:`site_residuals` from the block-1 table, the sites in as few calls as ``chunk`` allows
+        (one for a MiniLM batch's sequences): site i's context is
         ``seq`` without position i (or, with ``insert``, all of it, its tokens from i on one position
         later)."""
-        ctx = [seq if insert else [*seq[:i], *seq[i + 1 :]] for i in sites]
-        positions = [[j if j < i else j + 1 for j in range(len(c))] for i, c in zip(sites, ctx, strict=True)]
-        z = table.site(torch.tensor(ctx), torch.tensor(positions), torch.tensor(vocab), torch.tensor(sites))
-        return self.span.residual32(z)
+        group = max(1, 4 * self.chunk // max(1, len(vocab) * len(seq)))  # sites per call, as the beam's
+        out = []
+        for start in range(0, len(sites), group):
+            part = sites[start : start + group]
+            ctx = [seq if insert else [*seq[:i], *seq[i + 1 :]] for i in part]
+            positions = [
+                [j if j < i else j + 1 for j in range(len(c))] for i, c in zip(part, ctx, strict=True)
+            ]
+            z = table.site(
+                torch.tensor(ctx), torch.tensor(positions), torch.tensor(vocab), torch.tensor(part)
+            )
+            out.append(self.span.residual32(z))
+        return torch.cat(out)
 
     def _site_full(self, seq: list[int], vocab: list[int], i: int, insert: bool) -> torch.Tensor:
         rest = seq[i:] if insert else seq[i + 1 :]
