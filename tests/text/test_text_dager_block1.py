@@ -232,3 +232,18 @@ def test_table_site_with_a_context_per_site_equals_the_edited_sequences(bert_cls
             edited = torch.tensor([[*seq[:i], c, *(seq[i:] if insert else seq[i + 1 :])] for c in cands])
             ref = layer_inputs(bert_cls.model, search.module, edited)[:, i]
             assert float((row - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def test_site_screens_split_by_chunk_give_the_one_call_result(bert_cls, make_batch):
+    # chunk = 1: one table call per site (the bound on rows per call), against every site in one call
+    batch = make_batch(bert_cls)
+    _, search = _search(bert_cls, batch)
+    search.tabulate(_tokens(batch), 10)
+    seq = batch.sequences()[1]
+    vocab = sorted({t for s in batch.sequences() for t in s[1:-1]})
+    sites = list(range(1, len(seq) - 1))
+    whole = {ins: search.site_residuals(seq, vocab, sites, insert=ins) for ins in (False, True)}
+    search.chunk = 1
+    for ins in (False, True):
+        split = search.site_residuals(seq, vocab, sites, insert=ins)
+        assert torch.allclose(split, whole[ins], rtol=1e-4, atol=1e-6)

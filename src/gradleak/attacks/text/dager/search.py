@@ -459,10 +459,10 @@ class L2Search:
         self, table: Block1Table, seq: list[int], vocab: list[int], sites: list[int], insert: bool
     ) -> torch.Tensor:
         """:meth:`site_residuals` from the block-1 table, the sites in as few calls as ``chunk`` allows
-        (one for a MiniLM batch's sequences): site i's context is
+        (one for a MiniLM batch's sequences: 4 x 4096 rows over ~100 candidates): site i's context is
         ``seq`` without position i (or, with ``insert``, all of it, its tokens from i on one position
         later)."""
-        group = max(1, 4 * self.chunk // max(1, len(vocab) * len(seq)))  # sites per call, as the beam's
+        group = max(1, 4 * self.chunk // max(1, len(vocab)))  # sites per call: <= 4 chunk rows
         out = []
         for start in range(0, len(sites), group):
             part = sites[start : start + group]
