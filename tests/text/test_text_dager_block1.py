@@ -40,13 +40,20 @@ def _tokens(batch):
     return sorted({t for s in batch.sequences() for t in s})
 
 
-def test_table_whole_sequences_equal_the_models_forward(bert_cls, make_batch):
-    batch = make_batch(bert_cls)
-    _, search = _search(bert_cls, batch)
+def _tabled(tm, make_batch, length: int):
+    """The batch, its L2 search with a block-1 table of the batch's tokens x ``length`` positions, the
+    tokens and the table."""
+    batch = make_batch(tm)
+    _, search = _search(tm, batch)
     tokens = _tokens(batch)
-    search.tabulate(tokens, 9)
+    search.tabulate(tokens, length)
     table = search._table
-    assert table is not None and table.length == 9
+    assert table is not None and table.length == length
+    return batch, search, tokens, table
+
+
+def test_table_whole_sequences_equal_the_models_forward(bert_cls, make_batch):
+    _, search, tokens, table = _tabled(bert_cls, make_batch, 9)
     g = torch.Generator().manual_seed(0)
     for length in (1, 4, 9):
         seqs = torch.tensor(tokens)[torch.randint(len(tokens), (5, length), generator=g)]
@@ -216,12 +223,7 @@ def test_float32_screen_residual_is_the_float64_one_to_1e_6():
 def test_table_site_with_a_context_per_site_equals_the_edited_sequences(bert_cls, make_batch):
     # several sites in one call (each context its own positions and site) against the model's forward
     # of each edited sequence, substitution and insertion
-    batch = make_batch(bert_cls)
-    _, search = _search(bert_cls, batch)
-    tokens = _tokens(batch)
-    search.tabulate(tokens, 10)
-    table = search._table
-    assert table is not None
+    batch, search, tokens, table = _tabled(bert_cls, make_batch, 10)
     seq, cands, sites = batch.sequences()[1], tokens[:4], [1, 3, 5]
     for insert in (False, True):
         ctx = [seq if insert else [*seq[:i], *seq[i + 1 :]] for i in sites]
@@ -236,9 +238,7 @@ def test_table_site_with_a_context_per_site_equals_the_edited_sequences(bert_cls
 
 def test_site_screens_split_by_chunk_give_the_one_call_result(bert_cls, make_batch):
     # chunk = 1: one table call per site (the bound on rows per call), against every site in one call
-    batch = make_batch(bert_cls)
-    _, search = _search(bert_cls, batch)
-    search.tabulate(_tokens(batch), 10)
+    batch, search, _, _ = _tabled(bert_cls, make_batch, 10)
     seq = batch.sequences()[1]
     vocab = sorted({t for s in batch.sequences() for t in s[1:-1]})
     sites = list(range(1, len(seq) - 1))
