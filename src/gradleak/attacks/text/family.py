@@ -141,10 +141,17 @@ class Span:
         return q[:, basis.shape[1] :]
 
     @functools.cached_property
-    def _screen_basis(self) -> tuple[torch.Tensor, bool]:
+    def _route(self) -> tuple[torch.Tensor, bool]:
+        """The residual's route (float64): the complement's basis where d - r < 2 r (one product of d - r
+        columns), else the span's own (two products of r columns); and whether it is the complement."""
         d, r = self.basis.shape
         complement = d - r < 2 * r
-        return (self.complement if complement else self.basis).to(torch.float32), complement
+        return (self.complement if complement else self.basis.to(torch.float64)), complement
+
+    @functools.cached_property
+    def _route32(self) -> tuple[torch.Tensor, bool]:
+        route, complement = self._route
+        return route.to(torch.float32), complement
 
     def residual32(self, z: torch.Tensor) -> torch.Tensor:
         """:meth:`residual` in float32 (absolute error ~1e-6; about twice as fast): for screens that only
@@ -152,19 +159,20 @@ class Span:
         projected space, a noise-aware bound) gets its own :meth:`residual`: no float32 shortcut."""
         if type(self).residual is not Span.residual:
             return self.residual(z)
-        z = z.to(torch.float32)
-        basis, complement = self._screen_basis
-        out = z @ basis if complement else z - (z @ basis) @ basis.T
-        return out.norm(dim=-1) / z.norm(dim=-1).clamp_min(1e-30)
+        return _relative_residual(z.to(torch.float32), *self._route32)
 
     def residual(self, z: torch.Tensor) -> torch.Tensor:
         """Relative distance ||z - P z|| / ||z|| of each row of ``z`` (..., d) to the span: the norm of z's
         coordinates in the orthogonal complement (one product of d - r columns) where that is the cheaper
         route (d - r < 2 r, e.g. an encoder batch's span), else z - B B^T z (two products of r columns)."""
-        z = z.to(torch.float64)
-        d, r = self.basis.shape
-        out = z @ self.complement if d - r < 2 * r else z - (z @ self.basis) @ self.basis.T
-        return out.norm(dim=-1) / z.norm(dim=-1).clamp_min(1e-30)
+        return _relative_residual(z.to(torch.float64), *self._route)
+
+
+def _relative_residual(z: torch.Tensor, route: torch.Tensor, complement: bool) -> torch.Tensor:
+    """||z - P z|| / ||z|| per row: the norm of z's coordinates in the complement's basis ``route``
+    (``complement``), else of z minus its projection on the span's basis ``route``."""
+    out = z @ route if complement else z - (z @ route) @ route.T
+    return out.norm(dim=-1) / z.norm(dim=-1).clamp_min(1e-30)
 
 
 @dataclass(frozen=True)
