@@ -84,6 +84,8 @@ def test_dager_config_validation():
         EncoderSearch(held_ngram=1)
     with pytest.raises(ValueError, match="wide"):
         PolishConfig(wide=-1)
+    with pytest.raises(ValueError, match="held_share"):
+        PolishConfig(held_share=0.0)
     with pytest.raises(ValueError, match="unknown option"):
         ATTACKS.create("dager", nonsense=1)
 
@@ -228,6 +230,50 @@ def test_encoder_polish_restores_three_dropped_words(bert_cls, make_batch):
     broken = [true[0], *true[4:]]  # "the movie was" dropped
     polished = search.polish(broken, vocab, max_len=len(true) + 2, config=PolishConfig())
     assert polished.seq == true and polished.worst < search.threshold and polished.objective < -4
+
+
+def test_encoder_polish_stops_once_it_echoes_a_held_sentence(bert_cls, make_batch):
+    # The same broken sentence as above, now with the true sentence already held: the polish's first step
+    # puts "was" back, after which half of its bigrams are the held sentence's, so it stops there instead
+    # of finding the held sentence again. Holding only the other sentence, or counting only copies
+    # (held_share 1), it goes on to the true sentence.
+    from gradleak.attacks.text.dager.search import echoes
+
+    batch = make_batch(bert_cls)
+    search = _l2_search(bert_cls, _observe(bert_cls, batch, "classification"))
+    true, other = batch.sequences()
+    vocab = sorted({t for s in batch.sequences() for t in s[1:-1]})
+    broken = [true[0], *true[4:]]
+    assert not echoes(broken, true, 0.5)  # 2 of 6 bigrams: the polish starts
+    stopped = search.polish(broken, vocab, max_len=len(true) + 2, config=PolishConfig(), held=[true])
+    assert stopped.seq != true and stopped.worst >= search.threshold and echoes(stopped.seq, true, 0.5)
+    for held, share in (([other], 0.5), ([true], 1.0)):
+        polished = search.polish(
+            broken, vocab, max_len=len(true) + 2, config=PolishConfig(held_share=share), held=held
+        )
+        assert polished.seq == true and polished.worst < search.threshold
+
+
+def test_echoes_counts_shared_bigrams_with_multiplicity():
+    from gradleak.attacks.text.dager.search import echoes
+
+    def reference(a, b, share):  # every bigram of a matched to an unused equal bigram of b
+        pool = [tuple(b[j : j + 2]) for j in range(len(b) - 1)]
+        common = 0
+        for i in range(len(a) - 1):
+            if tuple(a[i : i + 2]) in pool:
+                pool.remove(tuple(a[i : i + 2]))
+                common += 1
+        return common >= share * max(len(a) - 1, len(b) - 1, 1)
+
+    assert echoes([1, 2, 3, 4, 5], [1, 2, 3, 9, 5], 0.5)  # (1, 2) and (2, 3): 2 of 4
+    assert not echoes([1, 2, 3, 4, 5], [1, 2, 3, 9, 5], 0.51)
+    assert not echoes([7, 7, 7], [7, 7], 1.0)  # (7, 7) twice against once: 1 of 2
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        a, b = (torch.randint(4, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g) for _ in "ab")
+        for share in (0.25, 0.5, 1.0):
+            assert echoes(a.tolist(), b.tolist(), share) == reference(a.tolist(), b.tolist(), share)
 
 
 def test_encoder_polish_recovers_a_batch_of_sentences_with_a_shared_first_word(bert_cls):
