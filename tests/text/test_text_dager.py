@@ -84,8 +84,9 @@ def test_dager_config_validation():
         EncoderSearch(held_ngram=1)
     with pytest.raises(ValueError, match="wide"):
         PolishConfig(wide=-1)
-    with pytest.raises(ValueError, match="held_share"):
-        PolishConfig(held_share=0.0)
+    for share in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="held_share"):
+            PolishConfig(held_share=share)
     with pytest.raises(ValueError, match="unknown option"):
         ATTACKS.create("dager", nonsense=1)
 
@@ -235,8 +236,8 @@ def test_encoder_polish_restores_three_dropped_words(bert_cls, make_batch):
 def test_encoder_polish_stops_once_it_echoes_a_held_sentence(bert_cls, make_batch):
     # The same broken sentence as above, now with the true sentence already held: the polish's first step
     # puts "was" back, after which half of its bigrams are the held sentence's, so it stops there instead
-    # of finding the held sentence again. Holding only the other sentence, or counting only copies
-    # (held_share 1), it goes on to the true sentence.
+    # of finding the held sentence again. Holding only the other sentence, or stopping only at all of a
+    # held sentence's bigrams (held_share 1), it goes on to the true sentence.
     from gradleak.attacks.text.dager.search import echoes
 
     batch = make_batch(bert_cls)
@@ -252,6 +253,15 @@ def test_encoder_polish_stops_once_it_echoes_a_held_sentence(bert_cls, make_batc
             broken, vocab, max_len=len(true) + 2, config=PolishConfig(held_share=share), held=held
         )
         assert polished.seq == true and polished.worst < search.threshold
+    # checked before the first step: a start with 4 of 6 of the held sentence's bigrams comes back as it is
+    start = [*true[:4], *true[5:]]  # "surprisingly" dropped
+    assert search.polish(start, vocab, max_len=len(true), config=PolishConfig(), held=[true]).seq == start
+    # bigrams, not tokens: the body reversed has every token of the held sentence and none of its bigrams,
+    # so the polish runs
+    mirrored = [true[0], *true[-2:0:-1], true[-1]]
+    assert not echoes(mirrored, true, 0.5)
+    moved = search.polish(mirrored, vocab, max_len=len(true), config=PolishConfig(), held=[true])
+    assert moved.seq != mirrored
 
 
 def test_echoes_counts_shared_bigrams_with_multiplicity():

@@ -681,11 +681,12 @@ def similar(a: list[int], b: list[int], fraction: float = 0.7) -> bool:
 
 
 def echoes(seq: list[int], held: list[int], share: float) -> bool:
-    """True when at least ``share`` of ``seq``'s bigrams (adjacent token pairs, with multiplicity; of the
-    longer sequence's count) are bigrams of ``held``: ``seq`` is a variant of ``held`` with pieces moved or
-    replaced. Bigrams, not tokens (:func:`similar`), because distinct sentences share common tokens
-    ("the", ",", "<", "unk", ">") far more than runs of them: the sentences of the WikiText-2 batch of
-    ``text_encoder_speed.toml`` share up to 62 % of their tokens but 35 % of their bigrams."""
+    """True when the bigrams (adjacent token pairs, with multiplicity) that ``seq`` and ``held`` share are
+    at least ``share`` of the longer one's count: ``seq`` is a variant of ``held`` with pieces moved or
+    replaced (symmetric, as :func:`similar`). Bigrams, not tokens as :func:`similar` counts, because
+    distinct sentences share common tokens ("the", ",", "<", "unk", ">") far more than runs of them: the
+    sentences of the WikiText-2 batch of ``text_encoder_speed.toml`` share up to 62 % of their tokens but
+    35 % of their bigrams."""
     pairs = Counter(itertools.pairwise(seq))
     common = sum((pairs & Counter(itertools.pairwise(held))).values())
     return common >= share * max(len(seq) - 1, len(held) - 1, 1)
@@ -702,7 +703,7 @@ class PolishConfig:
     block: int = 2  # moved spans: up to this many tokens from each of those positions
     sweeps: bool = True  # also re-choose the screened sites one after the other (both directions)
     wide: int = 3  # on a stall: every token at this many worst positions, evaluated exactly (0: off)
-    # stop once this share of the sequence's bigrams come from one held sentence (``echoes``; 1: only copies)
+    # stop once the sequence shares this much of its bigrams with one held sentence (``echoes``)
     held_share: float = 0.5
 
     def __post_init__(self) -> None:
