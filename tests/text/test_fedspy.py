@@ -58,6 +58,23 @@ def test_sentences_come_back_exactly_with_their_ends_read_off_block_2s_span(obse
     assert rec.stats["span_ends"] == 1
 
 
+def test_a_true_prefix_outranks_a_better_aligned_wrong_pair(observe_lm, gpt2, monkeypatch):
+    """The span test comes before the cosine: a wrong second token given the best cosine of all pairs (a
+    WikiText-2 sentence on GPT-2 small ended after two tokens that way: "It" + "unk") is passed over for
+    the true one, which passes the test where the wrong one fails."""
+    from gradleak.attacks.text import fedspy
+
+    obs, (true,) = observe_lm(gpt2, ["the film was great fun"])
+    wrong = [true[0], true[3]]  # "the great"
+    ends = fedspy.FedSpy().span_ends(obs, obs.client_model())
+    assert ends is not None and ends.continues([true[:2], wrong]) == [True, False]
+    plain = fedspy.Alignment.cosine
+    monkeypatch.setattr(  # cosines are <= 1: +2 puts the wrong pair above every other
+        fedspy.Alignment, "cosine", lambda self, ids: plain(self, ids) + (2.0 if ids == wrong else 0.0)
+    )
+    assert run(obs) == [true]
+
+
 def test_without_block_2s_attention_the_gain_rule_alone_ends_sequences(observe_lm, gpt2):
     obs, (true,) = observe_lm(gpt2, ["the film was great fun"])
     frozen = {n: t for n, t in obs.update.tensors.items() if ".h.1.attn." not in n}

@@ -32,8 +32,10 @@ parameter, stated here and in docs/attacks-text.md. It is *our reading*, not a r
   last token has a successor in some sequence of the batch (under the next-token loss the last token of a
   sequence is only a label). So a sequence starts from a token whose position-0 input passes, is extended
   only while its last token passes, and is finished when the token just added does not: that token is its
-  last, a label. Where the update does not carry block 2's attention (frozen, AEGIS) or its span is empty
-  or full, the gain rule alone decides (``span_ends`` 0 in the stats); ``ends="gain"`` always.
+  last, a label. The same test ranks candidates: those that pass (true prefixes) are scored first, the
+  others only where no passing one brings the gain (:meth:`FedSpy.best`). Where the update does not carry
+  block 2's attention (frozen, AEGIS) or its span is empty or full, the gain rule alone decides
+  (``span_ends`` 0 in the stats); ``ends="gain"`` always.
 
 Cost: one backward pass of the model per tried token and step, ``|set|^2`` for a start: minutes on GPT-2
 small per sequence on 2 cores.
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -213,7 +216,7 @@ class FedSpy:
         scores: list[float] = []
         if tokens:
             for _ in bar(range(count), desc="FedSpy-LLM sequences"):
-                seq, score = self.grow(align, tokens, ends)
+                seq, score = self.grow(align, tokens, ends, seqs)
                 seqs.append(seq)
                 scores.append(score)
                 align.remove(seq)
@@ -242,18 +245,23 @@ class FedSpy:
         return SpanEnds(model, module, span, spec.l2_threshold)
 
     def grow(
-        self, align: Alignment, tokens: list[int], ends: SpanEnds | None = None
+        self,
+        align: Alignment,
+        tokens: list[int],
+        ends: SpanEnds | None = None,
+        done: Sequence[list[int]] = (),
     ) -> tuple[list[int], float]:
         """One sequence: the best-aligned pair, then extensions while they raise the cosine by ``min_gain``
         and, with ``ends``, while the prefix's last token has a successor (module docstring); with
-        ``ends`` the first token is one whose position-0 input passes (all tokens if none does)."""
+        ``ends`` the first token is one whose position-0 input passes (all tokens if none does), and
+        candidates that pass the span test come first unless they are prefixes of the sequences ``done``
+        (:meth:`best`)."""
         c = self.config
         firsts = tokens
         if ends is not None:
             firsts = [a for a, ok in zip(tokens, ends.continues([[a] for a in tokens]), strict=True) if ok]
             firsts = firsts or tokens
-        pairs = [([a, b], align.cosine([a, b])) for a in firsts for b in tokens]
-        beam = sorted(pairs, key=lambda sc: -sc[1])[: c.beam]
+        beam = self.best(align, [[a, b] for a in firsts for b in tokens], ends, None, done)
         best = beam[0]
         while len(best[0]) < c.max_length:
             live = [s for s, _ in beam]
@@ -261,12 +269,49 @@ class FedSpy:
                 live = [s for s, ok in zip(live, ends.continues(live), strict=True) if ok]
             if not live:
                 break
-            grown = [(s + [v], align.cosine(s + [v])) for s in live for v in tokens]
-            beam = sorted(grown, key=lambda sc: -sc[1])[: c.beam]
+            grown = [s + [v] for s in live for v in tokens]
+            beam = self.best(align, grown, ends, best[1] + c.min_gain, done)
             if beam[0][1] <= best[1] + c.min_gain:
                 break
             best = beam[0]
         return best
+
+    def best(
+        self,
+        align: Alignment,
+        cands: list[list[int]],
+        ends: SpanEnds | None,
+        floor: float | None,
+        done: Sequence[list[int]] = (),
+    ) -> list[tuple[list[int], float]]:
+        """The ``beam`` best of ``cands`` (all of one length) by cosine. With ``ends``, the candidates whose
+        last token has a successor are scored first: under causal attention the span test passes exactly
+        for true prefixes of the batch's sequences (DAGER's L2 test), so a wrong token is never chosen over
+        a true continuation that brings the gain (``floor``; the start pair: any). Prefixes of the
+        sequences ``done`` (already recovered: their gradient left the target) do not count as passing,
+        so the next sequence is not pushed back into them. Only where no passing candidate brings the
+        gain are the others scored too (a sequence's last token, a label, fails the test): the best by
+        cosine then ends the sequence. Before, the cosine alone chose, and on a WikiText-2 sentence a
+        wrong second token (failing the test, so read as the end) ended it after two tokens. Scoring the
+        passing candidates first also saves most of the backward passes."""
+        k = self.config.beam
+        cosine: dict[int, float] = {}
+
+        def ranked(idx: list[int]) -> list[tuple[list[int], float]]:
+            for i in idx:
+                if i not in cosine:
+                    cosine[i] = align.cosine(cands[i])
+            top = sorted(idx, key=lambda i: -cosine[i])[:k]
+            return [(cands[i], cosine[i]) for i in top]
+
+        if ends is not None:
+            old = {tuple(d[: len(cands[0])]) for d in done}
+            passing = [i for i, ok in enumerate(ends.continues(cands)) if ok and tuple(cands[i]) not in old]
+            if passing:
+                top = ranked(passing)
+                if floor is None or top[0][1] > floor:
+                    return top
+        return ranked(list(range(len(cands))))
 
 
 ATTACKS.register(
