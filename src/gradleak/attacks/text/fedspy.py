@@ -37,8 +37,9 @@ parameter, stated here and in docs/attacks-text.md. It is *our reading*, not a r
   block 2's attention (frozen, AEGIS) or its span is empty or full, the gain rule alone decides
   (``span_ends`` 0 in the stats); ``ends="gain"`` always.
 
-Cost: one backward pass of the model per tried token and step, ``|set|^2`` for a start: minutes on GPT-2
-small per sequence on 2 cores.
+Cost: under the gain rule alone, one backward pass of the model per tried token and step, ``|set|^2`` for a
+start: minutes on GPT-2 small per sequence on 2 cores. With the span ranking, one per passing candidate and
+``|set|`` at the last step: about 26 s a sentence there.
 """
 
 from __future__ import annotations
@@ -285,15 +286,16 @@ class FedSpy:
         done: Sequence[list[int]] = (),
     ) -> list[tuple[list[int], float]]:
         """The ``beam`` best of ``cands`` (all of one length) by cosine. With ``ends``, the candidates whose
-        last token has a successor are scored first: under causal attention the span test passes exactly
-        for true prefixes of the batch's sequences (DAGER's L2 test), so a wrong token is never chosen over
-        a true continuation that brings the gain (``floor``; the start pair: any). Prefixes of the
-        sequences ``done`` (already recovered: their gradient left the target) do not count as passing,
-        so the next sequence is not pushed back into them. Only where no passing candidate brings the
-        gain are the others scored too (a sequence's last token, a label, fails the test): the best by
-        cosine then ends the sequence. Before, the cosine alone chose, and on a WikiText-2 sentence a
-        wrong second token (failing the test, so read as the end) ended it after two tokens. Scoring the
-        passing candidates first also saves most of the backward passes."""
+        last token has a successor are scored first: under causal attention the span test passes exactly for
+        true prefixes of the batch's sequences (DAGER's L2 test; thresholded, so a false pass at a large B
+        could still win), so a wrong token is not chosen over a true continuation that brings the gain
+        (``floor``; the start pair: any). With ``beam`` > 1 the beam then holds passing candidates only.
+        Prefixes of the sequences ``done`` (already recovered: their gradient left the target) do not count as
+        passing, so the next sequence is not pushed back into them. Only where no passing candidate brings the
+        gain are the others scored too (a sequence's last token, a label, fails the test): the best by cosine
+        then ends the sequence. Before, the cosine alone chose, and on a WikiText-2 sentence a wrong second
+        token (failing the test, so read as the end) ended it after two tokens. Scoring the passing candidates
+        first also saves most of the backward passes."""
         k = self.config.beam
         cosine: dict[int, float] = {}
 
