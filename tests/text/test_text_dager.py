@@ -164,7 +164,7 @@ def test_encoder_fast_path_matches_full_forward(bert_cls, make_batch):
     m2 = find_module(model, spec.attn_inputs[0].format(i=1))[1]
     search = L2Search(model, m2, span2, spec.l2_threshold, first=m1)
     prefixes, cands = [s[:4] for s in batch.sequences()], [1996, 3185, 2001, 102]
-    fast = search._bert_last(search._block1(), prefixes, cands, 4)
+    fast = search._bert_last(search.block1(), prefixes, cands, 4)
     full = search._full_last(prefixes, cands)
     assert torch.allclose(fast, full, atol=1e-5, rtol=1e-4)
 

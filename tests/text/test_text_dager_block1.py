@@ -71,7 +71,7 @@ def test_table_site_equals_one_query_path_from_the_model(bert_cls, make_batch):
     _, search = _search(bert_cls, batch)
     tokens = _tokens(batch)
     search.tabulate(tokens, 8)
-    table, layer = search._table, search._block1()
+    table, layer = search._table, search.block1()
     assert table is not None and layer is not None
     seq = batch.sequences()[0][:6]
     cands = tokens[:5]
@@ -149,7 +149,7 @@ def test_no_table_beyond_its_memory_cap_or_where_it_disagrees(bert_cls, make_bat
     search.tabulate(_tokens(batch), 8)
     assert search._table is None
     monkeypatch.undo()
-    layer = search._block1()
+    layer = search.block1()
     # a block 1 other than the model's: its outputs disagree with the forward, so no table
     wrong = type(layer)(bert_cls.model.config)
     assert Block1Table.build(bert_cls.model, search.first, search.module, wrong, _tokens(batch), 8) is None
@@ -247,3 +247,51 @@ def test_site_screens_split_by_chunk_give_the_one_call_result(bert_cls, make_bat
     for ins in (False, True):
         split = search.site_residuals(seq, vocab, sites, insert=ins)
         assert torch.allclose(split, whole[ins], rtol=1e-4, atol=1e-6)
+
+
+def _screened(tm, make_batch):
+    """The batch, its tabled L2 search, the batch tokens and the feed-forward span read off the update."""
+    batch = make_batch(tm)
+    obs, search = _search(tm, batch)
+    tokens = _tokens(batch)
+    search.tabulate(tokens, batch.input_ids.shape[1])
+    span = Dager().feed_forward_span(obs, tm.model, search, family_of(tm.model))
+    assert span is not None and 0 < span.rank < span.basis.shape[0]
+    return batch, search, tokens, span
+
+
+def test_feed_forward_input_of_a_site_equals_the_models(bert_cls, make_batch):
+    # the screen's feed-forward inputs (table attention + output projection) against the model's own
+    # input of block 1's intermediate.dense, captured on the whole sequences s + [v]
+    batch, search, tokens, _ = _screened(bert_cls, make_batch)
+    layer = search.block1()
+    seq = batch.sequences()[0]
+    prefixes, t = [seq[:4], seq[1:5]], 4
+    heads, z1 = search._table.site_heads(torch.tensor(prefixes), torch.arange(t), torch.tensor(tokens), t)
+    with torch.no_grad():
+        got = block1.attention_output(layer, heads, z1)  # (n, c, d)
+    seqs = torch.tensor([p + [v] for p in prefixes for v in tokens])
+    ref = layer_inputs(bert_cls.model, layer.intermediate.dense, seqs)[:, -1].view(got.shape)
+    assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def test_feed_forward_screen_keeps_exact_scores_and_the_true_last_token(bert_cls, make_batch):
+    batch, search, tokens, span = _screened(bert_cls, make_batch)
+    for s in batch.sequences():
+        prefixes, t = [s[:-1], s[:-2]], len(s) - 1  # the true sentence but its last token, and a shorter one
+        prefixes[1] = [*prefixes[1], prefixes[1][-1]]
+        search.screen, search.screen_keep = None, 0
+        ref = search.encoder_last_residuals(prefixes, tokens, t)  # no screen: every extension scored
+        search.screen, search.screen_keep = span, 1
+        got = search.encoder_last_residuals(prefixes, tokens, t)
+        kept = torch.isfinite(got)
+        assert kept.sum(dim=1).tolist() == [1, 1]
+        # kept scores are the unscreened ones: the relative residual of the same block-2 input, computed in
+        # float32 in another batch shape, so equal to float32 rounding (1e-7 of the input's norm)
+        torch.testing.assert_close(got[kept], ref[kept], rtol=0, atol=1e-7)
+        # with its whole sentence as context the true last token's feed-forward input lies in the span
+        # (one of the update's own inputs), so even a screen keeping one extension keeps it
+        assert tokens[int(got[0].argmin())] == s[-1]
+        # screen_keep >= the candidates: no screen, the same matrix
+        search.screen_keep = len(tokens)
+        torch.testing.assert_close(search.encoder_last_residuals(prefixes, tokens, t), ref, rtol=0, atol=0)

@@ -113,6 +113,7 @@ class Block1Table:
         out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, length, h * dh)
         return finish(self.layer, out, self.z1[r, p])
 
+    @torch.no_grad()
     def site(
         self, ctx: torch.Tensor, positions: torch.Tensor, cands: torch.Tensor, at: int | torch.Tensor
     ) -> torch.Tensor:
@@ -121,12 +122,20 @@ class Block1Table:
         keys and values are its own tokens', as under BERT's post-LN layers). ``positions`` (m,) and
         ``at`` (an int) are shared by the contexts, or given per context ((n, m) and (n,)): one call then
         screens several sites of a sequence."""
+        return finish(self.layer, *self.site_heads(ctx, positions, cands, at))
+
+    @torch.no_grad()
+    def site_heads(
+        self, ctx: torch.Tensor, positions: torch.Tensor, cands: torch.Tensor, at: int | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`site`'s attention alone (:func:`attend_heads`): the heads' outputs and layer-1 inputs,
+        (n, c, ...) each, with ``positions`` and ``at`` as there."""
         r, p = self.rows[torch.as_tensor(ctx)], torch.as_tensor(positions)
         rc, at = self.rows[torch.as_tensor(cands)], torch.as_tensor(at)
-        k, v = self.k[r, p], self.v[r, p]
-        if at.dim() == 1:  # per context: (n, c) rows at (n, 1) positions
+        if at.dim() == 1:
             rc, at = rc.unsqueeze(0), at.unsqueeze(1)
-        return attend_one(self.layer, k, v, self.q[rc, at], self.k[rc, at], self.v[rc, at], self.z1[rc, at])
+        q, k, v, z = (x[rc, at] for x in (self.q, self.k, self.v, self.z1))
+        return attend_heads(self.k[r, p], self.v[r, p], q, k, v, z)
 
 
 @torch.no_grad()
@@ -142,6 +151,20 @@ def attend_one(
     """(n, c, d): BERT block-1 output of each of c candidates (query ``q_c``, key ``k_c``, value ``v_c``
     (c, h, dh), layer-1 input ``z_c`` (c, d), shared by the contexts, or (n, c, ...), one set per context)
     attending over its own key and each of n contexts' keys and values ``k_ctx``, ``v_ctx`` (n, m, h, dh)."""
+    return finish(layer, *attend_heads(k_ctx, v_ctx, q_c, k_c, v_c, z_c))
+
+
+@torch.no_grad()
+def attend_heads(
+    k_ctx: torch.Tensor,
+    v_ctx: torch.Tensor,
+    q_c: torch.Tensor,
+    k_c: torch.Tensor,
+    v_c: torch.Tensor,
+    z_c: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend_one`'s attention alone: the heads' concatenated outputs (n, c, h dh) and the layer-1
+    inputs (n, c, d) of the candidates, for :func:`finish` or :func:`attention_output`."""
     n, m, h, dh = k_ctx.shape
     if q_c.dim() == 3:  # shared by the contexts
         q_c, k_c, v_c, z_c = (t.unsqueeze(0) for t in (q_c, k_c, v_c, z_c))
@@ -151,12 +174,23 @@ def attend_one(
     s_self = (q_c * k_c).sum(-1).mul(scale).expand(n, c, h).unsqueeze(-1)  # (n, c, h, 1)
     w = torch.softmax(torch.cat([s_ctx, s_self], dim=-1), dim=-1)
     out = torch.einsum("ncht,nthd->nchd", w[..., :m], v_ctx) + w[..., m:] * v_c
-    return finish(layer, out.reshape(n, c, h * dh), z_c.expand(n, c, -1))
+    return out.reshape(n, c, h * dh), z_c.expand(n, c, -1)
 
 
 def finish(layer: Any, attended: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
     """Block 1's output (its attention's output projection and LayerNorm, then the feed-forward layer and
     its LayerNorm) from the heads' concatenated outputs ``attended`` and the layer-1 inputs ``z1``."""
+    return feed_forward(layer, attention_output(layer, attended, z1))
+
+
+def attention_output(layer: Any, attended: torch.Tensor, z1: torch.Tensor) -> torch.Tensor:
+    """Block 1's attention sublayer output (output projection, residual, LayerNorm): its feed-forward
+    layer's input, of ``z1``'s shape."""
     shape = z1.shape
-    a = layer.attention.output(attended.reshape(-1, shape[-1]), z1.reshape(-1, shape[-1]))
-    return layer.output(layer.intermediate(a), a).view(shape)
+    return layer.attention.output(attended.reshape(-1, shape[-1]), z1.reshape(-1, shape[-1])).view(shape)
+
+
+def feed_forward(layer: Any, a: torch.Tensor) -> torch.Tensor:
+    """Block 1's feed-forward sublayer (with its residual and LayerNorm) on its inputs ``a`` (..., d)."""
+    flat = a.reshape(-1, a.shape[-1])
+    return layer.output(layer.intermediate(flat), flat).view(a.shape)

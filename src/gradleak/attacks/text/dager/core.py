@@ -111,7 +111,12 @@ class EncoderSearch:
     ``fill_to_batch`` completes B with the best rejected sequences (partial recovery). ``table``: evaluate
     block 1 from per-(token, position) tables where the layout allows (BERT; exact, checked against the
     model when built: :mod:`~gradleak.attacks.text.dager.block1`); False runs the model's forward for every
-    sequence (the same search, slower: for comparisons)."""
+    sequence (the same search, slower: for comparisons). ``screen_keep`` (0: off; needs the table): of the
+    candidate tokens of each beam prefix, only this many, those whose block-1 feed-forward input lies
+    closest to the span of that input (read off the update's ``intermediate.dense`` gradient: the same
+    identity one sublayer before block 2), go through the feed-forward layer to their block-2 score; the
+    others are not grown (:meth:`L2Search.encoder_last_residuals`). 24 from MiniLM (docs/attacks-text.md,
+    item 5: 12 lost a WikiText-2 sentence; screening the polish's sites too was slower there)."""
 
     method: str = "polish"
     per_prefix: int = 4
@@ -120,6 +125,7 @@ class EncoderSearch:
     held_ngram: int = 4
     fresh_first_words: bool = True
     novelty: float = 3.0
+    screen_keep: int = 24
     polish_tries: int = 8
     polish: PolishConfig = field(default_factory=PolishConfig)
     max_samples: int = 4096
@@ -135,7 +141,7 @@ class EncoderSearch:
         if not self.novelty >= 0:
             raise ValueError(f"novelty must be >= 0, got {self.novelty}")
         _at_least(self, 1, "per_prefix", "rounds", "polish_tries", "max_samples")
-        _at_least(self, 0, "repair_steps")
+        _at_least(self, 0, "repair_steps", "screen_keep")
 
 
 @dataclass(frozen=True)
@@ -225,6 +231,9 @@ class Dager:
         if not spec.causal and self.config.encoder.table and cands:
             end = self.config.encoder.end_token_id
             search.tabulate([*set().union(*cands), *([] if end is None else [end])], len(cands))
+            if self.config.encoder.screen_keep:
+                search.screen = self.feed_forward_span(obs, model, search, spec)
+                search.screen_keep = self.config.encoder.screen_keep
         if spec.causal:
             found = search.extend(cands, self.config.decoder.search, self.config.beam_width)
         elif self.config.encoder.method == "polish":
@@ -262,6 +271,7 @@ class Dager:
             "accepted": float(len(found)),
             "filled": float(filled),
             "prefix_sentences": float(added),
+            "screen_rank": float(search.screen.rank if search.screen is not None else 0),
             "seconds": time.perf_counter() - start,
         }
         log.info("DAGER: L1 rank %d, %d positions, %d accepted sequences", span1.rank, len(cands), len(found))
@@ -320,6 +330,20 @@ class Dager:
         """Steps 3-4's search under the L2 span test."""
         c = self.config
         return L2Search(model, m2, span2, threshold, c.chunk, c.repeat_tol, m1, novelty=c.encoder.novelty)
+
+    def feed_forward_span(
+        self, obs: Observation, model: nn.Module, search: L2Search, spec: FamilySpec
+    ) -> Span | None:
+        """The span of block 1's feed-forward inputs, from its first projection's weight gradient (BERT
+        layouts: ``intermediate.dense``), for the beam's screen; None where the update does not carry it
+        or it fills its input space."""
+        layer = search.block1()
+        name = next((n for n, m in model.named_modules() if m is layer), None)
+        key = f"{name}.intermediate.dense.weight"
+        if layer is None or name is None or key not in obs.update.tensors:
+            return None
+        span = estimate_span(update_tensor(obs, key).T, spec.rank_tol)
+        return None if span.full or span.rank == 0 else span
 
     def l1_test(self, span: Span, z: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 2 at one position: the indices of the scanned tokens' layer-1 inputs ``z`` that pass, and

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradleak.attacks.text.dager.block1 import Block1Table, attend_one
+from gradleak.attacks.text.dager.block1 import Block1Table, attend_one, attention_output, feed_forward
 from gradleak.attacks.text.family import Span, capture_input, layer_inputs
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,8 @@ class L2Search:
     repeat_tol: float = 1e-4  # decoders: an extension whose block-2 input repeats the previous one
     first: nn.Module | None = None  # block 1's first attention projection (encoder beam: layer-1 inputs)
     novelty: float = 0.0  # encoder beam: weight of the novelty factor in the prefix score (see ``hold``)
+    screen: Span | None = None  # encoder beam: block 1's feed-forward input span (``encoder_last_residuals``)
+    screen_keep: int = 0  # encoder beam: extensions a prefix the feed-forward screen keeps (0: no screen)
     _held: torch.Tensor | None = None  # orthonormal basis (span coordinates) of the held block-2 inputs
     _fast: bool | None = None  # encoder beam: the one-token block-1 fast path agrees with the model
     _table: Block1Table | None = None  # encoders: block 1 from per-(token, position) tables (``tabulate``)
@@ -49,7 +51,7 @@ class L2Search:
         when built). Where the table does not cover a sequence, or the layout is not BERT's, whole sequences
         run through the model's forward, and the prefix beam's and site screens' one-query steps through
         :func:`_bert_site` on the model's own layer-1 inputs."""
-        layer = self._block1()
+        layer = self.block1()
         if layer is not None and self.first is not None:
             self._table = Block1Table.build(self.model, self.first, self.module, layer, list(tokens), length)
         log.debug("block-1 table: %s", "used" if self._table is not None else "not used")
@@ -356,14 +358,43 @@ class L2Search:
         return out
 
     def encoder_last_residuals(self, prefixes: list[list[int]], cands: list[int], t: int) -> torch.Tensor:
-        """(n, c): L2 residual of the last token of ``s + [v]`` computed on that sequence alone."""
+        """(n, c): L2 residual of the last token of ``s + [v]`` computed on that sequence alone.
+
+        With a ``screen`` (the span of block 1's feed-forward input, from its first projection's weight
+        gradient: the same identity one sublayer earlier) and the block-1 table, only the ``screen_keep``
+        extensions of each prefix whose feed-forward input lies closest to that span go through the
+        feed-forward layer and get a score; the others score inf (not grown). The feed-forward layer is most
+        of the work per evaluated token.
+        """
         out = []
         group = max(1, 4 * self.chunk // max(1, len(cands) * t))
         for i in range(0, len(prefixes), group):
             part = prefixes[i : i + group]
+            screened = self._screened_last(part, cands, t)
+            if screened is not None:
+                out.append(screened)
+                continue
             z = self._encoder_last_inputs(part, cands, t)
             out.append(self.prefix_score(z).view(len(part), len(cands)))
         return torch.cat(out)
+
+    @torch.no_grad()
+    def _screened_last(self, prefixes: list[list[int]], cands: list[int], t: int) -> torch.Tensor | None:
+        """:meth:`encoder_last_residuals` of one group under the feed-forward screen, or None where it does
+        not apply (no screen, no table for these tokens, or no more candidates than it keeps)."""
+        layer = self.block1()
+        if self.screen is None or not 0 < self.screen_keep < len(cands) or layer is None:
+            return None
+        table = self._site_table(prefixes, cands, t)
+        if table is None:
+            return None
+        heads, z1 = table.site_heads(torch.tensor(prefixes), torch.arange(t), torch.tensor(cands), t)
+        a = attention_output(layer, heads, z1)  # (n, c, d): the feed-forward inputs
+        keep = self.screen.residual_squared32(a).topk(self.screen_keep, dim=1, largest=False).indices
+        picked = a.gather(1, keep.unsqueeze(-1).expand(-1, -1, a.shape[-1]))
+        score = self.prefix_score(feed_forward(layer, picked).reshape(-1, a.shape[-1]))
+        out = torch.full((len(prefixes), len(cands)), float("inf"), dtype=score.dtype)
+        return out.scatter_(1, keep, score.view(len(prefixes), -1))
 
     def _encoder_last_inputs(self, prefixes: list[list[int]], cands: list[int], t: int) -> torch.Tensor:
         """Block-2 inputs (n * c, d) of the last token of each ``s + [v]``.
@@ -372,7 +403,7 @@ class L2Search:
         their own layer-1 inputs only, so one query token per candidate attends over them; checked once
         against the full forward, else whole sequences are recomputed.
         """
-        layer = self._block1()
+        layer = self.block1()
         if layer is not None and self._fast is not False:
             z = self._bert_last(layer, prefixes, cands, t)
             if self._fast is None:
@@ -391,7 +422,7 @@ class L2Search:
         seqs = torch.cat([torch.tensor(prefixes).repeat_interleave(c, dim=0), ids], dim=1)
         return layer_inputs(self.model, self.module, seqs, chunk=max(1, self.chunk // seqs.shape[1]))[:, -1]
 
-    def _block1(self) -> nn.Module | None:
+    def block1(self) -> nn.Module | None:
         """Block 1 (the layer holding ``first``) when it has the BERT layout, else None."""
         if self.first is None:
             return None
@@ -429,7 +460,7 @@ class L2Search:
         """
         if not sites:
             return torch.empty(0, len(vocab), dtype=torch.float32)
-        layer = self._block1()
+        layer = self.block1()
         if layer is not None and self._fast is None:
             self._encoder_last_inputs([seq[:2]], vocab[:4], 2)  # checks the fast path once
         if layer is None or self._fast is False:
