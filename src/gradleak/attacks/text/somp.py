@@ -1,9 +1,12 @@
 """SOMP as read here (Li and Li, "SOMP: Scalable gradient inversion for large language models via
-subspace-guided orthogonal matching pursuit", 2026; paper 002's [8]). **Our reading, not a reproduction:**
-neither SOMP's code nor its method section is offline, only paper 002's description of it: it "extends
-DAGER's subspace test to a head-structured pooling stage followed by an Orthogonal Matching Pursuit
-reconstruction over an LM-guided beam, scaling token recovery to larger batch sizes" (Sec. II-A), and it
-"relies on the Q-weight gradient subspace" (Sec. VI-E). Every choice those words leave open is a parameter.
+subspace-guided orthogonal matching pursuit", arXiv 2603.16761, 2026; paper 002's [8]). **Our reading, not
+a reproduction:** neither SOMP's code nor its method section is offline, only its abstract and paper 002's
+description of it. The abstract casts text recovery from aggregated gradients as sparse signal recovery,
+exploiting "head-wise geometric structure together with sample-level sparsity" to "progressively narrow the
+search space and disentangle mixed signals without exhaustive search"; paper 002 says it "extends DAGER's
+subspace test to a head-structured pooling stage followed by an Orthogonal Matching Pursuit reconstruction
+over an LM-guided beam, scaling token recovery to larger batch sizes" (Sec. II-A), and that it "relies on
+the Q-weight gradient subspace" (Sec. VI-E). Every choice those words leave open is a parameter.
 
 1. **Tokens: DAGER's subspace test.** Block 1's input-side gradient (Q, K, V) gives the span of the batch's
    layer-1 inputs; the tokens (at each learned position) whose layer-1 input lies in it are the candidates
