@@ -82,6 +82,8 @@ def test_dager_config_validation():
         DagerConfig(l1_threshold=2.0)
     with pytest.raises(ValueError, match="held_ngram"):
         EncoderSearch(held_ngram=1)
+    with pytest.raises(ValueError, match="screen_keep"):
+        EncoderSearch(screen_keep=-1)
     with pytest.raises(ValueError, match="wide"):
         PolishConfig(wide=-1)
     for share in (0.0, 1.5, float("nan")):

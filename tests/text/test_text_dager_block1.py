@@ -29,6 +29,10 @@ def _search(tm, batch):
     obs = Observation(
         tm.model, fedsgd_text_update(tm.model, batch, "classification"), (batch.input_ids.shape[1],), 2
     )
+    return _search_of(tm, obs)
+
+
+def _search_of(tm, obs):
     model, spec = tm.model, family_of(tm.model)
     span2 = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 1), spec.rank_tol)
     m1 = find_module(model, spec.attn_inputs[0].format(i=0))[1]
@@ -255,9 +259,54 @@ def _screened(tm, make_batch):
     obs, search = _search(tm, batch)
     tokens = _tokens(batch)
     search.tabulate(tokens, batch.input_ids.shape[1])
-    span = Dager().feed_forward_span(obs, tm.model, search, family_of(tm.model))
-    assert span is not None and 0 < span.rank < span.basis.shape[0]
+    span = Dager().feed_forward_span(obs, tm.model, search, family_of(tm.model), search.span)
+    # an exact update: the feed-forward inputs span as many dimensions as block 2's (the batch's positions)
+    assert span is not None and span.rank == search.span.rank < span.basis.shape[0]
     return batch, search, tokens, span
+
+
+def test_the_attack_screens_and_recovers_the_same_batch(bert_cls, make_batch):
+    batch = make_batch(bert_cls)
+    obs, _ = _search(bert_cls, batch)
+    end = int(bert_cls.tokenizer.sep_token_id)
+    calls = []
+    real = L2Search._screened_last
+
+    def spy(self, *args):
+        out = real(self, *args)
+        calls.append(out is not None)
+        return out
+
+    recs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(L2Search, "_screened_last", spy)
+        for keep in (0, 1):  # ~2 candidates a position here: a beam of one, so that 1 a prefix screens
+            search = EncoderSearch(end_token_id=end, screen_keep=keep, per_prefix=1)
+            attack = Dager(DagerConfig(beam_width=1, encoder=search))
+            recs[keep] = attack.reconstruct(obs, generator=torch.Generator().manual_seed(0))
+    assert any(calls)  # the screened run took the screen
+    assert sorted(recs[1].token_ids) == sorted(recs[0].token_ids) == sorted(batch.sequences())
+    assert recs[1].stats["screen_rank"] == recs[1].stats["rank_l2"] > 0
+    assert recs[0].stats["screen_rank"] == 0
+
+
+def test_no_screen_on_a_noised_update_or_for_the_noise_aware_attacks(bert_cls, make_batch):
+    from gradleak.attacks.text.dager.masked import DagerMasked
+    from gradleak.attacks.text.dager.spectral import DagerSpectral
+
+    batch = make_batch(bert_cls)
+    obs, search = _search(bert_cls, batch)
+    spec = family_of(bert_cls.model)
+    for attack in (DagerSpectral(), DagerMasked()):
+        assert attack.feed_forward_span(obs, bert_cls.model, search, spec, search.span) is None
+    # exact DAGER on a noised update: the spans' ranks disagree (or fill the space), so no screen
+    g = torch.Generator().manual_seed(0)
+    noised = {
+        n: t + 1e-3 * t.abs().max() * torch.randn(t.shape, generator=g) for n, t in obs.update.tensors.items()
+    }
+    noisy = Observation(obs.model, obs.update.replace(noised), obs.input_shape, 2)
+    _, noisy_search = _search_of(bert_cls, noisy)
+    assert Dager().feed_forward_span(noisy, bert_cls.model, noisy_search, spec, noisy_search.span) is None
 
 
 def test_feed_forward_input_of_a_site_equals_the_models(bert_cls, make_batch):

@@ -112,10 +112,11 @@ class EncoderSearch:
     block 1 from per-(token, position) tables where the layout allows (BERT; exact, checked against the
     model when built: :mod:`~gradleak.attacks.text.dager.block1`); False runs the model's forward for every
     sequence (the same search, slower: for comparisons). ``screen_keep`` (0: off; needs the table): of the
-    candidate tokens of each beam prefix, only this many, those whose block-1 feed-forward input lies
-    closest to the span of that input (read off the update's ``intermediate.dense`` gradient: the same
-    identity one sublayer before block 2), go through the feed-forward layer to their block-2 score; the
-    others are not grown (:meth:`L2Search.encoder_last_residuals`). 24 from MiniLM (docs/attacks-text.md,
+    candidate tokens of each beam prefix, only this many (or the beam's per-prefix quota where that is
+    larger), those whose block-1 feed-forward input lies closest to the span of that input (read off the
+    update's ``intermediate.dense`` gradient: the same identity one sublayer before block 2; used only where
+    its rank is block 2's, as on an exact update) and that grow no held n-gram, go through the feed-forward
+    layer to their block-2 score; the others are not grown (:meth:`L2Search.encoder_last_residuals`). 24 from MiniLM (docs/attacks-text.md,
     item 5: 12 lost a WikiText-2 sentence; screening the polish's sites too was slower there)."""
 
     method: str = "polish"
@@ -232,7 +233,7 @@ class Dager:
             end = self.config.encoder.end_token_id
             search.tabulate([*set().union(*cands), *([] if end is None else [end])], len(cands))
             if self.config.encoder.screen_keep:
-                search.screen = self.feed_forward_span(obs, model, search, spec)
+                search.screen = self.feed_forward_span(obs, model, search, spec, span2)
                 search.screen_keep = self.config.encoder.screen_keep
         if spec.causal:
             found = search.extend(cands, self.config.decoder.search, self.config.beam_width)
@@ -332,18 +333,22 @@ class Dager:
         return L2Search(model, m2, span2, threshold, c.chunk, c.repeat_tol, m1, novelty=c.encoder.novelty)
 
     def feed_forward_span(
-        self, obs: Observation, model: nn.Module, search: L2Search, spec: FamilySpec
+        self, obs: Observation, model: nn.Module, search: L2Search, spec: FamilySpec, span2: Span
     ) -> Span | None:
         """The span of block 1's feed-forward inputs, from its first projection's weight gradient (BERT
-        layouts: ``intermediate.dense``), for the beam's screen; None where the update does not carry it
-        or it fills its input space."""
+        layouts: ``intermediate.dense``), for the beam's screen. On an exact update it has block 2's rank
+        (both count the batch's positions); None where it has not, where the update does not carry that
+        gradient, or where the span fills its input space."""
         layer = search.block1()
         name = next((n for n, m in model.named_modules() if m is layer), None)
         key = f"{name}.intermediate.dense.weight"
         if layer is None or name is None or key not in obs.update.tensors:
             return None
         span = estimate_span(update_tensor(obs, key).T, spec.rank_tol)
-        return None if span.full or span.rank == 0 else span
+        if span.full or span.rank != span2.rank:
+            log.info("DAGER: no feed-forward screen (rank %d, block 2's %d)", span.rank, span2.rank)
+            return None
+        return span
 
     def l1_test(self, span: Span, z: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 2 at one position: the indices of the scanned tokens' layer-1 inputs ``z`` that pass, and

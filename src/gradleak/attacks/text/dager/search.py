@@ -236,14 +236,15 @@ class L2Search:
             choices = [v for v in cands[p] if v != end]
             if not choices:
                 break
-            scores = self.encoder_last_residuals([s for s, _ in live], choices, p)
-            if blocked:
-                for i, (s, _) in enumerate(live):
-                    tail = tuple(s[-(ngram - 1) :])
-                    for j, v in enumerate(choices):
-                        if (*tail, v) in blocked:
-                            scores[i, j] = float("inf")
             k = min(len(choices), max(per_prefix, -(-beam_width // len(live))))
+            mask = None
+            if blocked:
+                mask = torch.tensor(
+                    [[(*s[-(ngram - 1) :], v) in blocked for v in choices] for s, _ in live], dtype=torch.bool
+                )
+            scores = self.encoder_last_residuals([s for s, _ in live], choices, p, keep=k, blocked=mask)
+            if mask is not None:
+                scores[mask] = float("inf")
             top = scores.topk(k, dim=1, largest=False)
             grown = [
                 s + [choices[j]]
@@ -357,20 +358,29 @@ class L2Search:
                     break
         return out
 
-    def encoder_last_residuals(self, prefixes: list[list[int]], cands: list[int], t: int) -> torch.Tensor:
+    def encoder_last_residuals(
+        self,
+        prefixes: list[list[int]],
+        cands: list[int],
+        t: int,
+        *,
+        keep: int = 0,
+        blocked: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """(n, c): L2 residual of the last token of ``s + [v]`` computed on that sequence alone.
 
         With a ``screen`` (the span of block 1's feed-forward input, from its first projection's weight
-        gradient: the same identity one sublayer earlier) and the block-1 table, only the ``screen_keep``
-        extensions of each prefix whose feed-forward input lies closest to that span go through the
-        feed-forward layer and get a score; the others score inf (not grown). The feed-forward layer is most
-        of the work per evaluated token.
+        gradient: the same identity one sublayer earlier) and the block-1 table, only the
+        max(``screen_keep``, ``keep``) extensions of each prefix whose feed-forward input lies closest to
+        that span, ``blocked`` ones (n, c) last, go through the feed-forward layer and get a score; the
+        others score inf (not grown). The feed-forward layer is most of the work per evaluated token.
         """
         out = []
         group = max(1, 4 * self.chunk // max(1, len(cands) * t))
         for i in range(0, len(prefixes), group):
             part = prefixes[i : i + group]
-            screened = self._screened_last(part, cands, t)
+            held = None if blocked is None else blocked[i : i + group]
+            screened = self._screened_last(part, cands, t, max(self.screen_keep, keep), held)
             if screened is not None:
                 out.append(screened)
                 continue
@@ -379,22 +389,27 @@ class L2Search:
         return torch.cat(out)
 
     @torch.no_grad()
-    def _screened_last(self, prefixes: list[list[int]], cands: list[int], t: int) -> torch.Tensor | None:
+    def _screened_last(
+        self, prefixes: list[list[int]], cands: list[int], t: int, keep: int, blocked: torch.Tensor | None
+    ) -> torch.Tensor | None:
         """:meth:`encoder_last_residuals` of one group under the feed-forward screen, or None where it does
         not apply (no screen, no table for these tokens, or no more candidates than it keeps)."""
         layer = self.block1()
-        if self.screen is None or not 0 < self.screen_keep < len(cands) or layer is None:
+        if self.screen is None or not self.screen_keep or keep >= len(cands) or layer is None:
             return None
         table = self._site_table(prefixes, cands, t)
         if table is None:
             return None
         heads, z1 = table.site_heads(torch.tensor(prefixes), torch.arange(t), torch.tensor(cands), t)
         a = attention_output(layer, heads, z1)  # (n, c, d): the feed-forward inputs
-        keep = self.screen.residual_squared32(a).topk(self.screen_keep, dim=1, largest=False).indices
-        picked = a.gather(1, keep.unsqueeze(-1).expand(-1, -1, a.shape[-1]))
+        rank = self.screen.residual_squared32(a)
+        if blocked is not None:
+            rank[blocked] = float("inf")
+        pick = rank.topk(keep, dim=1, largest=False).indices
+        picked = a.gather(1, pick.unsqueeze(-1).expand(-1, -1, a.shape[-1]))
         score = self.prefix_score(feed_forward(layer, picked).reshape(-1, a.shape[-1]))
         out = torch.full((len(prefixes), len(cands)), float("inf"), dtype=score.dtype)
-        return out.scatter_(1, keep, score.view(len(prefixes), -1))
+        return out.scatter_(1, pick, score.view(len(prefixes), -1))
 
     def _encoder_last_inputs(self, prefixes: list[list[int]], cands: list[int], t: int) -> torch.Tensor:
         """Block-2 inputs (n * c, d) of the last token of each ``s + [v]``.

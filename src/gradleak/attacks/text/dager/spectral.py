@@ -227,6 +227,12 @@ class DagerSpectral(Dager):
     def __init__(self, config: DagerSpectralConfig | None = None) -> None:
         super().__init__(config or DagerSpectralConfig())
 
+    def feed_forward_span(
+        self, obs: Observation, model: nn.Module, search: L2Search, spec: FamilySpec, span2: Span
+    ) -> Span | None:
+        """No feed-forward screen: its span would be exact DAGER's, read off a gradient that is not exact."""
+        return None
+
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         obs, views = averaged(obs, self.config.average_views)
         rec = super().reconstruct(obs, generator=generator)
