@@ -116,8 +116,9 @@ class EncoderSearch:
     larger), those whose block-1 feed-forward input lies closest to the span of that input (read off the
     update's ``intermediate.dense`` gradient: the same identity one sublayer before block 2; used only where
     its rank is block 2's, as on an exact update) and that grow no held n-gram, go through the feed-forward
-    layer to their block-2 score; the others are not grown (:meth:`L2Search.encoder_last_residuals`). 24 from MiniLM (docs/attacks-text.md,
-    item 5: 12 lost a WikiText-2 sentence; screening the polish's sites too was slower there)."""
+    layer to their block-2 score; the others are not grown (:meth:`L2Search.encoder_last_residuals`). 24
+    from MiniLM (docs/attacks-text.md, item 5: 12 lost a WikiText-2 sentence; screening the polish's sites
+    too was slower there)."""
 
     method: str = "polish"
     per_prefix: int = 4
