@@ -139,22 +139,6 @@ class Block1Table:
 
 
 @torch.no_grad()
-def attend_one(
-    layer: Any,
-    k_ctx: torch.Tensor,
-    v_ctx: torch.Tensor,
-    q_c: torch.Tensor,
-    k_c: torch.Tensor,
-    v_c: torch.Tensor,
-    z_c: torch.Tensor,
-) -> torch.Tensor:
-    """(n, c, d): BERT block-1 output of each of c candidates (query ``q_c``, key ``k_c``, value ``v_c``
-    (c, h, dh), layer-1 input ``z_c`` (c, d), shared by the contexts, or (n, c, ...), one set per context)
-    attending over its own key and each of n contexts' keys and values ``k_ctx``, ``v_ctx`` (n, m, h, dh)."""
-    return finish(layer, *attend_heads(k_ctx, v_ctx, q_c, k_c, v_c, z_c))
-
-
-@torch.no_grad()
 def attend_heads(
     k_ctx: torch.Tensor,
     v_ctx: torch.Tensor,
@@ -163,8 +147,11 @@ def attend_heads(
     v_c: torch.Tensor,
     z_c: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attend_one`'s attention alone: the heads' concatenated outputs (n, c, h dh) and the layer-1
-    inputs (n, c, d) of the candidates, for :func:`finish` or :func:`attention_output`."""
+    """BERT block 1's attention for each of c candidates (query ``q_c``, key ``k_c``, value ``v_c`` (c, h,
+    dh), layer-1 input ``z_c`` (c, d), shared by the contexts, or (n, c, ...), one set per context)
+    attending over its own key and each of n contexts' keys and values ``k_ctx``, ``v_ctx`` (n, m, h, dh):
+    the heads' concatenated outputs (n, c, h dh) and the candidates' layer-1 inputs (n, c, d), which
+    :func:`finish` takes to block 1's output (:func:`attention_output` to its feed-forward input)."""
     n, m, h, dh = k_ctx.shape
     if q_c.dim() == 3:  # shared by the contexts
         q_c, k_c, v_c, z_c = (t.unsqueeze(0) for t in (q_c, k_c, v_c, z_c))

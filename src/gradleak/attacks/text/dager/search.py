@@ -21,7 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradleak.attacks.text.dager.block1 import Block1Table, attend_one, attention_output, feed_forward
+from gradleak.attacks.text.dager.block1 import (
+    Block1Table,
+    attend_heads,
+    attention_output,
+    feed_forward,
+    finish,
+)
 from gradleak.attacks.text.family import Span, capture_input, layer_inputs
 
 log = logging.getLogger(__name__)
@@ -777,6 +783,7 @@ def _log_objective(res: torch.Tensor) -> float:
     return float(torch.log10(res.clamp_min(1e-9)).mean())
 
 
+@torch.no_grad()
 def _bert_site(layer: Any, ctx: torch.Tensor, zc: torch.Tensor) -> torch.Tensor:
     """(n, c, d): BERT block-1 output of each candidate (layer-1 inputs ``zc`` (c, d)) attending over its
     own key and the context's (layer-1 inputs ``ctx`` (n, m, d), positions already applied).
@@ -790,4 +797,4 @@ def _bert_site(layer: Any, ctx: torch.Tensor, zc: torch.Tensor) -> torch.Tensor:
     h, dh = int(sa.num_attention_heads), int(sa.attention_head_size)
     kp, vp = sa.key(ctx).view(n, m, h, dh), sa.value(ctx).view(n, m, h, dh)
     qc, kc, vc = (f(zc).view(c, h, dh) for f in (sa.query, sa.key, sa.value))
-    return attend_one(layer, kp, vp, qc, kc, vc, zc)
+    return finish(layer, *attend_heads(kp, vp, qc, kc, vc, zc))
