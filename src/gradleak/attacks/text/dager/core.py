@@ -112,13 +112,12 @@ class EncoderSearch:
     block 1 from per-(token, position) tables where the layout allows (BERT; exact, checked against the
     model when built: :mod:`~gradleak.attacks.text.dager.block1`); False runs the model's forward for every
     sequence (the same search, slower: for comparisons). ``screen_keep`` (0: off; needs the table): of the
-    candidate tokens of each beam prefix, only this many (or the beam's per-prefix quota where that is
-    larger), those whose block-1 feed-forward input lies closest to the span of that input (read off the
-    update's ``intermediate.dense`` gradient: the same identity one sublayer before block 2; used only where
-    its rank is block 2's, as on an exact update) and that grow no held n-gram, go through the feed-forward
-    layer to their block-2 score; the others are not grown (:meth:`L2Search.encoder_last_residuals`). 24
-    from MiniLM (docs/attacks-text.md, item 5: 12 lost a WikiText-2 sentence; screening the polish's sites
-    too was slower there)."""
+    candidate tokens of each beam prefix, only this many, those whose block-1 feed-forward input lies
+    closest to the span of that input (read off the update's ``intermediate.dense`` gradient: the same
+    identity one sublayer before block 2; used only where its rank is block 2's, as on an exact update),
+    held n-grams last, go through the feed-forward layer to their block-2 score; the others are not grown
+    (:meth:`L2Search.encoder_last_residuals`). 24 from MiniLM (docs/attacks-text.md, item 5: 12 lost a
+    WikiText-2 sentence; screening the polish's sites too was slower there)."""
 
     method: str = "polish"
     per_prefix: int = 4

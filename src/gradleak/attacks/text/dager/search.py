@@ -248,7 +248,7 @@ class L2Search:
                 mask = torch.tensor(
                     [[(*s[-(ngram - 1) :], v) in blocked for v in choices] for s, _ in live], dtype=torch.bool
                 )
-            scores = self.encoder_last_residuals([s for s, _ in live], choices, p, keep=k, blocked=mask)
+            scores = self.encoder_last_residuals([s for s, _ in live], choices, p, blocked=mask)
             if mask is not None:
                 scores[mask] = float("inf")
             top = scores.topk(k, dim=1, largest=False)
@@ -370,23 +370,24 @@ class L2Search:
         cands: list[int],
         t: int,
         *,
-        keep: int = 0,
         blocked: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(n, c): L2 residual of the last token of ``s + [v]`` computed on that sequence alone.
 
         With a ``screen`` (the span of block 1's feed-forward input, from its first projection's weight
-        gradient: the same identity one sublayer earlier) and the block-1 table, only the
-        max(``screen_keep``, ``keep``) extensions of each prefix whose feed-forward input lies closest to
-        that span, ``blocked`` ones (n, c) last, go through the feed-forward layer and get a score; the
-        others score inf (not grown). The feed-forward layer is most of the work per evaluated token.
+        gradient: the same identity one sublayer earlier) and the block-1 table, only the ``screen_keep``
+        extensions of each prefix whose feed-forward input lies closest to that span, ``blocked`` ones
+        (n, c) last, go through the feed-forward layer and get a score; the others score inf (not grown).
+        The feed-forward layer is most of the work per evaluated token. (Keeping at least the beam's
+        per-prefix quota instead, 64 at the first position, lost a WikiText-2 sentence and took 185 s
+        against 96 s: docs/attacks-text.md, item 5.)
         """
         out = []
         group = max(1, 4 * self.chunk // max(1, len(cands) * t))
         for i in range(0, len(prefixes), group):
             part = prefixes[i : i + group]
             held = None if blocked is None else blocked[i : i + group]
-            screened = self._screened_last(part, cands, t, max(self.screen_keep, keep), held)
+            screened = self._screened_last(part, cands, t, held)
             if screened is not None:
                 out.append(screened)
                 continue
@@ -396,12 +397,12 @@ class L2Search:
 
     @torch.no_grad()
     def _screened_last(
-        self, prefixes: list[list[int]], cands: list[int], t: int, keep: int, blocked: torch.Tensor | None
+        self, prefixes: list[list[int]], cands: list[int], t: int, blocked: torch.Tensor | None
     ) -> torch.Tensor | None:
         """:meth:`encoder_last_residuals` of one group under the feed-forward screen, or None where it does
         not apply (no screen, no table for these tokens, or no more candidates than it keeps)."""
-        layer = self.block1()
-        if self.screen is None or not self.screen_keep or keep >= len(cands) or layer is None:
+        layer, keep = self.block1(), self.screen_keep
+        if self.screen is None or not 0 < keep < len(cands) or layer is None:
             return None
         table = self._site_table(prefixes, cands, t)
         if table is None:
