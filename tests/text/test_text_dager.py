@@ -84,6 +84,8 @@ def test_dager_config_validation():
         EncoderSearch(held_ngram=1)
     with pytest.raises(ValueError, match="screen_keep"):
         EncoderSearch(screen_keep=-1)
+    with pytest.raises(ValueError, match="below per_prefix"):
+        EncoderSearch(screen_keep=2, per_prefix=4)
     with pytest.raises(ValueError, match="wide"):
         PolishConfig(wide=-1)
     for share in (0.0, 1.5, float("nan")):

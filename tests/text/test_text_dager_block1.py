@@ -280,14 +280,10 @@ def test_the_attack_screens_and_recovers_the_same_batch(bert_cls, make_batch):
     recs = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(L2Search, "_screened_last", spy)
-        # ~2 candidates a position here: a beam of one, so that keeping 1 a prefix screens; the reference
-        # without the screen at the default beam (a beam of one without it misses a sentence under
-        # ATEN_CPU_CAPABILITY=default: a margin, not what this test is about)
+        # ~2 candidates a position here, so keeping 1 a prefix screens at the default beam
         configs = {
-            0: DagerConfig(encoder=EncoderSearch(end_token_id=end, screen_keep=0)),
-            1: DagerConfig(
-                beam_width=1, encoder=EncoderSearch(end_token_id=end, screen_keep=1, per_prefix=1)
-            ),
+            keep: DagerConfig(encoder=EncoderSearch(end_token_id=end, screen_keep=keep, per_prefix=1))
+            for keep in (0, 1)
         }
         for keep, config in configs.items():
             recs[keep] = Dager(config).reconstruct(obs, generator=torch.Generator().manual_seed(0))

@@ -116,8 +116,8 @@ class EncoderSearch:
     closest to the span of that input (read off the update's ``intermediate.dense`` gradient: the same
     identity one sublayer before block 2; used only where its rank is block 2's, as on an exact update),
     held n-grams last, go through the feed-forward layer to their block-2 score; the others are not grown
-    (:meth:`L2Search.encoder_last_residuals`). 24 from MiniLM (docs/attacks-text.md, item 5: 12 lost a
-    WikiText-2 sentence; screening the polish's sites too was slower there)."""
+    (:meth:`L2Search.encoder_last_residuals`). 24 from MiniLM (docs/attacks-text.md, item 4's Timings: 12
+    lost a WikiText-2 sentence; screening the polish's sites too was slower there)."""
 
     method: str = "polish"
     per_prefix: int = 4
@@ -143,6 +143,11 @@ class EncoderSearch:
             raise ValueError(f"novelty must be >= 0, got {self.novelty}")
         _at_least(self, 1, "per_prefix", "rounds", "polish_tries", "max_samples")
         _at_least(self, 0, "repair_steps", "screen_keep")
+        if 0 < self.screen_keep < self.per_prefix:
+            raise ValueError(
+                f"screen_keep ({self.screen_keep}) below per_prefix ({self.per_prefix}) would cap the beam's "
+                "extensions a prefix: 0 (off) or at least per_prefix"
+            )
 
 
 @dataclass(frozen=True)

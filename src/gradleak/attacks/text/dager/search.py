@@ -209,9 +209,10 @@ class L2Search:
         mostly near each position, so the block-2 input of the last token of ``s + [v]``, computed from
         the prefix alone (no right context), is closest to the span for the true v (typically rank 0-3
         of ~100 batch tokens on all-MiniLM-L6-v2). Each prefix keeps its ``per_prefix`` best extensions
-        (more while the beam is not full), the beam keeps the ``beam_width`` prefixes with the smallest
-        summed score, and every prefix is also closed (with ``end_token_id``, e.g. [SEP], when given) and
-        checked exactly: a closed sequence is accepted iff all its block-2 inputs lie in the L2 span.
+        (more while the beam is not full, at most ``screen_keep`` under the feed-forward screen), the beam
+        keeps the ``beam_width`` prefixes with the smallest summed score, and every prefix is also closed
+        (with ``end_token_id``, e.g. [SEP], when given) and checked exactly: a closed sequence is
+        accepted iff all its block-2 inputs lie in the L2 span.
         Extensions that would complete an ``ngram``-gram of a ``held`` sentence (already recovered) are
         not grown: without right context the prefix score favours a held sentence's continuation after any
         first word, so later rounds would otherwise fill the beam with its variants (``ngram`` 0: off).
@@ -380,7 +381,7 @@ class L2Search:
         (n, c) last, go through the feed-forward layer and get a score; the others score inf (not grown).
         The feed-forward layer is most of the work per evaluated token. (Keeping at least the beam's
         per-prefix quota instead, 64 at the first position, lost a WikiText-2 sentence and took 185 s
-        against 96 s: docs/attacks-text.md, item 5.)
+        against 96 s: docs/attacks-text.md, item 4's Timings.)
         """
         out = []
         group = max(1, 4 * self.chunk // max(1, len(cands) * t))
