@@ -199,6 +199,8 @@ class DagerFedAvgConfig(DagerConfig):
 class Dager:
     """The DAGER pipeline (module docstring); reads only ``obs.model`` and ``obs.update``."""
 
+    exact_spans = True  # the spans are exact DAGER's, so the feed-forward screen may read its own span
+
     def __init__(self, config: DagerConfig | None = None) -> None:
         self.config = config or DagerConfig()
 
@@ -343,8 +345,11 @@ class Dager:
         """The span of block 1's feed-forward inputs, from its first projection's weight gradient (BERT
         layouts: ``intermediate.dense``), for the beam's screen. On an exact update it has block 2's rank
         (both count the batch's positions); None where it has not, where the update does not carry that
-        gradient, or where the span fills its input space."""
+        gradient, or where the span fills its input space; always None for an attack whose spans are not
+        exact DAGER's (``exact_spans``: a noised or sparsified gradient)."""
         layer = search.block1()
+        if not self.exact_spans:
+            return None
         name = next((n for n, m in model.named_modules() if m is layer), None)
         key = f"{name}.intermediate.dense.weight"
         if layer is None or name is None or key not in obs.update.tensors:

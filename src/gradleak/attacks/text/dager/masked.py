@@ -50,10 +50,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from gradleak.attacks.text.dager.core import Dager, DagerConfig
-from gradleak.attacks.text.dager.search import L2Search
 from gradleak.attacks.text.family import FULL_SPAN_FRACTION, FamilySpec, Span, estimate_span, with_thresholds
 from gradleak.progress import bar
 from gradleak.registry import ATTACKS
@@ -261,15 +259,10 @@ class DagerMasked(Dager):
     DAGER's span and thresholds."""
 
     config: DagerMaskedConfig
+    exact_spans = False  # no feed-forward screen (``Dager.feed_forward_span``): the gradient is not exact
 
     def __init__(self, config: DagerMaskedConfig | None = None) -> None:
         super().__init__(config or DagerMaskedConfig())
-
-    def feed_forward_span(
-        self, obs: Observation, model: nn.Module, search: L2Search, spec: FamilySpec, span2: Span
-    ) -> Span | None:
-        """No feed-forward screen: its span would be exact DAGER's, read off a gradient that is not exact."""
-        return None
 
     def spans(
         self, obs: Observation, spec: FamilySpec, grad1: torch.Tensor, grad2: torch.Tensor

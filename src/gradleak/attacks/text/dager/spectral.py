@@ -223,15 +223,10 @@ class DagerSpectral(Dager):
     and the update's stated noise scale."""
 
     config: DagerSpectralConfig
+    exact_spans = False  # no feed-forward screen (``Dager.feed_forward_span``): the gradient is not exact
 
     def __init__(self, config: DagerSpectralConfig | None = None) -> None:
         super().__init__(config or DagerSpectralConfig())
-
-    def feed_forward_span(
-        self, obs: Observation, model: nn.Module, search: L2Search, spec: FamilySpec, span2: Span
-    ) -> Span | None:
-        """No feed-forward screen: its span would be exact DAGER's, read off a gradient that is not exact."""
-        return None
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         obs, views = averaged(obs, self.config.average_views)
