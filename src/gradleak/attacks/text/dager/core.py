@@ -43,11 +43,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
 
+from gradleak.attacks.text.dager.peel import Peeler
 from gradleak.attacks.text.dager.search import L2Search, PolishConfig, Scored, similar
 from gradleak.attacks.text.family import (
     FamilySpec,
@@ -117,7 +120,11 @@ class EncoderSearch:
     identity one sublayer before block 2; used only where its rank is block 2's, as on an exact update),
     held n-grams last, go through the feed-forward layer to their block-2 score; the others are not grown
     (:meth:`L2Search.encoder_last_residuals`). 24 from MiniLM (docs/attacks-text.md, item 4's Timings: 12
-    lost a WikiText-2 sentence; screening the polish's sites too was slower there)."""
+    lost a WikiText-2 sentence; screening the polish's sites too was slower there). ``peel`` (``"polish"``
+    on a FedSGD classifier gradient computed without dropout): after each round that holds new sentences,
+    their own gradients are subtracted from the update and the spans, the L1 candidates and the screen are
+    re-read from what is left (:mod:`~gradleak.attacks.text.dager.peel`; a sentence that does not lower
+    block 2's rank by its length under some class is not subtracted)."""
 
     method: str = "polish"
     per_prefix: int = 4
@@ -133,6 +140,7 @@ class EncoderSearch:
     end_token_id: int | None = None
     fill_to_batch: bool = True
     table: bool = True
+    peel: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in ("polish", "beam", "sample"):
@@ -235,6 +243,7 @@ class Dager:
         cands = self.position_candidates(model, spec, m1, span1, self.scan_vocab(obs, model))
         fallback: list[Scored] = []
         b = max(1, obs.update.num_samples)
+        peeled, screen_rank = 0, 0
         search = self.l2_search(model, m2, span2, spec.l2_threshold, m1, generator)
         if not spec.causal and self.config.encoder.table and cands:
             end = self.config.encoder.end_token_id
@@ -242,10 +251,16 @@ class Dager:
             if self.config.encoder.screen_keep:
                 search.screen = self.feed_forward_span(obs, model, search, spec, span2)
                 search.screen_keep = self.config.encoder.screen_keep
+                screen_rank = search.screen.rank if search.screen is not None else 0
         if spec.causal:
             found = search.extend(cands, self.config.decoder.search, self.config.beam_width)
         elif self.config.encoder.method == "polish":
-            found, fallback = self.encoder_polish(search, cands, b)
+            peeler = self.peeler(obs, model, spec, search)
+            repeel = None
+            if peeler is not None:
+                repeel = partial(self.peel_held, peeler, search, model, spec, m1)
+            found, fallback = self.encoder_polish(search, cands, b, repeel)
+            peeled = len(peeler.peeled) if peeler is not None else 0
         elif self.config.encoder.method == "beam":
             found, fallback = self.encoder_rounds(search, cands, b)
         else:
@@ -279,7 +294,8 @@ class Dager:
             "accepted": float(len(found)),
             "filled": float(filled),
             "prefix_sentences": float(added),
-            "screen_rank": float(search.screen.rank if search.screen is not None else 0),
+            "screen_rank": float(screen_rank),  # before any peeling
+            "peeled": float(peeled),
             "seconds": time.perf_counter() - start,
         }
         log.info("DAGER: L1 rank %d, %d positions, %d accepted sequences", span1.rank, len(cands), len(found))
@@ -360,6 +376,54 @@ class Dager:
             return None
         return span
 
+    def peeler(self, obs: Observation, model: nn.Module, spec: FamilySpec, search: L2Search) -> Peeler | None:
+        """The peeler of held sentences (``encoder.peel``; :mod:`~gradleak.attacks.text.dager.peel`) where it
+        applies: exact spans (not the noise-aware subclasses), a FedSGD gradient computed without dropout,
+        a classifier that computes its own loss, and every span's gradient in the update; else None."""
+        head = spec.heads.get("classification")
+        applies = (
+            self.config.encoder.peel
+            and self.exact_spans
+            and obs.update.kind == "gradient"
+            and obs.mode == "eval"
+            and head is not None
+            and any(n.endswith(head) for n, _ in model.named_modules())
+        )
+        if not applies:
+            return None
+        layouts = {}
+        for key, layer in (("l1", 0), ("l2", 1)):
+            names = [f"{find_module(model, s.format(i=layer))[0]}.weight" for s in spec.attn_inputs]
+            layouts[key] = tuple((n, not spec.conv1d) for n in names)
+        if search.screen is not None:
+            name = next(n for n, m in model.named_modules() if m is search.block1())
+            layouts["ffn"] = ((f"{name}.intermediate.dense.weight", True),)
+        if any(n not in obs.update.tensors for lay in layouts.values() for n, _ in lay):
+            return None
+        return Peeler.build(obs, model, layouts, spec.rank_tol)
+
+    def peel_held(
+        self,
+        peeler: Peeler,
+        search: L2Search,
+        model: nn.Module,
+        spec: FamilySpec,
+        m1: nn.Module,
+        held: list[list[int]],
+        cands: list[list[int]],
+    ) -> list[list[int]] | None:
+        """Peel the ``held`` sentences not peeled yet; where any was, point ``search`` at the spans of what
+        is left (block 2's; the feed-forward screen's while it keeps block 2's rank) and return the L1
+        candidates re-read from it over ``cands``' tokens. None where nothing new was peeled."""
+        if not peeler.peel(held):
+            return None
+        search.span = peeler.span("l2")
+        if search.screen is not None:
+            screen = peeler.span("ffn")
+            search.screen = screen if screen.rank == search.span.rank else None
+        scan = torch.tensor(sorted(set().union(*cands)), dtype=torch.long)
+        return self.position_candidates(model, spec, m1, peeler.span("l1"), scan)
+
     def l1_test(self, span: Span, z: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 2 at one position: the indices of the scanned tokens' layer-1 inputs ``z`` that pass, and
         their scores (lower is better)."""
@@ -423,7 +487,11 @@ class Dager:
         return found, fills + [sr for sr in partial + rest if tuple(sr[0]) not in tried]
 
     def encoder_polish(
-        self, search: L2Search, cands: list[list[int]], b: int
+        self,
+        search: L2Search,
+        cands: list[list[int]],
+        b: int,
+        repeel: Callable[[list[list[int]], list[list[int]]], list[list[int]] | None] | None = None,
     ) -> tuple[list[Scored], list[Scored]]:
         """Encoder beam rounds whose rejected closures are polished by exact local search.
 
@@ -433,9 +501,14 @@ class Dager:
         grown), then polishes up to ``polish_tries`` of its
         best closures that are distinct from the held sentences and from every closure polished before
         (:meth:`L2Search.polish`: whole-sequence L2 residual, bidirectional context). A polished sequence
-        that passes the exact check is accepted. Returns the accepted sequences and the fills: polished
-        sequences by objective (mean log10 residual, negative) first, then the unpolished closures (mean
-        residual, positive).
+        that passes the exact check is accepted. With ``repeel`` (:meth:`peel_held`), each round that
+        holds new sentences peels them off the update: the next rounds search the peeled spans and
+        candidates without the rules that keep the search off held sentences (novelty, held n-grams, the
+        polish's echo stop, fresh first words): no held sentence is in the peeled spans, and the rules
+        would also block a missing sentence's pieces that a held one shares ("[CLS] it ' s" on Rotten
+        Tomatoes). Returns the accepted sequences and the fills: polished sequences by
+        objective (mean log10 residual, negative) first, then the unpolished closures (mean residual,
+        positive).
         """
         c = self.config
         end, cfg = c.encoder.end_token_id, c.encoder.polish
@@ -445,19 +518,21 @@ class Dager:
         closures: list[Scored] = []
         tried: list[list[int]] = []
         skip: set[int] = set()
+        peeled, polishes = False, 0
         for r in range(c.encoder.rounds):
             if len(found) >= b or len(cands) < 2:
                 break
             firsts = [v for v in cands[1] if v not in skip]
             if (
-                c.encoder.fresh_first_words and r % 2 == 1
+                c.encoder.fresh_first_words and r % 2 == 1 and not peeled
             ):  # odd rounds: first words no held sentence contains
                 used = {v for q, _ in found for v in q}
                 firsts = [v for v in firsts if v not in used] or firsts
             sets = [cands[0], firsts, *cands[2:]]
+            log.debug("round %d: %d held, %d first words", r, len(found), len(firsts))
             if not sets[1]:
                 break
-            held = [q for q, _ in found]
+            held = [] if peeled else [q for q, _ in found]  # peeled: no held sentence is in the spans
             search.hold(held)
             new, rejected = search.encoder_beam(
                 sets,
@@ -477,7 +552,8 @@ class Dager:
                 if any(similar(s, q, 0.9) for q, _ in found):
                     continue
                 tried.append(s)
-                p = search.polish(s, vocab, max_len=len(cands), config=cfg, held=[q for q, _ in found])
+                guard = [] if peeled else [q for q, _ in found]
+                p = search.polish(s, vocab, max_len=len(cands), config=cfg, held=guard)
                 if p.worst < search.threshold and p.seq not in [q for q, _ in found]:
                     found.append((p.seq, p.worst))
                     gained = True
@@ -487,8 +563,13 @@ class Dager:
             skip |= {s[1] for s, _ in found if len(s) > 1} | {s[1] for s in tried}
             if not gained and rejected and len(rejected[0][0]) > 1:
                 skip.add(rejected[0][0][1])
+            fresh = repeel([q for q, _ in found], cands) if repeel is not None and gained else None
+            if fresh:  # the next rounds search what the held sentences leave
+                cands, peeled, skip, polishes = fresh, True, set(), polishes + len(tried)
+                tried = []
+                vocab = sorted(set().union(*cands[1:]) - {end}) if len(cands) > 1 else []
         search.hold([])
-        log.debug("encoder polish: %d accepted, %d closures polished", len(found), len(tried))
+        log.debug("encoder polish: %d accepted, %d closures polished", len(found), polishes + len(tried))
         polished.sort(key=lambda sr: sr[1])
         return found, polished + sorted(closures, key=lambda sr: sr[1])
 
