@@ -347,3 +347,46 @@ def test_feed_forward_screen_keeps_exact_scores_and_the_true_last_token(bert_cls
         # screen_keep >= the candidates: no screen, the same matrix
         search.screen_keep = len(tokens)
         torch.testing.assert_close(search.encoder_last_residuals(prefixes, tokens, t), ref, rtol=0, atol=0)
+
+
+def test_whole_sequence_feed_forward_inputs_equal_the_models(bert_cls, make_batch):
+    # the polish's trial screen: block 1's feed-forward inputs of whole sequences from the table against
+    # the model's own input of intermediate.dense, at every position, for several lengths
+    batch, search, tokens, _ = _screened(bert_cls, make_batch)
+    layer = search.block1()
+    g = torch.Generator().manual_seed(0)
+    for length in (2, 5, batch.input_ids.shape[1]):
+        seqs = torch.tensor(tokens)[torch.randint(len(tokens), (6, length), generator=g)]
+        got = search._table.feed_forward_inputs(seqs)
+        ref = layer_inputs(bert_cls.model, layer.intermediate.dense, seqs)
+        assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def test_polish_trial_screen_keeps_the_trials_closest_to_the_span(bert_cls, make_batch):
+    """``_screened_trials`` against a slow reference: each trial's mean log10 residual of the model's own
+    feed-forward inputs (captured per trial) to the span; the kept trials are the ``keep`` best of those,
+    and the true sentence, whose inputs lie in the span (mean log10 residual -5.3 against -2.4 and above
+    for the others, measured), is among them."""
+    batch, search, tokens, span = _screened(bert_cls, make_batch)
+    search.screen = span
+    layer = search.block1()
+    true = batch.sequences()[0]
+    g = torch.Generator().manual_seed(1)
+    trials = [true]
+    for _ in range(11):  # one substitution each, of varied lengths (a deletion every third)
+        i = int(torch.randint(1, len(true) - 1, (1,), generator=g))
+        v = tokens[int(torch.randint(len(tokens), (1,), generator=g))]
+        trials.append([*true[:i], *true[i + 1 :]] if len(trials) % 3 == 0 else [*true[:i], v, *true[i + 1 :]])
+
+    def ref_score(t):
+        z = layer_inputs(bert_cls.model, layer.intermediate.dense, torch.tensor([t]))[0]
+        return float(torch.log10(span.residual(z).clamp_min(1e-9)).mean())
+
+    ref = [ref_score(t) for t in trials]
+    kept = search._screened_trials(trials, 4)
+    assert len(kept) == 4 and true in kept
+    order = sorted(range(len(trials)), key=ref.__getitem__)
+    assert {tuple(trials[i]) for i in order[:4]} == {tuple(t) for t in kept}
+    assert search._screened_trials(trials, 0) == trials  # off
+    search.screen = None
+    assert search._screened_trials(trials, 4) == trials  # no screen: all of them

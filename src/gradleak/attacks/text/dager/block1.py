@@ -15,6 +15,7 @@ error of 1e-4), not an approximation.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,17 +102,30 @@ class Block1Table:
 
     def whole(self, seqs: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
         """Block-2 inputs (n, L, d) of whole sequences ``seqs`` (n, L) (positions 0 .. L - 1, no padding)."""
+        return self._chunked(seqs, chunk, self._whole)
+
+    def feed_forward_inputs(self, seqs: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+        """Block 1's feed-forward inputs (n, L, d) of whole sequences: :meth:`whole` without its most costly
+        part, the feed-forward layer."""
+        return self._chunked(seqs, chunk, self._feed_forward_inputs)
+
+    @staticmethod
+    def _chunked(seqs: torch.Tensor, chunk: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         t = torch.as_tensor(seqs)
         step = max(1, chunk // max(1, t.shape[1]))
-        return torch.cat([self._whole(part) for part in t.split(step)])
+        return torch.cat([fn(part) for part in t.split(step)])
 
     @torch.no_grad()
     def _whole(self, seqs: torch.Tensor) -> torch.Tensor:
+        return feed_forward(self.layer, self._feed_forward_inputs(seqs))
+
+    @torch.no_grad()
+    def _feed_forward_inputs(self, seqs: torch.Tensor) -> torch.Tensor:
         r, p = self.index(seqs)
         q, k, v = (x[r, p].transpose(1, 2) for x in (self.q, self.k, self.v))  # (n, h, L, dh)
         n, h, length, dh = q.shape
         out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, length, h * dh)
-        return finish(self.layer, out, self.z1[r, p])
+        return attention_output(self.layer, out, self.z1[r, p])
 
     @torch.no_grad()
     def site(

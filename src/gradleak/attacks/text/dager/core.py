@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from gradleak.attacks.text.dager.peel import Peeler
-from gradleak.attacks.text.dager.search import L2Search, PolishConfig, Scored, similar
+from gradleak.attacks.text.dager.search import L2Search, PolishConfig, Scored, echoes, similar
 from gradleak.attacks.text.family import (
     FamilySpec,
     Span,
@@ -551,22 +551,30 @@ class Dager:
                     break
                 if any(similar(s, q, 0.9) for q, _ in found):
                     continue
+                if gained and repeel is not None:  # peel what this round holds before polishing on
+                    fresh = repeel([q for q, _ in found], cands)
+                    if fresh:
+                        cands, peeled, skip, polishes, tried = fresh, True, set(), polishes + len(tried), []
+                        vocab = sorted(set().union(*cands[1:]) - {end}) if len(cands) > 1 else []
+                held = [q for q, _ in found]
+                if peeled and any(echoes(s, q, cfg.held_share) for q in held):
+                    continue  # grown from a held sentence, whose basin the peeled spans no longer have
                 tried.append(s)
-                guard = [] if peeled else [q for q, _ in found]
-                p = search.polish(s, vocab, max_len=len(cands), config=cfg, held=guard)
-                if p.worst < search.threshold and p.seq not in [q for q, _ in found]:
+                p = search.polish(s, vocab, max_len=len(cands), config=cfg, held=[] if peeled else held)
+                if p.worst < search.threshold and p.seq not in held:
                     found.append((p.seq, p.worst))
                     gained = True
                 elif p.worst >= search.threshold:
                     polished.append((p.seq, p.objective))
-            # the next round spends its width on other first words
-            skip |= {s[1] for s, _ in found if len(s) > 1} | {s[1] for s in tried}
+            # the next round spends its width on other first words (peeled: the candidates hold only the
+            # missing sentences' first words, which held or polished ones may share)
+            if not peeled:
+                skip |= {s[1] for s, _ in found if len(s) > 1} | {s[1] for s in tried}
             if not gained and rejected and len(rejected[0][0]) > 1:
                 skip.add(rejected[0][0][1])
             fresh = repeel([q for q, _ in found], cands) if repeel is not None and gained else None
             if fresh:  # the next rounds search what the held sentences leave
-                cands, peeled, skip, polishes = fresh, True, set(), polishes + len(tried)
-                tried = []
+                cands, peeled, skip, polishes, tried = fresh, True, set(), polishes + len(tried), []
                 vocab = sorted(set().union(*cands[1:]) - {end}) if len(cands) > 1 else []
         search.hold([])
         log.debug("encoder polish: %d accepted, %d closures polished", len(found), polishes + len(tried))

@@ -589,13 +589,34 @@ class L2Search:
                 break
             if any(echoes(cur, h, config.held_share) for h in held):
                 break
-            step = self._best_trial(self._polish_trials(cur, res, vocab, max_len, config), best)
+            trials = self._screened_trials(self._polish_trials(cur, res, vocab, max_len, config), config.keep)
+            step = self._best_trial(trials, best)
             if step is None and config.wide:  # stalled: every token at the worst sites, exactly
                 step = self._best_trial(self._wide_trials(cur, res, vocab, max_len, config.wide), best)
             if step is None:
                 break
             cur, best, res = step
         return Polished(cur, float(res.max()), best)
+
+    def _screened_trials(self, trials: list[list[int]], keep: int) -> list[list[int]]:
+        """The ``keep`` trials whose block-1 feed-forward inputs lie closest to the ``screen`` span (mean
+        log10 residual over the positions), for the exact objective; all of them where there is no screen
+        or no block-1 table for them, or ``keep`` is 0 or not below their number. The screen leaves out
+        the feed-forward layer, most of the work per evaluated position; it ranked a step's exactly best
+        trial first in 139 of 265 steps on a WikiText-2 batch (MiniLM) and beyond 64th in 11."""
+        table = self._table
+        if self.screen is None or table is None or not 0 < keep < len(trials):
+            return trials
+        if max(map(len, trials)) > table.length or not table.has(sorted({v for t in trials for v in t})):
+            return trials
+        score = torch.empty(len(trials))
+        by_len: dict[int, list[int]] = {}
+        for i, t in enumerate(trials):
+            by_len.setdefault(len(t), []).append(i)
+        for idx in by_len.values():
+            a = table.feed_forward_inputs(torch.tensor([trials[i] for i in idx]), self.chunk)
+            score[idx] = torch.log10(self.screen.residual32(a).clamp_min(1e-9)).mean(dim=1)
+        return [trials[i] for i in score.topk(keep, largest=False).indices.tolist()]
 
     def _best_trial(
         self, trials: list[list[int]], best: float
@@ -759,6 +780,8 @@ class PolishConfig:
     wide: int = 3  # on a stall: every token at this many worst positions, evaluated exactly (0: off)
     # stop once the sequence shares this much of its bigrams with one held sentence (``echoes``)
     held_share: float = 0.5
+    # trials a step evaluates exactly: those closest to the feed-forward screen's span (0: all of them)
+    keep: int = 48
 
     def __post_init__(self) -> None:
         if not 0 < self.held_share <= 1:
@@ -766,7 +789,7 @@ class PolishConfig:
         for name in ("steps", "sites", "per_site", "block"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("moves", "wide"):
+        for name in ("moves", "wide", "keep"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

@@ -1,0 +1,131 @@
+"""Peeling held sentences off a FedSGD gradient (``attacks/text/dager/peel.py``).
+
+The reference is the slow, obvious one: what is left after peeling must equal the gradient the client would
+have sent for the missing sentences alone (``fedsgd_text_update`` on them, weighted by their share of the
+batch). An update that is not the batch's plain mean gradient must not be peeled at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from gradleak.attacks.text.dager.core import Dager, DagerConfig, EncoderSearch
+from gradleak.attacks.text.dager.search import L2Search
+from gradleak.attacks.text.family import estimate_span, find_module, input_side_gradient
+from gradleak.data.text import encode, load_text_dataset, sample
+from gradleak.models.text import build_text_model
+from gradleak.tasks.text_client import fedsgd_text_update
+from gradleak.types import Observation
+
+TEXTS = ("the movie was surprisingly good", "a dull and lifeless film .")
+# float32 gradients recomputed one sentence at a time against the batch's: relative Frobenius error
+TOL = 1e-4
+
+
+def _parts(tm, obs, dager=None):
+    """The attack, its model copy, spec, block-1 module and an L2 search on block 2's full span."""
+    dager = dager or Dager()
+    model = dager.attacker_model(obs)
+    spec = dager.spec(model)
+    m1, m2 = (find_module(model, spec.attn_inputs[0].format(i=i))[1] for i in (0, 1))
+    span2 = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 1), spec.rank_tol)
+    return dager, model, spec, m1, L2Search(model, m2, span2, spec.l2_threshold, first=m1)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _observe(tm, texts, labels, max_tokens=32):
+    batch = encode(list(texts), tm.tokenizer, max_tokens=max_tokens, labels=labels)
+    update = fedsgd_text_update(tm.model, batch, "classification")
+    return Observation(tm.model, update, (batch.input_ids.shape[1],), 2), batch.sequences()
+
+
+@pytest.fixture(scope="module")
+def wikitext_minilm():
+    tm = build_text_model("minilm", "classification", seed=0)
+    texts = list(sample(load_text_dataset("wikitext2", split="test"), 8, seed=0).texts)
+    obs, seqs = _observe(tm, texts, [0] * 8)
+    return tm, texts, obs, seqs
+
+
+def test_what_is_left_is_the_missing_sentences_own_gradient(wikitext_minilm):
+    """Six of eight WikiText-2 sentences peeled: the rest equals 2 / 8 of the two missing sentences'
+    own FedSGD gradient, and block 2's span has exactly their token count as its rank."""
+    tm, texts, obs, seqs = wikitext_minilm
+    dager, model, spec, _, search = _parts(tm, obs)
+    peeler = dager.peeler(obs, model, spec, search)
+    assert peeler is not None
+    assert peeler.peel(seqs[:6]) == seqs[:6]
+    assert peeler.peel(seqs[:6]) == []  # peeled once
+    alone, _ = _observe(tm, texts[6:], [0, 0])
+    ref = input_side_gradient(alone, tm.model, spec.attn_inputs, 1) * 2 / 8
+    assert _rel(peeler.rest["l2"], ref) < TOL
+    assert peeler.span("l2").rank == len(seqs[6]) + len(seqs[7])
+
+
+def test_with_one_sentence_left_the_l1_filter_reads_it_position_by_position(wikitext_minilm):
+    """On the full update MiniLM's L1 filter passes (nearly) every batch token at every position; with
+    seven sentences peeled it passes exactly the missing sentence's token at each of its positions."""
+    tm, _, obs, seqs = wikitext_minilm
+    dager, model, spec, m1, search = _parts(tm, obs)
+    peeler = dager.peeler(obs, model, spec, search)
+    assert peeler is not None
+    vocab = sorted({t for s in seqs for t in s})
+    cands = dager.peel_held(peeler, search, model, spec, m1, seqs[:7], [vocab] * 32)
+    assert cands == [[t] for t in seqs[7]]
+    assert search.span.rank == len(seqs[7])  # the search now checks against what is left
+
+
+def test_a_sentence_peels_under_its_own_label_only(bert_cls):
+    """Labels 1, 0: class 0 is tried first for the first sentence and must be refused (it leaves a
+    remainder of that sentence's rank); what is left is the second sentence's gradient at label 0."""
+    obs, seqs = _observe(bert_cls, TEXTS, [1, 0])
+    dager, model, spec, _, search = _parts(bert_cls, obs)
+    peeler = dager.peeler(obs, model, spec, search)
+    assert peeler is not None
+    assert peeler.peel([seqs[0]]) == [seqs[0]]
+    alone, _ = _observe(bert_cls, TEXTS[1:], [0])
+    for key, layer in (("l1", 0), ("l2", 1)):
+        ref = input_side_gradient(alone, bert_cls.model, spec.attn_inputs, layer) / 2
+        assert _rel(peeler.rest[key], ref) < TOL
+
+
+def test_an_update_that_is_not_the_plain_mean_gradient_is_not_peeled(bert_cls):
+    """An update scaled by 1.5 (a sum over another batch size, a server-side weighting) is no sum of the
+    sentences' terms at weight 1 / B: no class lowers block 2's rank by the sentence's length, so nothing
+    is subtracted and the attack searches the update as it came."""
+    exact, seqs = _observe(bert_cls, TEXTS, [1, 0])
+    update = exact.update
+    scaled = dataclasses.replace(update, tensors={k: 1.5 * v for k, v in update.tensors.items()})
+    obs = dataclasses.replace(exact, update=scaled)
+    dager, model, spec, _, search = _parts(bert_cls, obs)
+    peeler = dager.peeler(obs, model, spec, search)
+    assert peeler is not None
+    before = {k: v.clone() for k, v in peeler.rest.items()}
+    assert peeler.peel(seqs) == []
+    assert all(torch.equal(peeler.rest[k], before[k]) for k in before)
+
+
+def test_no_peeling_where_the_update_is_not_an_exact_fedsgd_gradient(bert_cls):
+    """Before any work: dropout (mode ``train``), a FedAvg delta, the noise-aware variants and
+    ``peel = false`` get no peeler."""
+    from gradleak.attacks.text.dager.spectral import DagerSpectral
+
+    exact, _ = _observe(bert_cls, TEXTS, [1, 0])
+    delta = dataclasses.replace(exact.update, kind="delta")
+    cases = {
+        "dropout": (Dager(), dataclasses.replace(exact, mode="train")),
+        "delta": (Dager(), dataclasses.replace(exact, update=delta)),
+        "spectral": (DagerSpectral(), exact),
+        "off": (Dager(DagerConfig(encoder=EncoderSearch(peel=False))), exact),
+    }
+    for name, (dager, obs) in cases.items():
+        _, model, spec, _, search = _parts(bert_cls, obs, dager)
+        assert dager.peeler(obs, model, spec, search) is None, name
+    _, model, spec, _, search = _parts(bert_cls, exact)
+    assert Dager().peeler(exact, model, spec, search) is not None
