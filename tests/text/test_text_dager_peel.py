@@ -7,6 +7,7 @@ batch). An update that is not the batch's plain mean gradient must not be peeled
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -25,14 +26,20 @@ TEXTS = ("the movie was surprisingly good", "a dull and lifeless film .")
 TOL = 1e-4
 
 
-def _parts(tm, obs, dager=None):
-    """The attack, its model copy, spec, block-1 module and an L2 search on block 2's full span."""
+def _parts(tm, obs, dager=None, screen_tokens=None):
+    """The attack, its model copy, spec, block-1 module and an L2 search on block 2's full span (with the
+    feed-forward screen over a block-1 table of ``screen_tokens``, where given)."""
     dager = dager or Dager()
     model = dager.attacker_model(obs)
     spec = dager.spec(model)
     m1, m2 = (find_module(model, spec.attn_inputs[0].format(i=i))[1] for i in (0, 1))
     span2 = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 1), spec.rank_tol)
-    return dager, model, spec, m1, L2Search(model, m2, span2, spec.l2_threshold, first=m1)
+    search = L2Search(model, m2, span2, spec.l2_threshold, first=m1)
+    if screen_tokens is not None:
+        search.tabulate(screen_tokens, obs.input_shape[0])
+        search.screen = dager.feed_forward_span(obs, model, search, spec, span2)
+        assert search.screen is not None
+    return dager, model, spec, m1, search
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -57,15 +64,20 @@ def test_what_is_left_is_the_missing_sentences_own_gradient(wikitext_minilm):
     """Six of eight WikiText-2 sentences peeled: the rest equals 2 / 8 of the two missing sentences'
     own FedSGD gradient, and block 2's span has exactly their token count as its rank."""
     tm, texts, obs, seqs = wikitext_minilm
-    dager, model, spec, _, search = _parts(tm, obs)
+    tokens = sorted({t for s in seqs for t in s})
+    dager, model, spec, _, search = _parts(tm, obs, screen_tokens=tokens)
     peeler = dager.peeler(obs, model, spec, search)
-    assert peeler is not None
+    assert peeler is not None and set(peeler.rest) == {"l1", "l2", "ffn"}
     assert peeler.peel(seqs[:6]) == seqs[:6]
     assert peeler.peel(seqs[:6]) == []  # peeled once
     alone, _ = _observe(tm, texts[6:], [0, 0])
-    ref = input_side_gradient(alone, tm.model, spec.attn_inputs, 1) * 2 / 8
-    assert _rel(peeler.rest["l2"], ref) < TOL
-    assert peeler.span("l2").rank == len(seqs[6]) + len(seqs[7])
+    for key, layer in (("l1", 0), ("l2", 1)):
+        ref = input_side_gradient(alone, tm.model, spec.attn_inputs, layer) * 2 / 8
+        assert _rel(peeler.rest[key], ref) < TOL
+    ffn = "bert.encoder.layer.0.intermediate.dense.weight"
+    assert _rel(peeler.rest["ffn"], alone.update.tensors[ffn].T.double() * 2 / 8) < TOL
+    missing = len(seqs[6]) + len(seqs[7])
+    assert peeler.rank == peeler.span("l2").rank == peeler.span("ffn").rank == missing
 
 
 def test_with_one_sentence_left_the_l1_filter_reads_it_position_by_position(wikitext_minilm):
@@ -76,9 +88,13 @@ def test_with_one_sentence_left_the_l1_filter_reads_it_position_by_position(wiki
     peeler = dager.peeler(obs, model, spec, search)
     assert peeler is not None
     vocab = sorted({t for s in seqs for t in s})
-    cands = dager.peel_held(peeler, search, model, spec, m1, seqs[:7], [vocab] * 32)
+    out = dager.peel_held(peeler, search, model, spec, m1, seqs[:7], [vocab] * 32)
+    assert out is not None
+    cands, peeled = out
+    assert peeled == seqs[:7]
     assert cands == [[t] for t in seqs[7]]
     assert search.span.rank == len(seqs[7])  # the search now checks against what is left
+    assert dager.peel_held(peeler, search, model, spec, m1, seqs[:7], cands) is None  # nothing new
 
 
 def test_a_sentence_peels_under_its_own_label_only(bert_cls):
@@ -112,14 +128,18 @@ def test_an_update_that_is_not_the_plain_mean_gradient_is_not_peeled(bert_cls):
 
 
 def test_no_peeling_where_the_update_is_not_an_exact_fedsgd_gradient(bert_cls):
-    """Before any work: dropout (mode ``train``), a FedAvg delta, the noise-aware variants and
-    ``peel = false`` get no peeler."""
+    """Before any work: dropout (mode ``train``), a secure-aggregation sum, a frozen span weight (no
+    gradient to recompute), a FedAvg delta, the noise-aware variants and ``peel = false`` get no peeler."""
     from gradleak.attacks.text.dager.spectral import DagerSpectral
 
     exact, _ = _observe(bert_cls, TEXTS, [1, 0])
     delta = dataclasses.replace(exact.update, kind="delta")
+    frozen = copy.deepcopy(bert_cls.model)
+    frozen.get_parameter("bert.encoder.layer.1.attention.self.query.weight").requires_grad_(False)
     cases = {
         "dropout": (Dager(), dataclasses.replace(exact, mode="train")),
+        "aggregated": (Dager(), dataclasses.replace(exact, aggregated=True, num_clients=2)),
+        "frozen": (Dager(), dataclasses.replace(exact, model=frozen)),
         "delta": (Dager(), dataclasses.replace(exact, update=delta)),
         "spectral": (DagerSpectral(), exact),
         "off": (Dager(DagerConfig(encoder=EncoderSearch(peel=False))), exact),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,17 +87,28 @@ def at_midpoint(model: nn.Module, obs: Observation) -> nn.Module:
     return model
 
 
+def input_side_layout(
+    model: nn.Module, suffixes: tuple[str, ...], layer: int
+) -> tuple[tuple[str, bool], ...]:
+    """The weights of ``suffixes`` in block ``layer`` and whether each is transposed so that its gradient's
+    columns are input-side (nn.Linear's (out, in) weights are; GPT-2's Conv1D (in, out) ones are not)."""
+    conv1d = family_of(model).conv1d
+    return tuple((f"{find_module(model, s.format(i=layer))[0]}.weight", not conv1d) for s in suffixes)
+
+
+def input_side_matrix(
+    grads: Mapping[str, torch.Tensor], layout: tuple[tuple[str, bool], ...]
+) -> torch.Tensor:
+    """The (d_in, k) matrix of ``grads`` side by side in ``layout`` (:func:`input_side_layout`)."""
+    return torch.cat([grads[n].T if transpose else grads[n] for n, transpose in layout], dim=1)
+
+
 def input_side_gradient(
     obs: Observation, model: nn.Module, suffixes: tuple[str, ...], layer: int
 ) -> torch.Tensor:
     """(d_in, k) matrix whose column space is the span of the inputs of ``suffixes`` in block ``layer``."""
-    spec = family_of(model)
-    cols = []
-    for suffix in suffixes:
-        name, _ = find_module(model, suffix.format(i=layer))
-        g = update_tensor(obs, f"{name}.weight")
-        cols.append(g if spec.conv1d else g.T)
-    return torch.cat(cols, dim=1)
+    layout = input_side_layout(model, suffixes, layer)
+    return input_side_matrix({n: update_tensor(obs, n) for n, _ in layout}, layout)
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,7 @@ class UTR(Dager):
     )
 
     config: UTRConfig
+    peelable = False  # its spans are the adapters' (peeling is measured on DAGER's own spans only)
 
     def __init__(self, config: UTRConfig | None = None) -> None:
         super().__init__(config or UTRConfig())

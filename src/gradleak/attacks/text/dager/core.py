@@ -27,7 +27,11 @@
    sentences' own tokens ~ 0.6-0.7, so the beam stops re-growing what it already has. ``"beam"`` is the
    same beam with a greedy repair instead; ``"sample"`` draws whole sequences per length (exhaustive up to
    ``max_samples``, else sampled and refined by coordinate descent). With ``end_token_id`` (BERT's [SEP])
-   sequences end with it. ``fill_to_batch`` completes B with the best rejected sequences.
+   sequences end with it. ``fill_to_batch`` completes B with the best rejected sequences. On a FedSGD
+   classifier gradient (``peel``) each newly held sentence's own gradient is subtracted from the update
+   once block 2's rank falls by its length under some class, and the spans and candidates are re-read
+   from what is left (:mod:`~gradleak.attacks.text.dager.peel`): the search then sees only the missing
+   sentences.
 5. **Batch assembly.** Of the accepted sequences, the ``B`` (= ``update.num_samples``) with the smallest
    L2 residual are returned, longest first among ties.
 
@@ -52,6 +56,7 @@ from torch import nn
 
 from gradleak.attacks.text.dager.peel import Peeler
 from gradleak.attacks.text.dager.search import L2Search, PolishConfig, Scored, echoes, similar
+from gradleak.attacks.text.embedding_match import task_of
 from gradleak.attacks.text.family import (
     FamilySpec,
     Span,
@@ -61,6 +66,7 @@ from gradleak.attacks.text.family import (
     family_of,
     find_module,
     input_side_gradient,
+    input_side_layout,
     layer_inputs,
     update_tensor,
     vocab_size,
@@ -73,6 +79,9 @@ from gradleak.registry import ATTACKS
 from gradleak.types import AttackInputError, Observation, Reconstruction
 
 log = logging.getLogger(__name__)
+
+# :meth:`Dager.peel_held`'s answer: the L1 candidates re-read from what is left, every sentence peeled
+Repeeled = tuple[list[list[int]], list[list[int]]]
 
 
 def _at_least(obj: object, minimum: int, *names: str) -> None:
@@ -208,6 +217,7 @@ class Dager:
     """The DAGER pipeline (module docstring); reads only ``obs.model`` and ``obs.update``."""
 
     exact_spans = True  # the spans are exact DAGER's, so the feed-forward screen may read its own span
+    peelable = True  # held sentences may be peeled off the attention inputs' gradients (``peeler``)
 
     def __init__(self, config: DagerConfig | None = None) -> None:
         self.config = config or DagerConfig()
@@ -363,12 +373,8 @@ class Dager:
         (both count the batch's positions); None where it has not, where the update does not carry that
         gradient, or where the span fills its input space; always None for an attack whose spans are not
         exact DAGER's (``exact_spans``: a noised or sparsified gradient)."""
-        layer = search.block1()
-        if not self.exact_spans:
-            return None
-        name = next((n for n, m in model.named_modules() if m is layer), None)
-        key = f"{name}.intermediate.dense.weight"
-        if layer is None or name is None or key not in obs.update.tensors:
+        key = feed_forward_weight(model, search)
+        if not self.exact_spans or key is None or key not in obs.update.tensors:
             return None
         span = estimate_span(update_tensor(obs, key).T, spec.rank_tol)
         if span.full or span.rank != span2.rank:
@@ -378,27 +384,21 @@ class Dager:
 
     def peeler(self, obs: Observation, model: nn.Module, spec: FamilySpec, search: L2Search) -> Peeler | None:
         """The peeler of held sentences (``encoder.peel``; :mod:`~gradleak.attacks.text.dager.peel`) where it
-        applies: exact spans (not the noise-aware subclasses), a FedSGD gradient computed without dropout,
-        a classifier that computes its own loss, and every span's gradient in the update; else None."""
-        head = spec.heads.get("classification")
-        applies = (
-            self.config.encoder.peel
-            and self.exact_spans
-            and obs.update.kind == "gradient"
-            and obs.mode == "eval"
-            and head is not None
-            and any(n.endswith(head) for n, _ in model.named_modules())
-        )
-        if not applies:
+        applies: exact spans of the attention inputs (``peelable``: not the noise-aware subclasses, nor
+        UTR's adapter spans), one client's FedSGD gradient (not a secure-aggregation sum) computed without
+        dropout, a classifier that computes its own loss, and every span's weight trainable and in the
+        update; else None."""
+        if not (self.config.encoder.peel and self.exact_spans and self.peelable) or obs.aggregated:
             return None
-        layouts = {}
-        for key, layer in (("l1", 0), ("l2", 1)):
-            names = [f"{find_module(model, s.format(i=layer))[0]}.weight" for s in spec.attn_inputs]
-            layouts[key] = tuple((n, not spec.conv1d) for n in names)
-        if search.screen is not None:
-            name = next(n for n, m in model.named_modules() if m is search.block1())
-            layouts["ffn"] = ((f"{name}.intermediate.dense.weight", True),)
-        if any(n not in obs.update.tensors for lay in layouts.values() for n, _ in lay):
+        if obs.update.kind != "gradient" or obs.mode != "eval" or not _classifies(model):
+            return None
+        layouts = {key: input_side_layout(model, spec.attn_inputs, i) for key, i in (("l1", 0), ("l2", 1))}
+        ffn = feed_forward_weight(model, search) if search.screen is not None else None
+        if ffn is not None:
+            layouts["ffn"] = ((ffn, True),)
+        params = dict(model.named_parameters())
+        names = {n for lay in layouts.values() for n, _ in lay}
+        if any(n not in obs.update.tensors or n not in params or not params[n].requires_grad for n in names):
             return None
         return Peeler.build(obs, model, layouts, spec.rank_tol)
 
@@ -411,10 +411,11 @@ class Dager:
         m1: nn.Module,
         held: list[list[int]],
         cands: list[list[int]],
-    ) -> list[list[int]] | None:
+    ) -> Repeeled | None:
         """Peel the ``held`` sentences not peeled yet; where any was, point ``search`` at the spans of what
         is left (block 2's; the feed-forward screen's while it keeps block 2's rank) and return the L1
-        candidates re-read from it over ``cands``' tokens. None where nothing new was peeled."""
+        candidates re-read from it over ``cands``' tokens ([] where no position has any) and every
+        sentence peeled so far. None where nothing new was peeled (the search is left as it was)."""
         if not peeler.peel(held):
             return None
         search.span = peeler.span("l2")
@@ -422,7 +423,7 @@ class Dager:
             screen = peeler.span("ffn")
             search.screen = screen if screen.rank == search.span.rank else None
         scan = torch.tensor(sorted(set().union(*cands)), dtype=torch.long)
-        return self.position_candidates(model, spec, m1, peeler.span("l1"), scan)
+        return self.position_candidates(model, spec, m1, peeler.span("l1"), scan), list(peeler.peeled)
 
     def l1_test(self, span: Span, z: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 2 at one position: the indices of the scanned tokens' layer-1 inputs ``z`` that pass, and
@@ -491,7 +492,7 @@ class Dager:
         search: L2Search,
         cands: list[list[int]],
         b: int,
-        repeel: Callable[[list[list[int]], list[list[int]]], list[list[int]] | None] | None = None,
+        repeel: Callable[[list[list[int]], list[list[int]]], Repeeled | None] | None = None,
     ) -> tuple[list[Scored], list[Scored]]:
         """Encoder beam rounds whose rejected closures are polished by exact local search.
 
@@ -512,13 +513,23 @@ class Dager:
         """
         c = self.config
         end, cfg = c.encoder.end_token_id, c.encoder.polish
-        vocab = sorted(set().union(*cands[1:]) - {end}) if len(cands) > 1 else []
+        vocab = _inner_tokens(cands, end)
         found: list[Scored] = []
         polished: list[Scored] = []
         closures: list[Scored] = []
         tried: list[list[int]] = []
         skip: set[int] = set()
-        peeled, polishes = False, 0
+        peeled: list[list[int]] = []  # held sentences peeled off the update (``repeel``)
+        polishes = 0
+
+        def peel_now() -> None:
+            """Peel what is held; once anything is, the next searches see only what is left."""
+            nonlocal cands, vocab, skip, tried, polishes, peeled
+            out = repeel([q for q, _ in found], cands) if repeel is not None and len(found) < b else None
+            if out is not None:
+                (cands, peeled), vocab = out, _inner_tokens(out[0], end)
+                skip, polishes, tried = set(), polishes + len(tried), []
+
         for r in range(c.encoder.rounds):
             if len(found) >= b or len(cands) < 2:
                 break
@@ -532,18 +543,19 @@ class Dager:
             log.debug("round %d: %d held, %d first words", r, len(found), len(firsts))
             if not sets[1]:
                 break
-            held = [] if peeled else [q for q, _ in found]  # peeled: no held sentence is in the spans
-            search.hold(held)
+            guard = [q for q, _ in found if q not in peeled]  # a peeled sentence is in no span
+            search.hold(guard)
             new, rejected = search.encoder_beam(
                 sets,
                 end=end,
                 beam_width=c.beam_width,
                 per_prefix=c.encoder.per_prefix,
                 batch=b,
-                held=held,
+                held=guard,
                 ngram=c.encoder.held_ngram,
             )
-            found += [sr for sr in new if sr[0] not in [s for s, _ in found]]
+            new = [sr for sr in new if sr[0] not in [q for q, _ in found]]
+            found += new
             closures += rejected
             gained = len(new) > 0
             for s in self._distinct_closures(rejected, found, tried):
@@ -551,31 +563,26 @@ class Dager:
                     break
                 if any(similar(s, q, 0.9) for q, _ in found):
                     continue
-                if gained and repeel is not None:  # peel what this round holds before polishing on
-                    fresh = repeel([q for q, _ in found], cands)
-                    if fresh:
-                        cands, peeled, skip, polishes, tried = fresh, True, set(), polishes + len(tried), []
-                        vocab = sorted(set().union(*cands[1:]) - {end}) if len(cands) > 1 else []
-                held = [q for q, _ in found]
-                if peeled and any(echoes(s, q, cfg.held_share) for q in held):
+                if gained:  # peel what this round holds before polishing on
+                    peel_now()
+                if peeled and any(echoes(s, q, cfg.held_share) for q, _ in found):
                     continue  # grown from a held sentence, whose basin the peeled spans no longer have
                 tried.append(s)
-                p = search.polish(s, vocab, max_len=len(cands), config=cfg, held=[] if peeled else held)
-                if p.worst < search.threshold and p.seq not in held:
+                guard = [q for q, _ in found if q not in peeled]
+                p = search.polish(s, vocab, max_len=len(cands), config=cfg, held=guard)
+                if p.worst < search.threshold and p.seq not in [q for q, _ in found]:
                     found.append((p.seq, p.worst))
                     gained = True
                 elif p.worst >= search.threshold:
                     polished.append((p.seq, p.objective))
-            # the next round spends its width on other first words (peeled: the candidates hold only the
-            # missing sentences' first words, which held or polished ones may share)
+            # the next round spends its width on other first words (once peeled, not on the held or
+            # polished sentences' ones: the candidates hold the missing sentences' first words only)
             if not peeled:
                 skip |= {s[1] for s, _ in found if len(s) > 1} | {s[1] for s in tried}
             if not gained and rejected and len(rejected[0][0]) > 1:
                 skip.add(rejected[0][0][1])
-            fresh = repeel([q for q, _ in found], cands) if repeel is not None and gained else None
-            if fresh:  # the next rounds search what the held sentences leave
-                cands, peeled, skip, polishes, tried = fresh, True, set(), polishes + len(tried), []
-                vocab = sorted(set().union(*cands[1:]) - {end}) if len(cands) > 1 else []
+            if gained:
+                peel_now()
         search.hold([])
         log.debug("encoder polish: %d accepted, %d closures polished", len(found), polishes + len(tried))
         polished.sort(key=lambda sr: sr[1])
@@ -635,6 +642,25 @@ class Dager:
         if spec.positions == "rotary" and out:
             out = out * self.config.max_positions
         return out
+
+
+def _inner_tokens(cands: list[list[int]], end: int | None) -> list[int]:
+    """The tokens the polish may put after position 0: every candidate of a later position but ``end``."""
+    return sorted(set().union(*cands[1:]) - {end}) if len(cands) > 1 else []
+
+
+def feed_forward_weight(model: nn.Module, search: L2Search) -> str | None:
+    """The name of block 1's first feed-forward weight (BERT layouts: ``intermediate.dense``), or None."""
+    layer = search.block1()
+    name = next((n for n, m in model.named_modules() if m is layer), None)
+    return None if layer is None or name is None else f"{name}.intermediate.dense.weight"
+
+
+def _classifies(model: nn.Module) -> bool:
+    try:
+        return task_of(model) == "classification"
+    except AttackInputError:
+        return False
 
 
 def _has_lm_head(model: nn.Module) -> bool:

@@ -8,8 +8,9 @@ projections' input spans shrink to their tokens: block 2's rank falls by exactly
 length. This is what makes it checkable. The label is not needed in advance: of the classes, the one
 whose term makes the rank fall so is the sentence's (a wrong one leaves a rank-len(s) remainder; 69
 against 50 on a Rotten Tomatoes batch of 8 with six held). A term that makes no class fit (a defended,
-clipped, aggregated-with-unknown-weights or dropout gradient) is not subtracted, so peeling never
-changes an update it cannot explain.
+clipped, aggregated-with-unknown-weights or dropout gradient) is not subtracted. Only block 2's span is
+checked so; the others (block 1's, the feed-forward screen's) take the same term, and the spans re-read
+from what is left are capped at the rank block 2's check predicts.
 
 On all-MiniLM-L6-v2 this turns the L1 filter from useless to sharp. On the full update every batch token
 passes it at nearly every position (a layer-1 input is nearly a word part plus a position part, and the
@@ -31,13 +32,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gradleak.attacks.text.family import Span, estimate_span, update_tensor
+from gradleak.attacks.text.family import Span, estimate_span, input_side_matrix, update_tensor
 from gradleak.types import Observation
 
 log = logging.getLogger(__name__)
 
-# A span's gradient matrix: its parameters' weight gradients, each transposed or not, side by side
-# (columns), in the orientation whose column space is the inputs' span (``input_side_gradient``'s).
+# A span's gradient matrix: its weights and whether each is transposed (``family.input_side_layout``)
 Layout = tuple[tuple[str, bool], ...]
 
 
@@ -47,7 +47,8 @@ class Peeler:
 
     ``layouts`` names each span's gradient matrix (``"l2"``, block 2's attention inputs, decides which
     sentences are peeled; the others follow). ``scale`` is each sentence's weight in the update (1 / B for
-    the batch's mean loss); ``classes`` the labels tried per sentence.
+    the batch's mean loss); ``classes`` the labels tried per sentence; ``rank`` block 2's rank of what is
+    left (one per position of the sentences not peeled).
     """
 
     model: nn.Module
@@ -56,41 +57,47 @@ class Peeler:
     scale: float
     classes: int
     rank_tol: float
+    rank: int
     peeled: list[list[int]] = field(default_factory=list)
-    _ranks: dict[str, int] = field(default_factory=dict)
+    refused: list[list[int]] = field(default_factory=list)
 
     @classmethod
     def build(
         cls, obs: Observation, model: nn.Module, layouts: Mapping[str, Layout], rank_tol: float
     ) -> Peeler:
         """The peeler of ``obs``'s update (a FedSGD gradient of a classifier; the caller checks that)."""
-        rest = {key: _matrix({n: update_tensor(obs, n) for n, _ in lay}, lay) for key, lay in layouts.items()}
+        rest = {
+            key: input_side_matrix({n: update_tensor(obs, n) for n, _ in lay}, lay)
+            for key, lay in layouts.items()
+        }
         classes = int(getattr(getattr(model, "config", None), "num_labels", 0) or obs.num_classes)
-        return cls(model, layouts, rest, 1.0 / max(1, obs.update.num_samples), classes, rank_tol)
+        rank = estimate_span(rest["l2"], rank_tol).rank
+        return cls(model, layouts, rest, 1.0 / max(1, obs.update.num_samples), classes, rank_tol, rank)
 
     def span(self, key: str) -> Span:
-        """The span of ``key``'s inputs in what is left of the update."""
-        return estimate_span(self.rest[key], self.rank_tol)
+        """The span of ``key``'s inputs in what is left of the update, at most :attr:`rank` wide for block
+        2's and the feed-forward screen's (both count the positions of the sentences not peeled)."""
+        return estimate_span(self.rest[key], self.rank_tol, max_rank=None if key == "l1" else self.rank)
 
     def peel(self, held: Sequence[list[int]]) -> list[list[int]]:
-        """Subtract each held sentence not peeled yet whose term, under some class, lowers block 2's rank
-        by exactly its length; returns the sentences peeled now."""
+        """Subtract each held sentence not peeled (or refused) yet whose term, under some class, lowers
+        block 2's rank by exactly its length; returns the sentences peeled now. A refusal is final: it does
+        not depend on the other sentences (their terms are exact or not there)."""
         now = []
         for seq in held:
-            if seq in self.peeled:
+            if seq in self.peeled or seq in self.refused:
                 continue
-            rank = self._rank("l2", self.rest["l2"])
             for label in range(self.classes):
                 term = self.term(seq, label)
-                left = self.rest["l2"] - term["l2"]
-                if self._rank("l2", left, cache=False) == rank - len(seq):
+                if estimate_span(self.rest["l2"] - term["l2"], self.rank_tol).rank == self.rank - len(seq):
                     self.rest = {key: self.rest[key] - term[key] for key in self.rest}
-                    self._ranks.pop("l2", None)
+                    self.rank -= len(seq)
                     self.peeled.append(list(seq))
                     now.append(list(seq))
                     log.debug("peeled a sentence of %d tokens (class %d)", len(seq), label)
                     break
             else:
+                self.refused.append(list(seq))
                 log.info("DAGER: a held sentence of %d tokens does not peel (no class fits)", len(seq))
         return now
 
@@ -102,16 +109,4 @@ class Peeler:
             loss = self.model(input_ids=torch.tensor([seq]), labels=torch.tensor([label])).loss
             grads = torch.autograd.grad(loss, [params[n] for n in names])
         by_name = {n: g.detach().to(torch.float64) * self.scale for n, g in zip(names, grads, strict=True)}
-        return {key: _matrix(by_name, lay) for key, lay in self.layouts.items()}
-
-    def _rank(self, key: str, matrix: torch.Tensor, *, cache: bool = True) -> int:
-        if cache and key in self._ranks:
-            return self._ranks[key]
-        rank = estimate_span(matrix, self.rank_tol).rank
-        if cache:
-            self._ranks[key] = rank
-        return rank
-
-
-def _matrix(grads: Mapping[str, torch.Tensor], layout: Layout) -> torch.Tensor:
-    return torch.cat([grads[n].T if transpose else grads[n] for n, transpose in layout], dim=1)
+        return {key: input_side_matrix(by_name, lay) for key, lay in self.layouts.items()}
