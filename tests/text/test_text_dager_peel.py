@@ -125,6 +125,13 @@ def test_an_update_that_is_not_the_plain_mean_gradient_is_not_peeled(bert_cls):
     before = {k: v.clone() for k, v in peeler.rest.items()}
     assert peeler.peel(seqs) == []
     assert all(torch.equal(peeler.rest[k], before[k]) for k in before)
+    assert peeler.refused == seqs
+    calls = []
+    real = type(peeler).term
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(peeler), "term", lambda self, *a: calls.append(a) or real(self, *a))
+        assert peeler.peel(seqs) == []
+    assert calls == []  # a refusal is final: no sentence's gradient is recomputed again
 
 
 def test_no_peeling_where_the_update_is_not_an_exact_fedsgd_gradient(bert_cls):
@@ -149,3 +156,26 @@ def test_no_peeling_where_the_update_is_not_an_exact_fedsgd_gradient(bert_cls):
         assert dager.peeler(obs, model, spec, search) is None, name
     _, model, spec, _, search = _parts(bert_cls, exact)
     assert Dager().peeler(exact, model, spec, search) is not None
+
+
+def test_the_attack_peels_and_recovers_the_batch_and_survives_an_empty_reread(bert_cls, monkeypatch):
+    """End to end on the tiny BERT (three sentences, labels 1, 0, 1): the attack recovers the batch with
+    two sentences peeled, and the same when the L1 re-read after a peel passes nothing (a stub: the
+    search keeps its candidates instead of searching none)."""
+    texts = (*TEXTS, "an honest film")
+    obs, seqs = _observe(bert_cls, texts, [1, 0, 1])
+    end = int(bert_cls.tokenizer.sep_token_id)
+    config = DagerConfig(encoder=EncoderSearch(end_token_id=end))
+    rec = Dager(config).reconstruct(obs, generator=torch.Generator().manual_seed(0))
+    assert sorted(rec.token_ids) == sorted(seqs)
+    assert rec.stats["peeled"] == 2
+    real = Dager.peel_held
+
+    def empty(self, *args):
+        out = real(self, *args)
+        return None if out is None else ([], out[1])
+
+    monkeypatch.setattr(Dager, "peel_held", empty)
+    again = Dager(config).reconstruct(obs, generator=torch.Generator().manual_seed(0))
+    assert sorted(again.token_ids) == sorted(seqs)
+    assert again.stats["peeled"] == rec.stats["peeled"]

@@ -87,9 +87,11 @@ def at_midpoint(model: nn.Module, obs: Observation) -> nn.Module:
     return model
 
 
-def input_side_layout(
-    model: nn.Module, suffixes: tuple[str, ...], layer: int
-) -> tuple[tuple[str, bool], ...]:
+# A span's gradient matrix: its weights and whether each is transposed (:func:`input_side_layout`)
+Layout = tuple[tuple[str, bool], ...]
+
+
+def input_side_layout(model: nn.Module, suffixes: tuple[str, ...], layer: int) -> Layout:
     """The weights of ``suffixes`` in block ``layer`` and whether each is transposed so that its gradient's
     columns are input-side (nn.Linear's (out, in) weights are; GPT-2's Conv1D (in, out) ones are not)."""
     conv1d = family_of(model).conv1d

@@ -526,9 +526,13 @@ class Dager:
             """Peel what is held; once anything is, the next searches see only what is left."""
             nonlocal cands, vocab, skip, tried, polishes, peeled
             out = repeel([q for q, _ in found], cands) if repeel is not None and len(found) < b else None
-            if out is not None:
-                (cands, peeled), vocab = out, _inner_tokens(out[0], end)
-                skip, polishes, tried = set(), polishes + len(tried), []
+            if out is None:
+                return
+            fresh, peeled = out
+            if len(fresh) >= 2:  # else keep the candidates (they hold the re-read ones) rather than none
+                cands, vocab = fresh, _inner_tokens(fresh, end)
+            skip, polishes, tried = set(), polishes + len(tried), []
+            search.hold([q for q, _ in found if q not in peeled])  # the novelty basis in the new span
 
         for r in range(c.encoder.rounds):
             if len(found) >= b or len(cands) < 2:
@@ -581,7 +585,7 @@ class Dager:
                 skip |= {s[1] for s, _ in found if len(s) > 1} | {s[1] for s in tried}
             if not gained and rejected and len(rejected[0][0]) > 1:
                 skip.add(rejected[0][0][1])
-            if gained:
+            if gained and r < c.encoder.rounds - 1:
                 peel_now()
         search.hold([])
         log.debug("encoder polish: %d accepted, %d closures polished", len(found), polishes + len(tried))

@@ -98,6 +98,8 @@ class DagerLoRAFedAvgConfig(DagerLoRAConfig):
 class DagerLoRA(Dager):
     """DAGER whose spans come from the adapters' ``A`` gradients (module docstring)."""
 
+    peelable = False  # its spans are the adapters' (peeling is measured on DAGER's own spans only)
+
     zero_gradient = (
         "the first block's LoRA gradient on this side is zero (side A with B still zero, a fresh adapter: "
         "dL/dA = B^T delta x^T vanishes; read side B, or an update from a later round)"

@@ -9,8 +9,8 @@ length. This is what makes it checkable. The label is not needed in advance: of 
 whose term makes the rank fall so is the sentence's (a wrong one leaves a rank-len(s) remainder; 69
 against 50 on a Rotten Tomatoes batch of 8 with six held). A term that makes no class fit (a defended,
 clipped, aggregated-with-unknown-weights or dropout gradient) is not subtracted. Only block 2's span is
-checked so; the others (block 1's, the feed-forward screen's) take the same term, and the spans re-read
-from what is left are capped at the rank block 2's check predicts.
+checked so; the others (block 1's, the feed-forward screen's) take the same term, and block 2's and the
+screen's spans re-read from what is left are capped at the rank block 2's check predicts.
 
 On all-MiniLM-L6-v2 this turns the L1 filter from useless to sharp. On the full update every batch token
 passes it at nearly every position (a layer-1 input is nearly a word part plus a position part, and the
@@ -32,13 +32,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gradleak.attacks.text.family import Span, estimate_span, input_side_matrix, update_tensor
+from gradleak.attacks.text.family import Layout, Span, estimate_span, input_side_matrix, update_tensor
 from gradleak.types import Observation
 
 log = logging.getLogger(__name__)
-
-# A span's gradient matrix: its weights and whether each is transposed (``family.input_side_layout``)
-Layout = tuple[tuple[str, bool], ...]
 
 
 @dataclass

@@ -782,7 +782,8 @@ class PolishConfig:
     wide: int = 3  # on a stall: every token at this many worst positions, evaluated exactly (0: off)
     # stop once the sequence shares this much of its bigrams with one held sentence (``echoes``)
     held_share: float = 0.5
-    # trials a step evaluates exactly: those closest to the feed-forward screen's span (0: all of them)
+    # trials a step evaluates exactly: those closest to the feed-forward screen's span (0: all of them; all
+    # of them too where the search has no screen: ``screen_keep`` 0, no block-1 table, or no rank match)
     keep: int = 48
 
     def __post_init__(self) -> None:
