@@ -98,9 +98,7 @@ def input_side_layout(model: nn.Module, suffixes: tuple[str, ...], layer: int) -
     return tuple((f"{find_module(model, s.format(i=layer))[0]}.weight", not conv1d) for s in suffixes)
 
 
-def input_side_matrix(
-    grads: Mapping[str, torch.Tensor], layout: tuple[tuple[str, bool], ...]
-) -> torch.Tensor:
+def input_side_matrix(grads: Mapping[str, torch.Tensor], layout: Layout) -> torch.Tensor:
     """The (d_in, k) matrix of ``grads`` side by side in ``layout`` (:func:`input_side_layout`)."""
     return torch.cat([grads[n].T if transpose else grads[n] for n, transpose in layout], dim=1)
 

@@ -130,8 +130,8 @@ class EncoderSearch:
     held n-grams last, go through the feed-forward layer to their block-2 score; the others are not grown
     (:meth:`L2Search.encoder_last_residuals`). 24 from MiniLM (docs/attacks-text.md, item 4's Timings: 12
     lost a WikiText-2 sentence; screening the polish's sites too was slower there). ``peel`` (``"polish"``
-    on a FedSGD classifier gradient computed without dropout): after each round that holds new sentences,
-    their own gradients are subtracted from the update and the spans, the L1 candidates and the screen are
+    on a FedSGD classifier gradient computed without dropout): as soon as the search holds a new sentence,
+    its own gradient is subtracted from the update and the spans, the L1 candidates and the screen are
     re-read from what is left (:mod:`~gradleak.attacks.text.dager.peel`; a sentence that does not lower
     block 2's rank by its length under some class is not subtracted)."""
 
@@ -502,14 +502,15 @@ class Dager:
         grown), then polishes up to ``polish_tries`` of its
         best closures that are distinct from the held sentences and from every closure polished before
         (:meth:`L2Search.polish`: whole-sequence L2 residual, bidirectional context). A polished sequence
-        that passes the exact check is accepted. With ``repeel`` (:meth:`peel_held`), each round that
-        holds new sentences peels them off the update: the next rounds search the peeled spans and
-        candidates without the rules that keep the search off held sentences (novelty, held n-grams, the
-        polish's echo stop, fresh first words): no held sentence is in the peeled spans, and the rules
-        would also block a missing sentence's pieces that a held one shares ("[CLS] it ' s" on Rotten
-        Tomatoes). Returns the accepted sequences and the fills: polished sequences by
-        objective (mean log10 residual, negative) first, then the unpolished closures (mean residual,
-        positive).
+        that passes the exact check is accepted. With ``repeel`` (:meth:`peel_held`), newly held sentences
+        are peeled off the update before the next polish or round: the searches after that see the
+        peeled spans and candidates, without the rules that keep the search off held sentences (novelty,
+        held n-grams and the polish's echo stop for the peeled ones; fresh first words and the held and
+        polished sentences' first-word skips once anything is peeled): no peeled sentence is in the
+        spans, and the rules would also block a missing sentence's pieces that a held one shares ("[CLS]
+        it ' s" on Rotten Tomatoes); closures that echo a held sentence are not polished then. Returns the
+        accepted sequences and the fills: polished sequences by objective (mean log10 residual, negative)
+        first, then the unpolished closures (mean residual, positive).
         """
         c = self.config
         end, cfg = c.encoder.end_token_id, c.encoder.polish
@@ -522,10 +523,16 @@ class Dager:
         peeled: list[list[int]] = []  # held sentences peeled off the update (``repeel``)
         polishes = 0
 
+        offered = 0  # held sentences offered to ``repeel`` so far
+
         def peel_now() -> None:
-            """Peel what is held; once anything is, the next searches see only what is left."""
-            nonlocal cands, vocab, skip, tried, polishes, peeled
-            out = repeel([q for q, _ in found], cands) if repeel is not None and len(found) < b else None
+            """Peel the sentences held since the last call (none once B are held); the searches after it
+            see what is left."""
+            nonlocal cands, vocab, skip, tried, polishes, peeled, offered
+            if repeel is None or len(found) >= b or len(found) == offered:
+                return
+            offered = len(found)
+            out = repeel([q for q, _ in found], cands)
             if out is None:
                 return
             fresh, peeled = out
@@ -567,8 +574,7 @@ class Dager:
                     break
                 if any(similar(s, q, 0.9) for q, _ in found):
                     continue
-                if gained:  # peel what this round holds before polishing on
-                    peel_now()
+                peel_now()  # what this round holds so far, before polishing on
                 if peeled and any(echoes(s, q, cfg.held_share) for q, _ in found):
                     continue  # grown from a held sentence, whose basin the peeled spans no longer have
                 tried.append(s)
@@ -585,7 +591,7 @@ class Dager:
                 skip |= {s[1] for s, _ in found if len(s) > 1} | {s[1] for s in tried}
             if not gained and rejected and len(rejected[0][0]) > 1:
                 skip.add(rejected[0][0][1])
-            if gained and r < c.encoder.rounds - 1:
+            if r < c.encoder.rounds - 1:
                 peel_now()
         search.hold([])
         log.debug("encoder polish: %d accepted, %d closures polished", len(found), polishes + len(tried))

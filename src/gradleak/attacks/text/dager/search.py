@@ -312,10 +312,7 @@ class L2Search:
 
         def scores(seqs: list[list[int]]) -> torch.Tensor:
             out = torch.empty(len(seqs), dtype=torch.float64)
-            by_len: dict[int, list[int]] = {}
-            for i, q in enumerate(seqs):
-                by_len.setdefault(len(q), []).append(i)
-            for idx in by_len.values():
+            for idx in length_groups(seqs):
                 t = torch.tensor([seqs[i] for i in idx])
                 z = self.block2_inputs(t)
                 out[idx] = self.span.residual(z).mean(dim=1)
@@ -548,10 +545,7 @@ class L2Search:
         """``fn`` of the block-2 inputs (n, len, d) of each group of equal-length sequences, split per
         sequence in the input order."""
         out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
-        by_len: dict[int, list[int]] = {}
-        for i, q in enumerate(seqs):
-            by_len.setdefault(len(q), []).append(i)
-        for idx in by_len.values():
+        for idx in length_groups(seqs):
             t = torch.tensor([seqs[i] for i in idx])
             res = fn(self.block2_inputs(t))
             for j, i in enumerate(idx):
@@ -612,10 +606,7 @@ class L2Search:
         if max(map(len, trials)) > table.length or not table.has(sorted({v for t in trials for v in t})):
             return trials
         score = torch.empty(len(trials))
-        by_len: dict[int, list[int]] = {}
-        for i, t in enumerate(trials):
-            by_len.setdefault(len(t), []).append(i)
-        for idx in by_len.values():
+        for idx in length_groups(trials):
             a = table.feed_forward_inputs(torch.tensor([trials[i] for i in idx]), self.chunk)
             score[idx] = torch.log10(self.screen.residual32(a).clamp_min(1e-9)).mean(dim=1)
         return [trials[i] for i in score.argsort()[:keep].tolist()]
@@ -740,6 +731,14 @@ class L2Search:
                 res = res.view(-1, len(c))
                 draws[:, p] = torch.tensor(c)[res.argmin(dim=1)]
         return torch.unique(draws, dim=0)
+
+
+def length_groups(seqs: Sequence[list[int]]) -> list[list[int]]:
+    """The indices of ``seqs`` grouped by sequence length (each group one batched forward)."""
+    groups: dict[int, list[int]] = {}
+    for i, q in enumerate(seqs):
+        groups.setdefault(len(q), []).append(i)
+    return list(groups.values())
 
 
 def held_ngrams(held: Sequence[list[int]], n: int) -> set[tuple[int, ...]]:
