@@ -9,6 +9,7 @@ import torch
 
 from gradleak.attacks import create_attack
 from gradleak.attacks.text.baseline import null_observation
+from gradleak.attacks.text.fedspy import FedSpy, FedSpyConfig
 from gradleak.data.text import encode
 from gradleak.models import build_model
 from gradleak.tasks.text_client import fedsgd_text_update
@@ -108,3 +109,23 @@ def test_what_fedspy_cannot_read_is_refused_before_work(observe_lm, gpt2):
     cls = Observation(bert.model, fedsgd_text_update(bert.model, enc, "classification"), (16,), 2)
     with pytest.raises(AttackInputError, match="causal language model"):
         run(cls)
+
+
+def test_the_union_reads_input_tokens_the_rows_miss_and_the_last_token_the_span_lacks(tiny_llama):
+    """Under a tied head the embedding rows can miss an input token (on SmolLM2 the head's softmax term hid
+    "what" and " up" of a Rotten Tomatoes sentence); here the first token's row is replaced in the update by
+    that of a token outside the batch (the head's term alone) to make the rows miss it. The span test (rotary positions: one scan of the vocabulary) finds it but lacks
+    the last token, a label only; the union of the two holds both, and the sentence comes back exactly."""
+    seq = [11, 23, 5, 200, 31, 64, 9, 150]
+    obs = tiny_llama([seq])
+    tensors = dict(obs.update.tensors)
+    name = "model.embed_tokens.weight"
+    tensors[name] = tensors[name].clone()
+    tensors[name][seq[0]] = tensors[name][0]
+    hidden = Observation(obs.model, Update(tensors, 1, kind="gradient"), obs.input_shape, obs.num_classes)
+    model = hidden.client_model()
+    rows = FedSpy(FedSpyConfig(tokens="rows")).token_set(hidden, model)
+    span = FedSpy(FedSpyConfig(tokens="span")).token_set(hidden, model)
+    assert set(rows) == set(seq) - {seq[0]} and set(span) == set(seq) - {seq[-1]}
+    assert FedSpy(FedSpyConfig(tokens="union")).token_set(hidden, model) == sorted(set(seq))
+    assert run(hidden, tokens="union") == [seq]

@@ -14,6 +14,10 @@ parameter, stated here and in docs/attacks-text.md. It is *our reading*, not a r
   of gradients" (the embeddings frozen, per a reader's notes of its Sec. III). ``tokens="span"``: the tokens
   whose first-block input lies in the span of block 1's attention-input gradient at some position
   (DAGER's L1 test, :mod:`~gradleak.attacks.text.family`), for updates without the embedding gradient.
+  Under the next-token loss a sequence's last token is only a label, so this set lacks it. ``tokens="union"``
+  takes both: under a tied head (SmolLM2) the rows miss input tokens (the head's softmax term fills every
+  row; "what" and " up" of a Rotten Tomatoes sentence), the span scan over the whole vocabulary finds
+  those, and the rows add the last token, which only the head's gradient holds.
 - Ordering ("iteratively aligning each token's partial-sequence gradient with the full-sequence gradient"),
   for causal language models trained on the next-token loss: each sequence grows left to right; at every
   step each token of the set is tried as the next one and the partial sequence's loss gradient g(s) (over
@@ -77,7 +81,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FedSpyConfig:
-    """``tokens`` ``"rows"`` (paper 002's reading) or ``"span"`` (frozen embeddings); ``rows`` the row-norm
+    """``tokens`` ``"rows"`` (paper 002's reading), ``"span"`` (frozen embeddings) or ``"union"`` (both: tied
+    heads, module docstring); ``rows`` the row-norm
     selection; ``l1_threshold`` / ``rank_tol`` the span test's (None: the family's, as DAGER's);
     ``max_length`` tokens a sequence at most; ``min_gain`` the cosine gain an extension must bring;
     ``beam`` prefixes kept per step; ``ends`` ``"span"`` or ``"gain"`` (module docstring); ``l2_threshold``
@@ -98,8 +103,8 @@ class FedSpyConfig:
     max_sequences: int = 64
 
     def __post_init__(self) -> None:
-        if self.tokens not in ("rows", "span"):
-            raise ValueError(f"tokens must be 'rows' or 'span', got {self.tokens!r}")
+        if self.tokens not in ("rows", "span", "union"):
+            raise ValueError(f"tokens must be 'rows', 'span' or 'union', got {self.tokens!r}")
         if self.ends not in ("span", "gain"):
             raise ValueError(f"ends must be 'span' or 'gain', got {self.ends!r}")
         if self.l2_threshold is not None and not 0 < self.l2_threshold < 1:
@@ -165,25 +170,39 @@ class FedSpy:
         self.config = config or FedSpyConfig()
 
     def token_set(self, obs: Observation, model: nn.Module) -> list[int]:
-        """The tokens of the batch as ``tokens`` reads them (the first stage)."""
+        """The tokens of the batch as ``tokens`` reads them (the first stage): the embedding rows, the span
+        test, or their union."""
         c = self.config
-        if c.tokens == "rows":
-            name = embedding_param(model)
-            if name not in obs.update.tensors:
-                raise AttackInputError(
-                    "tokens='rows' reads the embedding gradient, which this update does not carry (frozen "
-                    "embeddings): use tokens='span'"
-                )
-            tokens, _ = select_rows(update_tensor(obs, name), c.rows)
-            return sorted(tokens)
+        tokens: set[int] = set()
+        if c.tokens in ("rows", "union"):
+            tokens |= self.row_tokens(obs, model)
+        if c.tokens in ("span", "union"):
+            tokens |= self.span_tokens(obs, model)
+        return sorted(tokens)
+
+    def row_tokens(self, obs: Observation, model: nn.Module) -> set[int]:
+        """The rows the embedding row-norm channel keeps (paper 002's reading)."""
+        name = embedding_param(model)
+        if name not in obs.update.tensors:
+            raise AttackInputError(
+                f"tokens={self.config.tokens!r} reads the embedding gradient, which this update does not "
+                "carry (frozen embeddings): use tokens='span'"
+            )
+        tokens, _ = select_rows(update_tensor(obs, name), self.config.rows)
+        return set(tokens)
+
+    def span_tokens(self, obs: Observation, model: nn.Module) -> set[int]:
+        """The vocabulary's tokens whose first-block input passes DAGER's L1 test at some position; none
+        where block 1's span is empty or full."""
+        c = self.config
         spec = with_thresholds(family_of(model), l1_threshold=c.l1_threshold, rank_tol=c.rank_tol)
         span = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 0), spec.rank_tol)
         if span.rank == 0 or span.full:
-            return []
+            return set()
         m1 = find_module(model, spec.attn_inputs[0].format(i=0))[1]
         dager = Dager(DagerConfig(l1_threshold=spec.l1_threshold, max_positions=c.max_length))
         cands = dager.position_candidates(model, spec, m1, span, torch.arange(vocab_size(model)))
-        return sorted(set().union(*cands)) if cands else []
+        return set().union(*cands) if cands else set()
 
     def reconstruct(self, obs: Observation, *, generator: torch.Generator) -> Reconstruction:
         start = time.perf_counter()
