@@ -129,3 +129,12 @@ def test_the_union_reads_input_tokens_the_rows_miss_and_the_last_token_the_span_
     assert set(rows) == set(seq) - {seq[0]} and set(span) == set(seq) - {seq[-1]}
     assert FedSpy(FedSpyConfig(tokens="union")).token_set(hidden, model) == sorted(set(seq))
     assert run(hidden, tokens="union") == [seq]
+
+
+def test_an_extension_that_passes_the_span_test_is_taken_whatever_its_cosine_gain(observe_lm, gpt2):
+    """A passing extension is a true prefix: near the end of a long SmolLM2 WikiText-2 sentence the true
+    next token raised the cosine by 2e-5, below ``min_gain``, and the sentence stopped two tokens early.
+    With a gain no extension can bring (2: cosines lie in [-1, 1]), every passing token is still taken;
+    only the last one, a label that fails the test, must bring the gain, so it alone is left out."""
+    obs, (true,) = observe_lm(gpt2, ["the film was great fun"])
+    assert run(obs, min_gain=2.0) == [true[:-1]]

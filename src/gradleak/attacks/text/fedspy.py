@@ -36,8 +36,11 @@ parameter, stated here and in docs/attacks-text.md. It is *our reading*, not a r
   last token has a successor in some sequence of the batch (under the next-token loss the last token of a
   sequence is only a label). So a sequence starts from a token whose position-0 input passes, is extended
   only while its last token passes, and is finished when the token just added does not: that token is its
-  last, a label. The same test ranks candidates: those that pass (true prefixes) are scored first, the
-  others only where no passing one brings the gain (:meth:`FedSpy.best`). Where the update does not carry
+  last, a label. The same test ranks the candidates: those that pass (true prefixes) are scored, the
+  others only where none passes (:meth:`FedSpy.best`). A passing extension is taken whatever its cosine
+  gain (near the end of a long SmolLM2 sentence the true one raised it by 2e-5 only, below ``min_gain``);
+  the last token, which fails, must bring ``min_gain`` (the set may lack it: ``tokens="span"``). Where
+  the update does not carry
   block 2's attention (frozen, AEGIS) or its span is empty or full, the gain rule alone decides
   (``span_ends`` 0 in the stats); ``ends="gain"`` always.
 
@@ -272,7 +275,8 @@ class FedSpy:
         done: Sequence[list[int]] = (),
     ) -> tuple[list[int], float]:
         """One sequence: the best-aligned pair, then extensions while they raise the cosine by ``min_gain``
-        and, with ``ends``, while the prefix's last token has a successor (module docstring); with
+        (no gain asked of one that passes the span test: module docstring) and, with ``ends``, while the
+        prefix's last token has a successor; with
         ``ends`` the first token is one whose position-0 input passes (all tokens if none does), and
         candidates that pass the span test come first unless they are prefixes of the sequences ``done``
         (:meth:`best`)."""
@@ -281,7 +285,7 @@ class FedSpy:
         if ends is not None:
             firsts = [a for a, ok in zip(tokens, ends.continues([[a] for a in tokens]), strict=True) if ok]
             firsts = firsts or tokens
-        beam = self.best(align, [[a, b] for a in firsts for b in tokens], ends, None, done)
+        beam, _ = self.best(align, [[a, b] for a in firsts for b in tokens], ends, done)
         best = beam[0]
         while len(best[0]) < c.max_length:
             live = [s for s, _ in beam]
@@ -290,9 +294,9 @@ class FedSpy:
             if not live:
                 break
             grown = [s + [v] for s in live for v in tokens]
-            beam = self.best(align, grown, ends, best[1] + c.min_gain, done)
-            if beam[0][1] <= best[1] + c.min_gain:
-                break
+            beam, passed = self.best(align, grown, ends, done)
+            if not passed and beam[0][1] <= best[1] + c.min_gain:
+                break  # a passing extension is a true prefix: taken, gain or not
             best = beam[0]
         return best
 
@@ -301,20 +305,19 @@ class FedSpy:
         align: Alignment,
         cands: list[list[int]],
         ends: SpanEnds | None,
-        floor: float | None,
         done: Sequence[list[int]] = (),
-    ) -> list[tuple[list[int], float]]:
-        """The ``beam`` best of ``cands`` (all of one length) by cosine. With ``ends``, the candidates whose
-        last token has a successor are scored first: under causal attention the span test passes exactly for
-        true prefixes of the batch's sequences (DAGER's L2 test; thresholded, so a false pass at a large B
-        could still win), so a wrong token is not chosen over a true continuation that brings the gain
-        (``floor``; the start pair: any). With ``beam`` > 1 the beam then holds passing candidates only.
-        Prefixes of the sequences ``done`` (already recovered: their gradient left the target) do not count as
-        passing, so the next sequence is not pushed back into them. Only where no passing candidate brings the
-        gain are the others scored too (a sequence's last token, a label, fails the test): the best by cosine
-        then ends the sequence. Before, the cosine alone chose, and on a WikiText-2 sentence a wrong second
-        token (failing the test, so read as the end) ended it after two tokens. Scoring the passing candidates
-        first also saves most of the backward passes."""
+    ) -> tuple[list[tuple[list[int], float]], bool]:
+        """The ``beam`` best of ``cands`` (all of one length) by cosine, and whether they pass the span
+        test. With ``ends``, only the candidates
+        whose last token has a successor are scored where any is: under causal attention the span test
+        passes exactly for true prefixes of the batch's sequences (DAGER's L2 test; thresholded, so a false
+        pass at a large B could still win), so a wrong token is not chosen over a true continuation. With
+        ``beam`` > 1 the beam then holds passing candidates only. Prefixes of the sequences ``done`` (already
+        recovered: their gradient left the target) do not count as passing, so the next sequence is not
+        pushed back into them. Only where no candidate passes are the others scored (a sequence's last
+        token, a label, fails the test): the best by cosine then ends the sequence. Before, the cosine alone
+        chose, and on a WikiText-2 sentence a wrong second token (failing the test, so read as the end) ended
+        it after two tokens. Scoring the passing candidates first also saves most of the backward passes."""
         k = self.config.beam
         cosine: dict[int, float] = {}
 
@@ -329,10 +332,8 @@ class FedSpy:
             old = {tuple(d[: len(cands[0])]) for d in done}
             passing = [i for i, ok in enumerate(ends.continues(cands)) if ok and tuple(cands[i]) not in old]
             if passing:
-                top = ranked(passing)
-                if floor is None or top[0][1] > floor:
-                    return top
-        return ranked(list(range(len(cands))))
+                return ranked(passing), True
+        return ranked(list(range(len(cands)))), False
 
 
 ATTACKS.register(
