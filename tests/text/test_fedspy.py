@@ -114,8 +114,10 @@ def test_what_fedspy_cannot_read_is_refused_before_work(observe_lm, gpt2):
 def test_the_union_reads_input_tokens_the_rows_miss_and_the_last_token_the_span_lacks(tiny_llama):
     """Under a tied head the embedding rows can miss an input token (on SmolLM2 the head's softmax term hid
     "what" and " up" of a Rotten Tomatoes sentence); here the first token's row is replaced in the update by
-    that of a token outside the batch (the head's term alone) to make the rows miss it. The span test (rotary positions: one scan of the vocabulary) finds it but lacks
-    the last token, a label only; the union of the two holds both, and the sentence comes back exactly."""
+    that of a token outside the batch (the head's term alone) to make the rows miss it. The span test
+    (rotary positions: one scan of the vocabulary) finds it but lacks the last token, a label only; the
+    union of the two holds both, and the sentence comes back exactly. Without block 1's attention in the
+    update the union is the rows (no refusal)."""
     seq = [11, 23, 5, 200, 31, 64, 9, 150]
     obs = tiny_llama([seq])
     tensors = dict(obs.update.tensors)
@@ -129,12 +131,16 @@ def test_the_union_reads_input_tokens_the_rows_miss_and_the_last_token_the_span_
     assert set(rows) == set(seq) - {seq[0]} and set(span) == set(seq) - {seq[-1]}
     assert FedSpy(FedSpyConfig(tokens="union")).token_set(hidden, model) == sorted(set(seq))
     assert run(hidden, tokens="union") == [seq]
+    no_block1 = {n: t for n, t in tensors.items() if "layers.0.self_attn." not in n}
+    frozen = Observation(obs.model, Update(no_block1, 1, kind="gradient"), obs.input_shape, obs.num_classes)
+    assert FedSpy(FedSpyConfig(tokens="union")).token_set(frozen, frozen.client_model()) == rows
 
 
 def test_an_extension_that_passes_the_span_test_is_taken_whatever_its_cosine_gain(observe_lm, gpt2):
     """A passing extension is a true prefix: near the end of a long SmolLM2 WikiText-2 sentence the true
     next token raised the cosine by 2e-5, below ``min_gain``, and the sentence stopped two tokens early.
-    With a gain no extension can bring (2: cosines lie in [-1, 1]), every passing token is still taken;
-    only the last one, a label that fails the test, must bring the gain, so it alone is left out."""
+    With a gain no extension can bring (2: cosines lie in [-1, 1]), every passing token that raises the
+    cosine at all is still taken; only the last one, a label that fails the test, must bring the gain, so
+    it alone is left out."""
     obs, (true,) = observe_lm(gpt2, ["the film was great fun"])
     assert run(obs, min_gain=2.0) == [true[:-1]]

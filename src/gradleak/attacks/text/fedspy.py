@@ -17,12 +17,15 @@ parameter, stated here and in docs/attacks-text.md. It is *our reading*, not a r
   Under the next-token loss a sequence's last token is only a label, so this set lacks it. ``tokens="union"``
   takes both: under a tied head (SmolLM2) the rows miss input tokens (the head's softmax term fills every
   row; "what" and " up" of a Rotten Tomatoes sentence), the span scan over the whole vocabulary finds
-  those, and the rows add the last token, which only the head's gradient holds.
+  those, and the rows add the last token, which only the head's gradient holds. The union is this
+  project's choice; neither source states it. Where the update does not carry block 1's attention, the
+  union is the rows.
 - Ordering ("iteratively aligning each token's partial-sequence gradient with the full-sequence gradient"),
   for causal language models trained on the next-token loss: each sequence grows left to right; at every
   step each token of the set is tried as the next one and the partial sequence's loss gradient g(s) (over
   the parameters the update carries) is compared with the observed gradient G by cosine; the best is kept
-  while it raises the cosine by more than ``min_gain``, up to ``max_length`` tokens. A sequence starts from
+  while it raises the cosine by more than ``min_gain`` (with the span ends, any rise for one that passes
+  block 2's test: below), up to ``max_length`` tokens. A sequence starts from
   the best-aligned pair of tokens (a single token has no next-token loss). Under causal attention a
   prefix's gradient is a partial sum of its sequence's, so the true prefix is a component of G. After a
   sequence is finished, G loses its component along g(sequence), and the next one grows against the rest
@@ -37,10 +40,11 @@ parameter, stated here and in docs/attacks-text.md. It is *our reading*, not a r
   sequence is only a label). So a sequence starts from a token whose position-0 input passes, is extended
   only while its last token passes, and is finished when the token just added does not: that token is its
   last, a label. The same test ranks the candidates: those that pass (true prefixes) are scored, the
-  others only where none passes (:meth:`FedSpy.best`). A passing extension is taken whatever its cosine
-  gain (near the end of a long SmolLM2 sentence the true one raised it by 2e-5 only, below ``min_gain``);
-  the last token, which fails, must bring ``min_gain`` (the set may lack it: ``tokens="span"``). Where
-  the update does not carry
+  others only where none passes (:meth:`FedSpy.best`). A passing extension is taken if it raises the
+  cosine at all (near the end of a long SmolLM2 sentence the true one raised it by 2e-5 only, below
+  ``min_gain``; a rise is still asked, so a false pass of the thresholded test that lowers the cosine ends
+  the sequence); the last token, which fails, must bring ``min_gain`` (the set may lack it:
+  ``tokens="span"``). Where the update does not carry
   block 2's attention (frozen, AEGIS) or its span is empty or full, the gain rule alone decides
   (``span_ends`` 0 in the stats); ``ends="gain"`` always.
 
@@ -85,9 +89,10 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class FedSpyConfig:
     """``tokens`` ``"rows"`` (paper 002's reading), ``"span"`` (frozen embeddings) or ``"union"`` (both: tied
-    heads, module docstring); ``rows`` the row-norm
-    selection; ``l1_threshold`` / ``rank_tol`` the span test's (None: the family's, as DAGER's);
-    ``max_length`` tokens a sequence at most; ``min_gain`` the cosine gain an extension must bring;
+    heads, module docstring); ``rows`` the row-norm selection; ``l1_threshold`` / ``rank_tol`` the span
+    test's (None: the family's, as DAGER's); ``max_length`` tokens a sequence at most; ``min_gain`` the
+    cosine gain an extension must bring (with ``ends="span"``, one that fails block 2's span test: module
+    docstring);
     ``beam`` prefixes kept per step; ``ends`` ``"span"`` or ``"gain"`` (module docstring); ``l2_threshold``
     the span ends' test (None: the family's, as DAGER's); ``max_tokens`` / ``max_sequences``: larger token
     sets or batches are refused before work (a start alone costs |set|^2 backward passes). None of these
@@ -179,8 +184,13 @@ class FedSpy:
         tokens: set[int] = set()
         if c.tokens in ("rows", "union"):
             tokens |= self.row_tokens(obs, model)
-        if c.tokens in ("span", "union"):
+        if c.tokens == "span":
             tokens |= self.span_tokens(obs, model)
+        elif c.tokens == "union":
+            try:
+                tokens |= self.span_tokens(obs, model)
+            except AttackInputError as err:  # block 1's attention is not in the update: the rows alone
+                log.info("FedSpy-LLM: no span scan (%s); the embedding rows alone", err)
         return sorted(tokens)
 
     def row_tokens(self, obs: Observation, model: nn.Module) -> set[int]:
@@ -196,7 +206,8 @@ class FedSpy:
 
     def span_tokens(self, obs: Observation, model: nn.Module) -> set[int]:
         """The vocabulary's tokens whose first-block input passes DAGER's L1 test at some position; none
-        where block 1's span is empty or full."""
+        where block 1's span is empty or full; refused where the update does not carry block 1's
+        attention."""
         c = self.config
         spec = with_thresholds(family_of(model), l1_threshold=c.l1_threshold, rank_tol=c.rank_tol)
         span = estimate_span(input_side_gradient(obs, model, spec.attn_inputs, 0), spec.rank_tol)
@@ -275,7 +286,7 @@ class FedSpy:
         done: Sequence[list[int]] = (),
     ) -> tuple[list[int], float]:
         """One sequence: the best-aligned pair, then extensions while they raise the cosine by ``min_gain``
-        (no gain asked of one that passes the span test: module docstring) and, with ``ends``, while the
+        (any rise, for one that passes the span test: module docstring) and, with ``ends``, while the
         prefix's last token has a successor; with
         ``ends`` the first token is one whose position-0 input passes (all tokens if none does), and
         candidates that pass the span test come first unless they are prefixes of the sequences ``done``
@@ -295,8 +306,8 @@ class FedSpy:
                 break
             grown = [s + [v] for s in live for v in tokens]
             beam, passed = self.best(align, grown, ends, done)
-            if not passed and beam[0][1] <= best[1] + c.min_gain:
-                break  # a passing extension is a true prefix: taken, gain or not
+            if beam[0][1] <= best[1] + (0.0 if passed else c.min_gain):
+                break  # a passing extension (a true prefix) needs any rise, others min_gain
             best = beam[0]
         return best
 
