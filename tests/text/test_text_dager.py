@@ -7,7 +7,7 @@ import torch
 
 from gradleak.attacks.text.baseline import null_observation
 from gradleak.attacks.text.dager.core import Dager, DagerConfig, DecoderSearch, EncoderSearch
-from gradleak.attacks.text.dager.search import PolishConfig
+from gradleak.attacks.text.dager.search import L2Search, PolishConfig
 from gradleak.registry import ATTACKS
 from gradleak.tasks.text_client import fedavg_text_update, fedsgd_text_update
 from gradleak.types import AttackInputError, Observation
@@ -235,6 +235,33 @@ def test_encoder_polish_restores_three_dropped_words(bert_cls, make_batch):
     broken = [true[0], *true[4:]]  # "the movie was" dropped
     polished = search.polish(broken, vocab, max_len=len(true) + 2, config=PolishConfig())
     assert polished.seq == true and polished.worst < search.threshold and polished.objective < -4
+
+
+def test_a_polish_that_reaches_a_remembered_walk_ends_where_it_ended(bert_cls, make_batch, monkeypatch):
+    """``walks``: every sequence a walk passed through is remembered with its end and the steps it took; a
+    polish that reaches one with as many steps left returns that end without evaluating a trial, and it is
+    the end a fresh polish from there reaches; with fewer steps left it walks on its own."""
+    batch = make_batch(bert_cls)
+    search = _l2_search(bert_cls, _observe(bert_cls, batch, "classification"))
+    true = batch.sequences()[0]
+    vocab = sorted({t for s in batch.sequences() for t in s[1:-1]})
+    broken = [true[0], *true[4:]]
+    walks: dict = {}
+    first = search.polish(broken, vocab, max_len=len(true) + 2, config=PolishConfig(), walks=walks)
+    assert first.seq == true and tuple(broken) in walks and len(walks) >= 3  # the walk's steps are remembered
+    assert walks[tuple(true)][0] == 1 and walks[tuple(broken)][0] == len(walks)
+    middle = next(list(k) for k, (left, _) in walks.items() if left == 2)  # one step before the end
+    fresh = search.polish(middle, vocab, max_len=len(true) + 2, config=PolishConfig())
+    calls: list[int] = []
+    plain = L2Search._best_trial
+    monkeypatch.setattr(L2Search, "_best_trial", lambda self, t, b: calls.append(1) or plain(self, t, b))
+    for start in (broken, middle):
+        again = search.polish(start, vocab, max_len=len(true) + 2, config=PolishConfig(), walks=walks)
+        assert again == first and not calls
+    assert fresh.seq == first.seq and fresh.objective == pytest.approx(first.objective, abs=1e-4)
+    short = search.polish(broken, vocab, max_len=len(true) + 2, config=PolishConfig(steps=1), walks=walks)
+    alone = search.polish(broken, vocab, max_len=len(true) + 2, config=PolishConfig(steps=1))
+    assert calls and short.seq == alone.seq != true
 
 
 def test_encoder_polish_stops_once_it_echoes_a_held_sentence(bert_cls, make_batch):

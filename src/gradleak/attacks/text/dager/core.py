@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from gradleak.attacks.text.dager.peel import Peeler
-from gradleak.attacks.text.dager.search import L2Search, PolishConfig, Scored, echoes, similar
+from gradleak.attacks.text.dager.search import L2Search, PolishConfig, Polished, Scored, echoes, similar
 from gradleak.attacks.text.embedding_match import task_of
 from gradleak.attacks.text.family import (
     FamilySpec,
@@ -522,6 +522,8 @@ class Dager:
         skip: set[int] = set()
         peeled: list[list[int]] = []  # held sentences peeled off the update (``repeel``)
         polishes = 0
+        # the polishes' walks (:meth:`L2Search.polish`), valid while as many sentences are held and peeled
+        walked: tuple[tuple[int, int], dict[tuple[int, ...], tuple[int, Polished]]] = ((0, 0), {})
 
         offered = 0  # held sentences offered to ``repeel`` so far
 
@@ -579,7 +581,9 @@ class Dager:
                     continue  # grown from a held sentence, whose basin the peeled spans no longer have
                 tried.append(s)
                 guard = [q for q, _ in found if q not in peeled]
-                p = search.polish(s, vocab, max_len=len(cands), config=cfg, held=guard)
+                if walked[0] != (len(found), len(peeled)):  # new spans or held sentences: new walks
+                    walked = ((len(found), len(peeled)), {})
+                p = search.polish(s, vocab, max_len=len(cands), config=cfg, held=guard, walks=walked[1])
                 if p.worst < search.threshold and p.seq not in [q for q, _ in found]:
                     found.append((p.seq, p.worst))
                     gained = True
