@@ -238,9 +238,10 @@ def test_encoder_polish_restores_three_dropped_words(bert_cls, make_batch):
 
 
 def test_a_polish_that_reaches_a_remembered_walk_ends_where_it_ended(bert_cls, make_batch, monkeypatch):
-    """``walks``: every sequence a walk passed through is remembered with its end and the steps it took; a
-    polish that reaches one with as many steps left returns that end without evaluating a trial, and it is
-    the end a fresh polish from there reaches; with fewer steps left it walks on its own."""
+    """``walks``: every sequence a walk passed through is remembered with its end and the loop passes it
+    took (its steps and the stopping pass); a polish that reaches one with as many passes left returns
+    that end without evaluating a trial, and it is the end a fresh polish from there reaches; with fewer
+    passes left it walks on its own, and a walk cut off at ``steps`` is not remembered."""
     batch = make_batch(bert_cls)
     search = _l2_search(bert_cls, _observe(bert_cls, batch, "classification"))
     true = batch.sequences()[0]
@@ -259,9 +260,21 @@ def test_a_polish_that_reaches_a_remembered_walk_ends_where_it_ended(bert_cls, m
         again = search.polish(start, vocab, max_len=len(true) + 2, config=PolishConfig(), walks=walks)
         assert again == first and not calls
     assert fresh.seq == first.seq and fresh.objective == pytest.approx(first.objective, abs=1e-4)
+    passes = walks[tuple(broken)][0]
+    exact = search.polish(
+        broken, vocab, max_len=len(true) + 2, config=PolishConfig(steps=passes), walks=walks
+    )
+    assert exact is first and not calls  # just as many passes left
     short = search.polish(broken, vocab, max_len=len(true) + 2, config=PolishConfig(steps=1), walks=walks)
     alone = search.polish(broken, vocab, max_len=len(true) + 2, config=PolishConfig(steps=1))
-    assert calls and short.seq == alone.seq != true
+    assert calls and short.seq == alone.seq != true and walks[tuple(broken)][1] is first  # not remembered
+    calls.clear()
+    search.polish(broken, vocab, max_len=len(true) + 2, config=PolishConfig(steps=passes - 1), walks=walks)
+    assert calls  # one pass too few: it walks
+    calls.clear()
+    part = {k: v for k, v in walks.items() if v[0] <= 2}  # only the last two sequences of the walk
+    again = search.polish(broken, vocab, max_len=len(true) + 2, config=PolishConfig(), walks=part)
+    assert calls and again is first and part[tuple(broken)] == walks[tuple(broken)]  # counts carried back
 
 
 def test_encoder_polish_stops_once_it_echoes_a_held_sentence(bert_cls, make_batch):

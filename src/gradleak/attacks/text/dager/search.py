@@ -576,11 +576,12 @@ class L2Search:
         echoes a ``held`` sentence (:func:`echoes` at ``config.held_share``): it is descending into that
         sentence's basin and would only find it again.
 
-        ``walks`` (the caller's, kept while the spans, ``vocab``, ``max_len`` and ``held`` stay the same)
-        maps each sequence a walk that stopped on its own (not at ``steps``) passed through to the steps it
-        then took and where it ended. A walk that reaches such a sequence with as many steps left ends the
-        same way, so it returns that end at once: on a WikiText-2 batch two failing polishes walked the same
-        15 steps from their second on.
+        ``walks`` (the caller's, kept while the search's spans, screen and table, ``vocab``, ``max_len``,
+        ``held`` and ``config`` but its ``steps`` stay the same) maps each sequence a walk that stopped on
+        its own (not at ``steps``) passed through to the loop passes it then took (its steps, plus the pass
+        that stopped it) and where it ended. A walk that reaches such a sequence with as many passes left
+        ends the same way, so it returns that end at once: on a WikiText-2 batch two failing polishes walked
+        the same 15 steps from their second on.
         """
         cur = list(seq)
         res = self.whole_residuals([cur])[0]
