@@ -319,8 +319,8 @@ class FedSpy:
         done: Sequence[list[int]] = (),
     ) -> tuple[list[tuple[list[int], float]], bool]:
         """The ``beam`` best of ``cands`` (all of one length) by cosine, and whether they pass the span
-        test. With ``ends``, only the candidates
-        whose last token has a successor are scored where any is: under causal attention the span test
+        test. With ``ends``, only the candidates whose last token has a successor are scored where any is:
+        under causal attention the span test
         passes exactly for true prefixes of the batch's sequences (DAGER's L2 test; thresholded, so a false
         pass at a large B could still win), so a wrong token is not chosen over a true continuation. With
         ``beam`` > 1 the beam then holds passing candidates only. Prefixes of the sequences ``done`` (already

@@ -522,8 +522,10 @@ class Dager:
         skip: set[int] = set()
         peeled: list[list[int]] = []  # held sentences peeled off the update (``repeel``)
         polishes = 0
-        # the polishes' walks (:meth:`L2Search.polish`), valid while as many sentences are held and peeled
-        walked: tuple[tuple[int, int], dict[tuple[int, ...], tuple[int, Polished]]] = ((0, 0), {})
+        # the polishes' walks (:meth:`L2Search.polish`) while ``walked`` sentences are held (a peel, which
+        # changes the spans and candidates, only follows a newly held sentence)
+        walks: dict[tuple[int, ...], tuple[int, Polished]] = {}
+        walked = 0
 
         offered = 0  # held sentences offered to ``repeel`` so far
 
@@ -581,9 +583,9 @@ class Dager:
                     continue  # grown from a held sentence, whose basin the peeled spans no longer have
                 tried.append(s)
                 guard = [q for q, _ in found if q not in peeled]
-                if walked[0] != (len(found), len(peeled)):  # new spans or held sentences: new walks
-                    walked = ((len(found), len(peeled)), {})
-                p = search.polish(s, vocab, max_len=len(cands), config=cfg, held=guard, walks=walked[1])
+                if walked != len(found):  # new held sentences, maybe new spans: new walks
+                    walks, walked = {}, len(found)
+                p = search.polish(s, vocab, max_len=len(cands), config=cfg, held=guard, walks=walks)
                 if p.worst < search.threshold and p.seq not in [q for q, _ in found]:
                     found.append((p.seq, p.worst))
                     gained = True

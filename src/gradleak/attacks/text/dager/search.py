@@ -590,11 +590,12 @@ class L2Search:
         end: Polished | None = None
         tail = 1  # loop passes the walk takes from path[-1] to its end (the last: the one that stops it)
         for n in range(config.steps):
-            seen = walks.get(tuple(cur)) if walks is not None else None
+            key = tuple(cur)
+            seen = walks.get(key) if walks is not None else None
             if seen is not None and config.steps - n >= seen[0]:
                 tail, end = seen[0] + 1, seen[1]
                 break
-            path.append(tuple(cur))
+            path.append(key)
             if float(res.max()) < self.threshold or len(cur) < 3:
                 break
             if any(echoes(cur, h, config.held_share) for h in held):
@@ -608,7 +609,8 @@ class L2Search:
             cur, best, res = step
         else:
             return Polished(cur, float(res.max()), best)  # stopped at ``steps``: not remembered
-        end = end or Polished(cur, float(res.max()), best)
+        if end is None:
+            end = Polished(cur, float(res.max()), best)
         if walks is not None:
             for i, key in enumerate(reversed(path)):
                 walks[key] = (tail + i, end)
