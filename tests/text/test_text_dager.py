@@ -237,6 +237,39 @@ def test_encoder_polish_restores_three_dropped_words(bert_cls, make_batch):
     assert polished.seq == true and polished.worst < search.threshold and polished.objective < -4
 
 
+def test_polish_sweeps_only_where_a_step_stalls(bert_cls, make_batch, monkeypatch):
+    """The sweeps are a stalled step's first way on (before the wide trials): with no regular trials the
+    sweeps alone put a wrong token right, without them nothing moves; a polish whose every step improves
+    builds no sweep (they used to be built at every step). The order at a stall: the MiniLM test."""
+    batch = make_batch(bert_cls)
+    search = _l2_search(bert_cls, _observe(bert_cls, batch, "classification"))
+    true = batch.sequences()[0]
+    vocab = sorted({t for s in batch.sequences() for t in s[1:-1]})
+    wrong = [*true[:2], next(v for v in vocab if v not in true), *true[3:]]
+    with monkeypatch.context() as m:
+        m.setattr(L2Search, "_polish_trials", lambda self, *a, **k: [])
+        fixed = search.polish(wrong, vocab, max_len=len(true), config=PolishConfig(wide=0))
+        stuck = search.polish(wrong, vocab, max_len=len(true), config=PolishConfig(wide=0, sweeps=False))
+    assert fixed.seq == true and fixed.worst < search.threshold
+    assert stuck.seq == wrong
+    events: list[str] = []
+    best, sweep = L2Search._best_trial, L2Search._sweep
+    monkeypatch.setattr(
+        L2Search, "_best_trial", lambda self, t, b: events.append("best") or _mark(events, best(self, t, b))
+    )
+    monkeypatch.setattr(L2Search, "_sweep", lambda self, *a: events.append("sweep") or sweep(self, *a))
+    broken = [true[0], *true[4:]]
+    polished = search.polish(broken, vocab, max_len=len(true) + 2, config=PolishConfig())
+    assert polished.seq == true
+    assert events.count("improved") >= 2 and "stalled" not in events  # every step moved on: no sweep
+    assert "sweep" not in events
+
+
+def _mark(events: list[str], step: object) -> object:
+    events.append("stalled" if step is None else "improved")
+    return step
+
+
 def test_a_polish_that_reaches_a_remembered_walk_ends_where_it_ended(bert_cls, make_batch, monkeypatch):
     """``walks``: every sequence a walk passed through is remembered with its end and the loop passes it
     took (its steps and the stopping pass); a polish that reaches one with as many passes left returns

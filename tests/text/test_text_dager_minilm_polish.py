@@ -33,16 +33,36 @@ def wikitext_minilm():
     return tm, batch.sequences(), L2Search(tm.model, m2, span2, spec.l2_threshold, first=m1)
 
 
-def test_polish_stall_step_restores_a_missing_two_token_word(wikitext_minilm):
+def test_polish_stall_step_restores_a_missing_two_token_word(wikitext_minilm, monkeypatch):
     tm, seqs, search = wikitext_minilm
     apostrophe = tm.tokenizer.convert_tokens_to_ids("'")
     true = next(s for s in seqs if len(s) == 32 and apostrophe in s and tm.tokenizer.decode(s[1:2]) == "for")
     q = true.index(apostrophe)
     broken = [*true[:q], *true[q + 2 :]]  # "... < unk > ' s division" -> "... < unk > division"
     vocab = sorted({t for s in seqs for t in s[1:-1]})
-    wide = search.polish(broken, vocab, max_len=32, config=PolishConfig())
+    events: list[str] = []
+    best, sweep, wide_trials = L2Search._best_trial, L2Search._sweep, L2Search._wide_trials
+
+    def best_trial(self, trials, b):
+        step = best(self, trials, b)
+        events.append("stalled" if step is None else "improved")
+        return step
+
+    with monkeypatch.context() as m:
+        m.setattr(L2Search, "_best_trial", best_trial)
+        m.setattr(L2Search, "_sweep", lambda self, *a: events.append("sweep") or sweep(self, *a))
+        m.setattr(L2Search, "_wide_trials", staticmethod(lambda *a: events.append("wide") or wide_trials(*a)))
+        wide = search.polish(broken, vocab, max_len=32, config=PolishConfig())
     assert wide.seq == true and wide.worst < search.threshold
     assert torch.isfinite(torch.tensor(wide.objective)) and wide.objective < -5  # rounding-noise level
+    # a stall tries the two sweeps (one exact evaluation), then, where they do not improve, the wide trials
+    starts = [i for i, e in enumerate(events) if e == "sweep" and events[i - 1] != "sweep"]
+    assert starts and all(events[i - 1] == "stalled" for i in starts)
+    for i in starts:
+        assert events[i : i + 3] == ["sweep", "sweep", events[i + 2]] and events[i + 2] != "sweep"
+        if events[i + 2] == "stalled":
+            assert events[i + 3] == "wide"
+    assert "sweep" not in events[: starts[0]] and events.count("wide") >= 1
 
 
 def test_novelty_score_grows_the_missing_sentence_instead_of_echoes_of_held_ones(wikitext_minilm):
