@@ -2,10 +2,11 @@
 
 A sentence with a two-token word missing ("' s") is off everywhere (under bidirectional attention every
 position's block-2 input shifts), so the per-site screen ranks the missing token low at its gap (24th of
-92 measured) while the exact whole-sequence objective ranks it first; the polish with its stall step,
-which evaluates every token at the worst positions exactly, restores the sentence. Once other sentences
-are held, the novelty-weighted prefix score grows the missing sentence. (How the screened steps alone or
-the plain residual fare depends on the CPU's rounding; such comparisons are not tests.)
+92 measured) while the exact whole-sequence objective ranks it first; the polish with its stall step
+(the two sweeps, then every token at the worst positions, evaluated exactly) restores the sentence. Once
+other sentences are held, the novelty-weighted prefix score grows the missing sentence. (How the screened
+steps alone or the plain residual fare depends on the CPU's rounding; such comparisons are not tests; the
+stall step's order is checked on the path this repair takes under each kernel the suite runs.)
 """
 
 from __future__ import annotations
@@ -55,14 +56,15 @@ def test_polish_stall_step_restores_a_missing_two_token_word(wikitext_minilm, mo
         wide = search.polish(broken, vocab, max_len=32, config=PolishConfig())
     assert wide.seq == true and wide.worst < search.threshold
     assert torch.isfinite(torch.tensor(wide.objective)) and wide.objective < -5  # rounding-noise level
-    # a stall tries the two sweeps (one exact evaluation), then, where they do not improve, the wide trials
+    # a stall tries the two sweeps (one exact evaluation), then, only where they do not improve, the wide
+    # trials; no sweep anywhere else
     starts = [i for i, e in enumerate(events) if e == "sweep" and events[i - 1] != "sweep"]
-    assert starts and all(events[i - 1] == "stalled" for i in starts)
+    assert starts and starts[0] > 0 and all(events[i - 1] == "stalled" for i in starts)
     for i in starts:
-        assert events[i : i + 3] == ["sweep", "sweep", events[i + 2]] and events[i + 2] != "sweep"
-        if events[i + 2] == "stalled":
-            assert events[i + 3] == "wide"
-    assert "sweep" not in events[: starts[0]] and events.count("wide") >= 1
+        assert events[i : i + 2] == ["sweep", "sweep"] and events[i + 2] in ("stalled", "improved")
+        after = events[i + 3] if i + 3 < len(events) else None
+        assert (after == "wide") == (events[i + 2] == "stalled")
+    assert events.count("sweep") == 2 * len(starts)
 
 
 def test_novelty_score_grows_the_missing_sentence_instead_of_echoes_of_held_ones(wikitext_minilm):

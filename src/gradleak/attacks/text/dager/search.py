@@ -605,8 +605,8 @@ class L2Search:
                 break
             trials = self._screened_trials(self._polish_trials(cur, res, vocab, max_len, config), config.keep)
             step = self._best_trial(trials, best)
-            if step is None and (config.sweeps or config.wide):  # stalled: sweeps, then every token at the
-                step = self._stall_step(cur, res, vocab, max_len, config, best)  # worst sites, exactly
+            if step is None:  # stalled: the sweeps, then every token at the worst sites, exactly
+                step = self._stall_step(cur, res, vocab, max_len, config, best)
             if step is None:
                 break
             cur, best, res = step
@@ -624,7 +624,8 @@ class L2Search:
         log10 residual over the positions), for the exact objective; all of them where there is no screen
         or no block-1 table for them, or ``keep`` is 0 or not below their number. The screen leaves out the
         feed-forward layer, most of the work per evaluated position; it ranked a step's exactly best trial
-        first in 139 of 265 steps on a WikiText-2 batch (MiniLM), within 48 in 246. The others are not
+        first in 139 of 265 steps on a WikiText-2 batch (MiniLM), within 48 in 246 (measured while the
+        sweeps were among every step's trials, before 0502c05). The others are not
         evaluated even where none of the kept improves (the stall step follows): evaluating them there
         made failing polishes walk on, 71.4 s against 60.9 s on that batch, no sentence more."""
         table = self._table
@@ -647,12 +648,14 @@ class L2Search:
         config: PolishConfig,
         best: float,
     ) -> tuple[list[int], float, torch.Tensor] | None:
-        """A stalled step's way on: the two sweeps, then the wide trials, each kept if it improves."""
-        step = None
+        """A stalled step's way on: the two sweeps (``config.sweeps``), then, where neither improves, the
+        wide trials (``config.wide``), each evaluated exactly; None where nothing improves."""
+        step: tuple[list[int], float, torch.Tensor] | None = None
         if config.sweeps:
             sites = self._sites(cur, res, config.sites)
             sweeps = [self._sweep(cur, vocab, sites), self._sweep(cur, vocab, sites[::-1])]
-            step = self._best_trial([t for t in sweeps if t != cur], best)
+            distinct = [list(t) for t in dict.fromkeys(map(tuple, sweeps)) if list(t) != cur]
+            step = self._best_trial(distinct, best)
         if step is None and config.wide:
             step = self._best_trial(self._wide_trials(cur, res, vocab, max_len, config.wide), best)
         return step
@@ -660,10 +663,8 @@ class L2Search:
     @staticmethod
     def _sites(cur: list[int], res: torch.Tensor, n: int) -> list[int]:
         """The inner positions with the ``n`` largest residuals and their neighbours, in order."""
-        inner = list(range(1, len(cur) - 1))
-        worst = sorted(inner, key=lambda i: -float(res[i]))
-        near = {q for i in worst[:n] for q in (i - 1, i, i + 1)}
-        return [i for i in inner if i in near]
+        near = {q for i in _worst(cur, res)[:n] for q in (i - 1, i, i + 1)}
+        return [i for i in range(1, len(cur) - 1) if i in near]
 
     def _best_trial(
         self, trials: list[list[int]], best: float
@@ -684,8 +685,7 @@ class L2Search:
         next to them, for exact evaluation: when the sequence is off in a way that shifts every position's
         context (e.g. a missing word), the per-site screen of :meth:`site_residuals` can rank the right
         token low (24th of 92 in one WikiText-2 case) while the exact objective ranks it first."""
-        inner = list(range(1, len(cur) - 1))
-        worst = sorted(inner, key=lambda i: -float(res[i]))[:wide]
+        worst = _worst(cur, res)[:wide]
         out = [[*cur[:i], v, *cur[i + 1 :]] for i in worst for v in vocab if v != cur[i]]
         if len(cur) < max_len:
             gaps = sorted({g for i in worst for g in (i, i + 1) if 1 <= g < len(cur)})
@@ -705,7 +705,7 @@ class L2Search:
     ) -> list[list[int]]:
         """The candidate edits of one :meth:`polish` step (distinct, the current sequence excluded)."""
         inner = list(range(1, len(cur) - 1))
-        worst = sorted(inner, key=lambda i: -float(res[i]))
+        worst = _worst(cur, res)
         sites = self._sites(cur, res, config.sites)
         near = set(sites)
         k = min(config.per_site, len(vocab))
@@ -830,7 +830,7 @@ class PolishConfig:
     moves: int = 3  # tokens with the largest residual tried at every other position
     block: int = 2  # moved spans: up to this many tokens from each of those positions
     sweeps: bool = True  # at a stall: re-choose the screened sites one after the other (both directions)
-    wide: int = 3  # on a stall: every token at this many worst positions, evaluated exactly (0: off)
+    wide: int = 3  # at a stall, after the sweeps: every token at this many worst positions, exactly (0: off)
     # stop once the sequence shares this much of its bigrams with one held sentence (``echoes``)
     held_share: float = 0.5
     # trials a step evaluates exactly: those closest to the feed-forward screen's span (0: all of them; all
@@ -855,6 +855,11 @@ class Polished:
     seq: list[int]
     worst: float
     objective: float
+
+
+def _worst(cur: list[int], res: torch.Tensor) -> list[int]:
+    """The inner positions of ``cur`` (its first and last tokens stay), largest residual ``res`` first."""
+    return sorted(range(1, len(cur) - 1), key=lambda i: -float(res[i]))
 
 
 def _log_objective(res: torch.Tensor) -> float:
