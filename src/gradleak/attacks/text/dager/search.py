@@ -572,9 +572,10 @@ class L2Search:
         to ``block`` - 1 tokens after them) moved to every other position and every swap of neighbours; it
         keeps the best if it lowers the objective. A step where none does tries, in turn, the two sweeps
         (``sweeps``: the screened sites re-chosen one after the other in each direction) and the wide
-        trials (``wide``), evaluated exactly. Sweeps in every step were a third of the polishes' time on
-        a WikiText-2 batch (31.6 of 100 s, one thread) and the step's choice in 11 of 201 steps; at a
-        stall only, that batch took 54.8 s against 62.3 s, every sentence still exact. The first and last
+        trials (``wide``; see :meth:`_stall_step`), evaluated exactly. Sweeps in every step were a third
+        of the polishes' time on a WikiText-2 batch (31.6 of 100 s of polish in a traced one-thread run)
+        and the step's choice in 11 of 201 steps; at a stall only, that batch took 54.8 s and 59.5 s
+        against 62.3 s and 65.6 s (2 cores, two runs each), every sentence still exact. The first and last
         tokens ([CLS], [SEP]) stay. Stops when every position passes the check, or (unless it already
         passes, and before the first step too) once it echoes a ``held`` sentence (:func:`echoes` at
         ``config.held_share``): it is descending into that sentence's basin and would only find it again.
@@ -648,8 +649,17 @@ class L2Search:
         config: PolishConfig,
         best: float,
     ) -> tuple[list[int], float, torch.Tensor] | None:
-        """A stalled step's way on: the two sweeps (``config.sweeps``), then, where neither improves, the
-        wide trials (``config.wide``), each evaluated exactly; None where nothing improves."""
+        """A stalled step's way on: the two sweeps (``config.sweeps``), evaluated exactly, then, where
+        neither improves, the ``config.keep`` wide trials (``config.wide``) closest to the feed-forward
+        screen's span (:meth:`_screened_trials`), evaluated exactly; None where nothing improves.
+
+        The screen takes each wide trial with its own context (block 1's attention over the whole edited
+        sequence), unlike the per-site screen the wide trials make up for. On MiniLM (five batches a data
+        set, 2 cores, one run each) evaluating only the 48 closest of the 200-800 wide trials took
+        WikiText-2 from 31.1-32.1 s to 28.9 s a batch (its slowest, client 6: 54.8-59.5 s to 46.9 s) and
+        Rotten Tomatoes from 21.0-21.4 s to 19.8 s, every sentence still exact; the 96 closest: 28.9 s
+        (49.5 s) and 22.0 s. As with the regular trials (:meth:`_screened_trials`), evaluating more of them
+        mostly lets failing polishes walk on."""
         step: tuple[list[int], float, torch.Tensor] | None = None
         if config.sweeps:
             sites = self._sites(cur, res, config.sites)
@@ -657,7 +667,8 @@ class L2Search:
             distinct = [list(t) for t in dict.fromkeys(map(tuple, sweeps)) if list(t) != cur]
             step = self._best_trial(distinct, best)
         if step is None and config.wide:
-            step = self._best_trial(self._wide_trials(cur, res, vocab, max_len, config.wide), best)
+            wide = self._wide_trials(cur, res, vocab, max_len, config.wide)
+            step = self._best_trial(self._screened_trials(wide, config.keep), best)
         return step
 
     @staticmethod
@@ -833,8 +844,9 @@ class PolishConfig:
     wide: int = 3  # at a stall, after the sweeps: every token at this many worst positions, exactly (0: off)
     # stop once the sequence shares this much of its bigrams with one held sentence (``echoes``)
     held_share: float = 0.5
-    # trials a step evaluates exactly: those closest to the feed-forward screen's span (0: all of them; all
-    # of them too where the search has no screen: ``screen_keep`` 0, no block-1 table, or no rank match)
+    # trials a step evaluates exactly: those closest to the feed-forward screen's span, of the regular trials
+    # and at a stall of the wide ones (0: all of them; all of them too where the search has no screen:
+    # ``screen_keep`` 0, no block-1 table, or no rank match)
     keep: int = 48
 
     def __post_init__(self) -> None:
