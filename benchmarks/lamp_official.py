@@ -21,9 +21,12 @@ on the path measured:
   1-layer GPT-2 with that vocabulary stands in, weighted by 0): LAMP's own ablation without the prior.
 
 Identical inputs: the same MiniLM classifier (``minilm``: real weights, a seeded head), the same Rotten
-Tomatoes sentences and labels (the official threat model grants them), one sentence at a time (B = 1),
-the same budgets, one thread. The official code computes the client's gradient itself from the sentence
-(``compute_grads``, eval mode); gradleak's from the same ids (``fedsgd_text_update``, eval mode). Known
+Tomatoes sentences and labels (the official threat model grants them), one sentence at a time (B = 1,
+the default) or ``--batch B`` sentences of one token length a batch, the same budgets, one thread. Equal
+lengths keep padding out: the official ``compute_grads`` passes no attention mask, so its client attends
+its [PAD] tokens where gradleak's masks them, and the two would attack different updates. The official
+code computes the client's gradient itself from the sentences (``compute_grads``, eval mode); gradleak's
+from the same ids (``fedsgd_text_update``, eval mode). Known
 difference of threat model: the official code knows where [CLS] and [SEP] are (``know_padding``,
 ``fix_special_tokens``); gradleak reads T off the gradient and, by default, pins nothing. So gradleak runs
 twice: with its defaults (``ours``) and with [CLS] and [SEP] pinned as the official code pins them
@@ -34,7 +37,11 @@ vocabulary (``use_embedding``), gradleak's its model copy and vocabulary read. O
 side has them: LAMP's start norm is the official 1.4 (BERT-base's) against gradleak's mean norm of the
 vocabulary's embeddings; each side draws from its own seed (official 101, gradleak the run seed).
 
-    python benchmarks/lamp_official.py --lamp /path/to/lamp --scale small --threads 1
+    python benchmarks/lamp_official.py --lamp /path/to/lamp --scale small --threads 1 [--batch 2]
+
+At ``--batch`` B > 1 the scale's sentence count is its batch count (small: 2 batches) and every score is
+the batch's, each side's texts matched to the references by :func:`score_texts` (the official code's own
+matching only reorders its output).
 """
 
 from __future__ import annotations
@@ -66,16 +73,17 @@ FILES = ("attack.py", "utilities.py", "init.py", "constants.py", "args_factory.p
 
 # (sentences, TAG steps, LAMP steps, LAMP starts) per scale; the official budgets are 2,500 / 2,000 / 500
 SCALE = {"smoke": (1, 20, 20, 5), "small": (3, 500, 500, 100), "paper": (10, 2500, 2000, 500)}
+BATCHES = {"smoke": 1, "small": 2, "paper": 5}  # batches a scale runs at --batch > 1
 MAX_TOKENS = 32
 ARMS = ("official", "ours", "ours_pinned")
 PINS = {"first_token_id": 101, "last_token_id": 102}  # BERT's [CLS] and [SEP], as the official code pins
 
 
-def official_args(method: str, scale: str) -> types.SimpleNamespace:
+def official_args(method: str, scale: str, batch: int = 1) -> types.SimpleNamespace:
     """``args_factory.get_args()`` of the official script for ``method`` at ``scale``'s budgets."""
     _, tag_steps, lamp_steps, starts = SCALE[scale]
     base = dict(
-        neptune=None, rng_seed=101, baseline=False, dataset="rotten_tomatoes", split="test", batch_size=1,
+        neptune=None, rng_seed=101, baseline=False, dataset="rotten_tomatoes", split="test", batch_size=batch,
         defense_noise=None, defense_pct_mask=None, device="cpu", opt_alg="adam", init="random",
         use_swaps=True, use_swaps_at_end=False, swap_burnin=0.1, swap_every=75, use_embedding=True,
         know_padding=True, init_size=1.4, lr_decay_type="StepLR", grad_clip=None, print_every=10**9,
@@ -156,58 +164,72 @@ def _clean(text: str) -> str:
     return " ".join(text.split())
 
 
-def sentences(tok: Any, n: int, seed: int) -> list[tuple[str, int]]:
-    """The first ``n`` Rotten Tomatoes sentences (a seeded order) of at most ``MAX_TOKENS`` tokens: the
-    official code tokenizes without a length limit, so both sides see the whole sentence."""
+def batches(tok: Any, n: int, size: int, seed: int) -> list[list[tuple[str, int]]]:
+    """The first ``n`` batches of ``size`` Rotten Tomatoes sentences (a seeded order) of one token length,
+    at most ``MAX_TOKENS``: the official code tokenizes without a length limit, so both sides see the whole
+    sentence, and one length a batch leaves no padding (module docstring)."""
     data = load_text_dataset("rotten_tomatoes", "all")
     assert data.labels is not None
-    out = []
-    for i in sample(data, len(data), seed=seed).texts:
-        if len(tok(i)["input_ids"]) <= MAX_TOKENS:
-            out.append(i)
-        if len(out) == n:
-            break
     labels = dict(zip(data.texts, data.labels, strict=True))
-    return [(t, int(labels[t])) for t in out]
+    waiting: dict[int, list[str]] = {}
+    out: list[list[tuple[str, int]]] = []
+    for text in sample(data, len(data), seed=seed).texts:
+        length = len(tok(text)["input_ids"])
+        if length > MAX_TOKENS:
+            continue
+        group = waiting.setdefault(length, [])
+        group.append(text)
+        if len(group) == size:
+            out.append([(t, int(labels[t])) for t in group])
+            del waiting[length]
+            if len(out) == n:
+                return out
+    raise ValueError(f"Rotten Tomatoes holds fewer than {n} batches of {size} equal-length sentences")
 
 
-def run(lamp: Path, scale: str, seed: int) -> dict[str, Any]:
+def run(lamp: Path, scale: str, seed: int, size: int = 1) -> dict[str, Any]:
     n, tag_steps, lamp_steps, starts = SCALE[scale]
+    n = n if size == 1 else BATCHES[scale]
     tm = build_model("minilm", (MAX_TOKENS,), 2, task="classification", seed=seed)
     model, tok = tm.model.eval(), tm.tokenizer
     lm = stand_in_lm(vocab_size(model))
-    official = load_official(lamp, official_args("tag", scale))
+    official = load_official(lamp, official_args("tag", scale, size))
     rows: list[dict[str, Any]] = []
-    for k, (sentence, label) in enumerate(sentences(tok, n, seed)):
-        batch = encode([sentence], tok, max_tokens=MAX_TOKENS, labels=[label])
-        truth = decode(tok, batch.sequences())[0]
+    for k, group in enumerate(batches(tok, n, size, seed)):
+        texts_in, labels = [t for t, _ in group], [y for _, y in group]
+        batch = encode(texts_in, tok, max_tokens=MAX_TOKENS, labels=labels)
+        truth = decode(tok, batch.sequences())
         update = fedsgd_text_update(model, batch, "classification")
         obs = Observation(model, update, (batch.input_ids.shape[1],), 2, labels=batch.labels)
         for method in ("tag", "lamp"):
-            args = official_args(method, scale)
+            args = official_args(method, scale, size)
             np.random.seed(args.rng_seed)
             torch.manual_seed(args.rng_seed)
             random.seed(args.rng_seed)
             start = time.perf_counter()
             prediction, reference = official.reconstruct(
-                args, torch.device("cpu"), ([sentence], torch.tensor([label])), _Rouge(), tok, lm, model
+                args, torch.device("cpu"), (texts_in, torch.tensor(labels)), _Rouge(), tok, lm, model
             )
             theirs_s = time.perf_counter() - start
             options = (dict(steps=tag_steps) if method == "tag" else
                        dict(steps=lamp_steps, init_candidates=starts, swap_tries=200))  # fmt: skip
-            texts = {"official": _clean(prediction[0])}
+            texts = {"official": [_clean(p) for p in prediction]}
             seconds = {"official": theirs_s}
             for arm, pins in (("ours", {}), ("ours_pinned", PINS)):
                 attack = create_attack(method, **options, **pins)
                 start = time.perf_counter()
                 rec = attack.reconstruct(obs, generator=torch.Generator().manual_seed(seed))
                 seconds[arm] = time.perf_counter() - start
-                texts[arm] = decode(tok, rec.token_ids or [[]])[0]
-            row: dict[str, Any] = {"sentence": k, "method": method, "truth": truth,
-                                   "official_reference": _clean(reference[0])}  # fmt: skip
+                texts[arm] = decode(tok, rec.token_ids or [[]])
+            row: dict[str, Any] = {"sentence" if size == 1 else "batch": k, "method": method,
+                                   "truth": truth[0] if size == 1 else truth,
+                                   "official_reference": [_clean(r) for r in reference]}  # fmt: skip
+            if size == 1:
+                row["official_reference"] = row["official_reference"][0]
             for arm in ARMS:
-                scores = score_texts([texts[arm]], [truth])
-                row |= {arm: texts[arm], f"rouge1_{arm}": scores.rouge1, f"rouge2_{arm}": scores.rouge2,
+                scores = score_texts(texts[arm], truth)
+                shown = texts[arm][0] if size == 1 else texts[arm]
+                row |= {arm: shown, f"rouge1_{arm}": scores.rouge1, f"rouge2_{arm}": scores.rouge2,
                         f"exact_{arm}": scores.exact, f"seconds_{arm}": seconds[arm]}  # fmt: skip
             rows.append(row)
             print(rows[-1], flush=True)
@@ -220,7 +242,7 @@ def run(lamp: Path, scale: str, seed: int) -> dict[str, Any]:
             summary[method][f"time_ratio_{arm}_over_official"] = (
                 summary[method][f"seconds_{arm}"] / summary[method]["seconds_official"]
             )
-    return {"model": "minilm", "dataset": "rotten_tomatoes", "batch_size": 1, "max_tokens": MAX_TOKENS,
+    return {"model": "minilm", "dataset": "rotten_tomatoes", "batch_size": size, "max_tokens": MAX_TOKENS,
             "budgets": {"tag_steps": tag_steps, "lamp_steps": lamp_steps, "lamp_starts": starts,
                         "lamp_swap_tries": 200, "prior": "none (coeff_perplexity 0 on both sides)"},
             "summary": summary, "rows": rows}  # fmt: skip
@@ -229,13 +251,17 @@ def run(lamp: Path, scale: str, seed: int) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser(__doc__.splitlines()[0], HERE / "results")
     parser.add_argument("--lamp", type=Path, required=True, help="a checkout of eth-sri/lamp")
+    parser.add_argument("--batch", type=int, default=1, help="sentences a batch, of one length (default 1)")
     args = parse_args(parser, argv)
+    if args.batch < 1:
+        parser.error(f"--batch must be >= 1, got {args.batch}")
     for name in FILES:
         if not (args.lamp / name).is_file():
             raise SystemExit(f"{args.lamp / name} not found: pass a checkout of eth-sri/lamp as --lamp")
     threads = configure_torch(args.threads)
-    payload = {**run(args.lamp, args.scale, args.seeds[0]), "threads": threads}
-    out = write_result(NAME, args.scale, payload, seeds=args.seeds, out=args.out)
+    payload = {**run(args.lamp, args.scale, args.seeds[0], args.batch), "threads": threads}
+    name = NAME if args.batch == 1 else f"{NAME}_b{args.batch}"
+    out = write_result(name, args.scale, payload, seeds=args.seeds, out=args.out)
     print(f"wrote {out}: {payload['summary']}")
     return 0
 
