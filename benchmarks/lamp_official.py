@@ -39,9 +39,10 @@ vocabulary's embeddings; each side draws from its own seed (official 101, gradle
 
     python benchmarks/lamp_official.py --lamp /path/to/lamp --scale small --threads 1 [--batch 2]
 
-At ``--batch`` B > 1 the scale's sentence count is its batch count (small: 2 batches) and every score is
-the batch's, each side's texts matched to the references by :func:`score_texts` (the official code's own
-matching only reorders its output).
+At ``--batch`` B > 1 a scale runs ``BATCHES[scale]`` batches (smoke 1, small 2, paper 5), the first to
+fill up with B sentences of one length (so not B = 1's sentences), and every score is the batch's, each
+side's texts matched to the references by :func:`score_texts` (the official code's own matching only
+reorders its output).
 """
 
 from __future__ import annotations

@@ -268,6 +268,19 @@ def _mark(events: list[str], step: object) -> object:
     return step
 
 
+def test_wide_trials_are_every_edit_at_the_worst_sites_once():
+    # brute force: every substitution at the 2 worst inner positions and every insertion next to them, each
+    # sequence once (inserting a copy of a neighbour at either of its gaps is one sequence)
+    cur, vocab = [101, 5, 6, 5, 102], [5, 6, 7]
+    res = torch.tensor([0.0, 3.0, 1.0, 2.0, 0.0])
+    out = L2Search._wide_trials(cur, res, vocab, 10, 2)
+    expected = {tuple([*cur[:i], v, *cur[i + 1 :]]) for i in (1, 3) for v in vocab if v != cur[i]}
+    expected |= {tuple([*cur[:g], v, *cur[g:]]) for g in (1, 2, 3, 4) for v in vocab}
+    assert len(out) == len(expected) and set(map(tuple, out)) == expected
+    full = L2Search._wide_trials(cur, res, vocab, len(cur), 2)  # at max_len: substitutions only
+    assert len(full) == 4 and {tuple(t) for t in full} == {t for t in expected if len(t) == len(cur)}
+
+
 def test_a_polish_that_reaches_a_remembered_walk_ends_where_it_ended(bert_cls, make_batch, monkeypatch):
     """``walks``: every sequence a walk passed through is remembered with its end and the loop passes it
     took (its steps and the stopping pass); a polish that reaches one with as many passes left returns

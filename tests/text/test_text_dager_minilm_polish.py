@@ -3,10 +3,11 @@
 A sentence with a two-token word missing ("' s") is off everywhere (under bidirectional attention every
 position's block-2 input shifts), so the per-site screen ranks the missing token low at its gap (24th of
 92 measured) while the exact whole-sequence objective ranks it first; the polish with its stall step
-(the two sweeps, then every token at the worst positions, evaluated exactly) restores the sentence. Once
-other sentences are held, the novelty-weighted prefix score grows the missing sentence. (How the screened
-steps alone or the plain residual fare depends on the CPU's rounding; such comparisons are not tests; the
-stall step's order is checked on the path this repair takes under each kernel the suite runs.)
+(the two sweeps, then every token at the worst positions, the ``keep`` closest to the feed-forward screen's
+span evaluated exactly where the search has that screen) restores the sentence. Once other sentences are
+held, the novelty-weighted prefix score grows the missing sentence. (How the screened steps alone or the
+plain residual fare depends on the CPU's rounding; such comparisons are not tests; the stall step's order
+is checked on the path this repair takes under each kernel the suite runs.)
 """
 
 from __future__ import annotations

@@ -606,7 +606,7 @@ class L2Search:
                 break
             trials = self._screened_trials(self._polish_trials(cur, res, vocab, max_len, config), config.keep)
             step = self._best_trial(trials, best)
-            if step is None:  # stalled: the sweeps, then every token at the worst sites, exactly
+            if step is None:  # stalled: the sweeps, then the wide trials (screened to ``keep``)
                 step = self._stall_step(cur, res, vocab, max_len, config, best)
             if step is None:
                 break
@@ -693,15 +693,17 @@ class L2Search:
         cur: list[int], res: torch.Tensor, vocab: list[int], max_len: int, wide: int
     ) -> list[list[int]]:
         """Every substitution at the ``wide`` positions with the largest residual and every insertion
-        next to them, for exact evaluation: when the sequence is off in a way that shifts every position's
-        context (e.g. a missing word), the per-site screen of :meth:`site_residuals` can rank the right
-        token low (24th of 92 in one WikiText-2 case) while the exact objective ranks it first."""
+        next to them (distinct), for the stall step (:meth:`_stall_step`: screened, then evaluated exactly):
+        when the sequence is off in a way that shifts every position's context (e.g. a missing word), the
+        per-site screen of :meth:`site_residuals` can rank the right token low (24th of 92 in one WikiText-2
+        case) while the exact objective ranks it first. Inserting a copy of a neighbour at either of its
+        gaps gives one sequence, kept once."""
         worst = _worst(cur, res)[:wide]
         out = [[*cur[:i], v, *cur[i + 1 :]] for i in worst for v in vocab if v != cur[i]]
         if len(cur) < max_len:
             gaps = sorted({g for i in worst for g in (i, i + 1) if 1 <= g < len(cur)})
             out += [[*cur[:g], v, *cur[g:]] for g in gaps for v in vocab]
-        return out
+        return [list(t) for t in dict.fromkeys(map(tuple, out))]
 
     def _sweep(self, seq: list[int], vocab: list[int], sites: list[int]) -> list[int]:
         """Each of ``sites`` in turn set to its best token given the (updated) rest of the sequence: one
@@ -841,7 +843,7 @@ class PolishConfig:
     moves: int = 3  # tokens with the largest residual tried at every other position
     block: int = 2  # moved spans: up to this many tokens from each of those positions
     sweeps: bool = True  # at a stall: re-choose the screened sites one after the other (both directions)
-    wide: int = 3  # at a stall, after the sweeps: every token at this many worst positions, exactly (0: off)
+    wide: int = 3  # at a stall, after the sweeps: every token at this many worst positions, screened (0: off)
     # stop once the sequence shares this much of its bigrams with one held sentence (``echoes``)
     held_share: float = 0.5
     # trials a step evaluates exactly: those closest to the feed-forward screen's span, of the regular trials
