@@ -657,7 +657,8 @@ class L2Search:
         sequence), unlike the per-site screen the wide trials make up for. On MiniLM (five batches a data
         set, 2 cores, one run each) evaluating only the 48 closest of the 200-800 wide trials took
         WikiText-2 from 31.1-32.1 s to 28.9 s a batch (its slowest, client 6: 54.8-59.5 s to 46.9 s) and
-        Rotten Tomatoes from 21.0-21.4 s to 19.8 s, every sentence still exact; the 96 closest: 28.9 s
+        Rotten Tomatoes from 21.0-21.4 s to 19.8 s, every sentence still exact (later runs: 29.0-29.9 s
+        and 20.3-22.1 s, so the Rotten Tomatoes gain is within the spread); the 96 closest: 28.9 s
         (49.5 s) and 22.0 s. As with the regular trials (:meth:`_screened_trials`), evaluating more of them
         mostly lets failing polishes walk on."""
         step: tuple[list[int], float, torch.Tensor] | None = None
