@@ -191,6 +191,11 @@ def batches(tok: Any, n: int, size: int, seed: int) -> list[list[tuple[str, int]
 def run(lamp: Path, scale: str, seed: int, size: int = 1) -> dict[str, Any]:
     n, tag_steps, lamp_steps, starts = SCALE[scale]
     n = n if size == 1 else BATCHES[scale]
+
+    def shown(texts: list[str]) -> str | list[str]:
+        """A row's texts: the one sentence's at B = 1 (the rows as before ``--batch``), else the batch's."""
+        return texts[0] if size == 1 else texts
+
     tm = build_model("minilm", (MAX_TOKENS,), 2, task="classification", seed=seed)
     model, tok = tm.model.eval(), tm.tokenizer
     lm = stand_in_lm(vocab_size(model))
@@ -223,15 +228,13 @@ def run(lamp: Path, scale: str, seed: int, size: int = 1) -> dict[str, Any]:
                 seconds[arm] = time.perf_counter() - start
                 texts[arm] = decode(tok, rec.token_ids or [[]])
             row: dict[str, Any] = {"sentence" if size == 1 else "batch": k, "method": method,
-                                   "truth": truth[0] if size == 1 else truth,
-                                   "official_reference": [_clean(r) for r in reference]}  # fmt: skip
-            if size == 1:
-                row["official_reference"] = row["official_reference"][0]
+                                   "truth": shown(truth),
+                                   "official_reference": shown([_clean(r) for r in reference])}  # fmt: skip
             for arm in ARMS:
                 scores = score_texts(texts[arm], truth)
-                shown = texts[arm][0] if size == 1 else texts[arm]
-                row |= {arm: shown, f"rouge1_{arm}": scores.rouge1, f"rouge2_{arm}": scores.rouge2,
-                        f"exact_{arm}": scores.exact, f"seconds_{arm}": seconds[arm]}  # fmt: skip
+                row |= {arm: shown(texts[arm]), f"rouge1_{arm}": scores.rouge1,
+                        f"rouge2_{arm}": scores.rouge2, f"exact_{arm}": scores.exact,
+                        f"seconds_{arm}": seconds[arm]}  # fmt: skip
             rows.append(row)
             print(rows[-1], flush=True)
     summary: dict[str, dict[str, float]] = {}

@@ -318,17 +318,17 @@ class FedSpy:
         ends: SpanEnds | None,
         done: Sequence[list[int]] = (),
     ) -> tuple[list[tuple[list[int], float]], bool]:
-        """The ``beam`` best of ``cands`` (all of one length) by cosine, and whether they pass the span
-        test. With ``ends``, only the candidates whose last token has a successor are scored where any is:
-        under causal attention the span test
-        passes exactly for true prefixes of the batch's sequences (DAGER's L2 test; thresholded, so a false
-        pass at a large B could still win), so a wrong token is not chosen over a true continuation. With
-        ``beam`` > 1 the beam then holds passing candidates only. Prefixes of the sequences ``done`` (already
-        recovered: their gradient left the target) do not count as passing, so the next sequence is not
-        pushed back into them. Only where no candidate passes are the others scored (a sequence's last
-        token, a label, fails the test): the best by cosine then ends the sequence. Before, the cosine alone
-        chose, and on a WikiText-2 sentence a wrong second token (failing the test, so read as the end) ended
-        it after two tokens. Scoring the passing candidates first also saves most of the backward passes."""
+        """The ``beam`` best of ``cands`` (all of one length) by cosine, and whether they pass the span test.
+        With ``ends``, only the candidates whose last token has a successor are scored where any is: under
+        causal attention the span test passes exactly for true prefixes of the batch's sequences (DAGER's L2
+        test; thresholded, so a false pass at a large B could still win), so a wrong token is not chosen over
+        a true continuation. With ``beam`` > 1 the beam then holds passing candidates only. Prefixes of the
+        sequences ``done`` (already recovered: their gradient left the target) do not count as passing, so the
+        next sequence is not pushed back into them. Only where no candidate passes are the others scored (a
+        sequence's last token, a label, fails the test): the best by cosine then ends the sequence. Before,
+        the cosine alone chose, and on a WikiText-2 sentence a wrong second token (failing the test, so read
+        as the end) ended it after two tokens. Scoring the passing candidates first also saves most of the
+        backward passes."""
         k = self.config.beam
         cosine: dict[int, float] = {}
 

@@ -626,9 +626,9 @@ class L2Search:
         or no block-1 table for them, or ``keep`` is 0 or not below their number. The screen leaves out the
         feed-forward layer, most of the work per evaluated position; it ranked a step's exactly best trial
         first in 139 of 265 steps on a WikiText-2 batch (MiniLM), within 48 in 246 (measured while the
-        sweeps were among every step's trials, before 0502c05). The others are not
-        evaluated even where none of the kept improves (the stall step follows): evaluating them there
-        made failing polishes walk on, 71.4 s against 60.9 s on that batch, no sentence more."""
+        sweeps were among every step's trials, before 0502c05). The others are not evaluated even where
+        none of the kept improves (the stall step follows): evaluating them there made failing polishes
+        walk on, 71.4 s against 60.9 s on that batch, no sentence more."""
         table = self._table
         if self.screen is None or table is None or not 0 < keep < len(trials):
             return trials
@@ -663,7 +663,7 @@ class L2Search:
         mostly lets failing polishes walk on."""
         step: tuple[list[int], float, torch.Tensor] | None = None
         if config.sweeps:
-            sites = self._sites(cur, res, config.sites)
+            sites = _sites(_worst(cur, res), config.sites, len(cur))
             sweeps = [self._sweep(cur, vocab, sites), self._sweep(cur, vocab, sites[::-1])]
             distinct = [list(t) for t in dict.fromkeys(map(tuple, sweeps)) if list(t) != cur]
             step = self._best_trial(distinct, best)
@@ -671,12 +671,6 @@ class L2Search:
             wide = self._wide_trials(cur, res, vocab, max_len, config.wide)
             step = self._best_trial(self._screened_trials(wide, config.keep), best)
         return step
-
-    @staticmethod
-    def _sites(cur: list[int], res: torch.Tensor, n: int) -> list[int]:
-        """The inner positions with the ``n`` largest residuals and their neighbours, in order."""
-        near = {q for i in _worst(cur, res)[:n] for q in (i - 1, i, i + 1)}
-        return [i for i in range(1, len(cur) - 1) if i in near]
 
     def _best_trial(
         self, trials: list[list[int]], best: float
@@ -720,7 +714,7 @@ class L2Search:
         """The candidate edits of one :meth:`polish` step (distinct, the current sequence excluded)."""
         inner = list(range(1, len(cur) - 1))
         worst = _worst(cur, res)
-        sites = self._sites(cur, res, config.sites)
+        sites = _sites(worst, config.sites, len(cur))
         near = set(sites)
         k = min(config.per_site, len(vocab))
         trials: list[list[int]] = [[*cur[:i], *cur[i + 1 :]] for i in inner]
@@ -875,6 +869,13 @@ class Polished:
 def _worst(cur: list[int], res: torch.Tensor) -> list[int]:
     """The inner positions of ``cur`` (its first and last tokens stay), largest residual ``res`` first."""
     return sorted(range(1, len(cur) - 1), key=lambda i: -float(res[i]))
+
+
+def _sites(worst: list[int], n: int, length: int) -> list[int]:
+    """The inner positions of a sequence of ``length`` among the first ``n`` of ``worst`` (:func:`_worst`)
+    and their neighbours, in order."""
+    near = {q for i in worst[:n] for q in (i - 1, i, i + 1)}
+    return [i for i in range(1, length - 1) if i in near]
 
 
 def _log_objective(res: torch.Tensor) -> float:
