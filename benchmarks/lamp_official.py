@@ -76,7 +76,9 @@ FILES = ("attack.py", "utilities.py", "init.py", "constants.py", "args_factory.p
 SCALE = {"smoke": (1, 20, 20, 5), "small": (3, 500, 500, 100), "paper": (10, 2500, 2000, 500)}
 BATCHES = {"smoke": 1, "small": 2, "paper": 5}  # batches a scale runs at --batch > 1
 MAX_TOKENS = 32
-ARMS = ("official", "ours", "ours_pinned")
+ARMS = ("official", "ours", "ours_pinned", "ours_pinned_equal_time")
+DEFAULT_ARMS = ARMS[:3]
+METHODS = ("tag", "lamp")
 PINS = {"first_token_id": 101, "last_token_id": 102}  # BERT's [CLS] and [SEP], as the official code pins
 
 
@@ -188,9 +190,23 @@ def batches(tok: Any, n: int, size: int, seed: int) -> list[list[tuple[str, int]
     raise ValueError(f"Rotten Tomatoes holds fewer than {n} batches of {size} equal-length sentences")
 
 
-def run(lamp: Path, scale: str, seed: int, size: int = 1) -> dict[str, Any]:
+def equal_time_steps(steps: int, official_seconds: float, pinned_seconds: float) -> int:
+    """The ``ours_pinned_equal_time`` arm's step budget: ``steps`` scaled by the official call's time over
+    the pinned call's on the same input, so that it spends about the official code's time (quality at equal
+    time: the issue's "time to the same quality")."""
+    return max(1, round(steps * official_seconds / pinned_seconds))
+
+
+def run(
+    lamp: Path, scale: str, seed: int, size: int = 1, *, arms: Sequence[str] = DEFAULT_ARMS,
+    methods: Sequence[str] = METHODS, count: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Every arm of ``arms`` on ``count`` sentences (B = 1) or batches (default: the scale's) for each of
+    ``methods``; ``ours_pinned_equal_time`` needs the ``official`` and ``ours_pinned`` arms beside it."""
+    if "ours_pinned_equal_time" in arms and not {"official", "ours_pinned"} <= set(arms):
+        raise ValueError("the ours_pinned_equal_time arm needs the official and ours_pinned arms")
     n, tag_steps, lamp_steps, starts = SCALE[scale]
-    n = n if size == 1 else BATCHES[scale]
+    n = count if count is not None else n if size == 1 else BATCHES[scale]
 
     def shown(texts: list[str]) -> str | list[str]:
         """A row's texts: the one sentence's at B = 1 (the rows as before ``--batch``), else the batch's."""
@@ -207,22 +223,30 @@ def run(lamp: Path, scale: str, seed: int, size: int = 1) -> dict[str, Any]:
         truth = decode(tok, batch.sequences())
         update = fedsgd_text_update(model, batch, "classification")
         obs = Observation(model, update, (batch.input_ids.shape[1],), 2, labels=batch.labels)
-        for method in ("tag", "lamp"):
+        for method in methods:
             args = official_args(method, scale, size)
-            np.random.seed(args.rng_seed)
-            torch.manual_seed(args.rng_seed)
-            random.seed(args.rng_seed)
-            start = time.perf_counter()
-            prediction, reference = official.reconstruct(
-                args, torch.device("cpu"), (texts_in, torch.tensor(labels)), _Rouge(), tok, lm, model
-            )
-            theirs_s = time.perf_counter() - start
-            options = (dict(steps=tag_steps) if method == "tag" else
-                       dict(steps=lamp_steps, init_candidates=starts, swap_tries=200))  # fmt: skip
-            texts = {"official": [_clean(p) for p in prediction]}
-            seconds = {"official": theirs_s}
-            for arm, pins in (("ours", {}), ("ours_pinned", PINS)):
-                attack = create_attack(method, **options, **pins)
+            steps = tag_steps if method == "tag" else lamp_steps
+            extra = {} if method == "tag" else dict(init_candidates=starts, swap_tries=200)
+            texts: dict[str, list[str]] = {}
+            seconds: dict[str, float] = {}
+            reference = truth
+            if "official" in arms:
+                np.random.seed(args.rng_seed)
+                torch.manual_seed(args.rng_seed)
+                random.seed(args.rng_seed)
+                start = time.perf_counter()
+                prediction, reference = official.reconstruct(
+                    args, torch.device("cpu"), (texts_in, torch.tensor(labels)), _Rouge(), tok, lm, model
+                )
+                seconds["official"] = time.perf_counter() - start
+                texts["official"] = [_clean(p) for p in prediction]
+            budgets = {"ours": (steps, {}), "ours_pinned": (steps, PINS)}
+            for arm in [a for a in ARMS[1:] if a in arms]:
+                if arm == "ours_pinned_equal_time":
+                    scaled = equal_time_steps(steps, seconds["official"], seconds["ours_pinned"])
+                    budgets[arm] = (scaled, PINS)
+                arm_steps, pins = budgets[arm]
+                attack = create_attack(method, steps=arm_steps, **extra, **pins)
                 start = time.perf_counter()
                 rec = attack.reconstruct(obs, generator=torch.Generator().manual_seed(seed))
                 seconds[arm] = time.perf_counter() - start
@@ -230,7 +254,9 @@ def run(lamp: Path, scale: str, seed: int, size: int = 1) -> dict[str, Any]:
             row: dict[str, Any] = {"sentence" if size == 1 else "batch": k, "method": method,
                                    "truth": shown(truth),
                                    "official_reference": shown([_clean(r) for r in reference])}  # fmt: skip
-            for arm in ARMS:
+            if "ours_pinned_equal_time" in arms:
+                row["steps_ours_pinned_equal_time"] = budgets["ours_pinned_equal_time"][0]
+            for arm in arms:
                 scores = score_texts(texts[arm], truth)
                 row |= {arm: shown(texts[arm]), f"rouge1_{arm}": scores.rouge1,
                         f"rouge2_{arm}": scores.rouge2, f"exact_{arm}": scores.exact,
@@ -238,33 +264,63 @@ def run(lamp: Path, scale: str, seed: int, size: int = 1) -> dict[str, Any]:
             rows.append(row)
             print(rows[-1], flush=True)
     summary: dict[str, dict[str, float]] = {}
-    for method in ("tag", "lamp"):
+    for method in methods:
         mine = [r for r in rows if r["method"] == method]
-        keys = [f"{score}_{arm}" for score in ("rouge1", "rouge2", "exact", "seconds") for arm in ARMS]
+        keys = [f"{score}_{arm}" for score in ("rouge1", "rouge2", "exact", "seconds") for arm in arms]
         summary[method] = {key: statistics.fmean(r[key] for r in mine) for key in keys}
-        for arm in ("ours", "ours_pinned"):
+        for arm in [a for a in arms if a != "official" and "official" in arms]:
             summary[method][f"time_ratio_{arm}_over_official"] = (
                 summary[method][f"seconds_{arm}"] / summary[method]["seconds_official"]
             )
     return {"model": "minilm", "dataset": "rotten_tomatoes", "batch_size": size, "max_tokens": MAX_TOKENS,
             "budgets": {"tag_steps": tag_steps, "lamp_steps": lamp_steps, "lamp_starts": starts,
                         "lamp_swap_tries": 200, "prior": "none (coeff_perplexity 0 on both sides)"},
-            "summary": summary, "rows": rows}  # fmt: skip
+            "arms": list(arms), "methods": list(methods), "summary": summary, "rows": rows}  # fmt: skip
+
+
+def result_name(batch: int, methods: Sequence[str], count: int | None, arms: Sequence[str]) -> str:
+    """The result file's name: ``lamp_official`` for the default run, suffixed by what differs from it (so a
+    narrower run never overwrites the full one)."""
+    name = NAME if batch == 1 else f"{NAME}_b{batch}"
+    if tuple(methods) != METHODS:
+        name += "_" + "_".join(methods)
+    if count is not None:
+        name += f"_n{count}"
+    if "ours_pinned_equal_time" in arms:
+        name += "_equal_time"
+    return name
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser(__doc__.splitlines()[0], HERE / "results")
     parser.add_argument("--lamp", type=Path, required=True, help="a checkout of eth-sri/lamp")
     parser.add_argument("--batch", type=int, default=1, help="sentences a batch, of one length (default 1)")
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, of {ARMS}")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {METHODS}")
+    parser.add_argument(
+        "--count", type=int, default=None, help="sentences (B = 1) or batches (default: the scale's)"
+    )
     args = parse_args(parser, argv)
     if args.batch < 1:
         parser.error(f"--batch must be >= 1, got {args.batch}")
+    if args.count is not None and args.count < 1:
+        parser.error(f"--count must be >= 1, got {args.count}")
+    arms, methods = args.arms.split(","), args.methods.split(",")
+    for given, known, what in ((arms, ARMS, "--arms"), (methods, METHODS, "--methods")):
+        if not given or len(set(given)) != len(given) or not set(given) <= set(known):
+            parser.error(f"{what} takes distinct names of {known}, got {given}")
+    if "ours_pinned_equal_time" in arms and not {"official", "ours_pinned"} <= set(arms):
+        parser.error("--arms: ours_pinned_equal_time needs official and ours_pinned beside it")
     for name in FILES:
         if not (args.lamp / name).is_file():
             raise SystemExit(f"{args.lamp / name} not found: pass a checkout of eth-sri/lamp as --lamp")
     threads = configure_torch(args.threads)
-    payload = {**run(args.lamp, args.scale, args.seeds[0], args.batch), "threads": threads}
-    name = NAME if args.batch == 1 else f"{NAME}_b{args.batch}"
+    arms = [a for a in ARMS if a in arms]  # the run order: the equal-time arm after the two it scales by
+    payload = {
+        **run(args.lamp, args.scale, args.seeds[0], args.batch, arms=arms, methods=methods, count=args.count),
+        "threads": threads,
+    }
+    name = result_name(args.batch, methods, args.count, arms)
     out = write_result(name, args.scale, payload, seeds=args.seeds, out=args.out)
     print(f"wrote {out}: {payload['summary']}")
     return 0
