@@ -230,3 +230,40 @@ def test_public_generators_finds_each_distinct_public_diffusion_arm_and_refuses_
     assert other.training.steps == 1500 and other != paper
     with pytest.raises(SystemExit, match="no Aegis arm with a public diffusion generator"):
         public.public_arms(configs / "aegis_generators_pathmnist.toml", "small", 0)  # own-share generators
+
+
+def test_lamp_official_names_a_narrower_run_apart_and_scales_the_equal_time_budget() -> None:
+    lo = _script("lamp_official")
+    default = lo.result_name(1, lo.METHODS, None, lo.DEFAULT_ARMS)
+    assert (
+        default == "lamp_official"
+        and lo.result_name(2, lo.METHODS, None, lo.DEFAULT_ARMS) == "lamp_official_b2"
+    )
+    narrower = [
+        lo.result_name(1, ("tag",), None, lo.DEFAULT_ARMS),
+        lo.result_name(1, lo.METHODS, 10, lo.DEFAULT_ARMS),
+        lo.result_name(1, lo.METHODS, None, ("official", "ours_pinned")),
+        lo.result_name(1, lo.METHODS, None, ("official", "ours_pinned", "ours_pinned_equal_time")),
+        lo.result_name(1, lo.METHODS, None, lo.ARMS),
+    ]
+    assert len(set(narrower)) == len(narrower) and default not in narrower  # none overwrites another
+    assert lo.equal_time_steps(500, 180.0, 100.0) == 900  # 500 x 180 / 100: the official call's time
+    assert lo.equal_time_steps(500, 1.0, 1e6) == 1  # never below one step
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--arms", "ours_pinned,ours_pinned_equal_time"],  # the equal-time arm without the official one
+        ["--arms", "official,official"],
+        ["--methods", "tag,dlg"],
+        ["--count", "0"],
+    ],
+)
+def test_lamp_official_refuses_bad_arms_methods_and_counts_before_work(
+    argv: list[str], tmp_path: Path
+) -> None:
+    lo = _script("lamp_official")
+    with pytest.raises(SystemExit) as err:
+        lo.main(["--lamp", str(tmp_path), *argv])  # tmp_path holds no checkout: parsing must fail first
+    assert err.value.code == 2  # argparse's usage error, not the missing checkout's message
