@@ -39,14 +39,16 @@ vocabulary's embeddings; each side draws from its own seed (official 101, gradle
 
     python benchmarks/lamp_official.py --lamp /path/to/lamp --scale small --threads 1 [--batch 2]
         [--methods tag,lamp] [--count N] [--arms official,ours,ours_pinned,ours_pinned_equal_time]
+        [--attack-seed K]
 
 ``--count`` runs N sentences (B = 1) or batches instead of the scale's; ``--methods`` and ``--arms`` run
-some of each. The ``ours_pinned_equal_time`` arm (off by default) is quality at equal time, the counterpart
-of the issue's "time to the same quality": gradleak pinned, its step budget scaled by the official call's
-seconds over the pinned call's on the same input (:func:`equal_time_steps`); its time ratio to the official
-call is in the summary beside its scores (fixed costs do not scale with steps, so the ratio is not exactly
-1), and a longer budget also stretches the schedules that count steps (LAMP's learning-rate decay, its
-swap burn-in). A run narrower than the default writes its own result file (:func:`result_name`).
+some of each; ``--attack-seed K`` shifts both sides' attack seeds by K (the model and sentences stay), for
+the spread over starts. The ``ours_pinned_equal_time`` arm (off by default) is quality at equal time, the
+counterpart of the issue's "time to the same quality": gradleak pinned, its step budget scaled by the
+official call's seconds over the pinned call's on the same input (:func:`equal_time_steps`); its time ratio
+to the official call is in the summary beside its scores (fixed costs do not scale with steps, so the ratio
+is not exactly 1), and a longer budget also stretches the schedules that count steps (LAMP's learning-rate
+decay, its swap burn-in). A run narrower than the default writes its own result file (:func:`result_name`).
 
 At ``--batch`` B > 1 a scale runs ``BATCHES[scale]`` batches (smoke 1, small 2, paper 5), the first to
 fill up with B sentences of one length (so not B = 1's sentences), and every score is the batch's, each
@@ -91,11 +93,13 @@ METHODS = ("tag", "lamp")
 PINS = {"first_token_id": 101, "last_token_id": 102}  # BERT's [CLS] and [SEP], as the official code pins
 
 
-def official_args(method: str, scale: str, batch: int = 1) -> types.SimpleNamespace:
-    """``args_factory.get_args()`` of the official script for ``method`` at ``scale``'s budgets."""
+def official_args(method: str, scale: str, batch: int = 1, attack_seed: int = 0) -> types.SimpleNamespace:
+    """``args_factory.get_args()`` of the official script for ``method`` at ``scale``'s budgets; its seed
+    is the script's 101 plus ``attack_seed``."""
     _, tag_steps, lamp_steps, starts = SCALE[scale]
     base = dict(
-        neptune=None, rng_seed=101, baseline=False, dataset="rotten_tomatoes", split="test", batch_size=batch,
+        neptune=None, rng_seed=101 + attack_seed, baseline=False, dataset="rotten_tomatoes", split="test",
+        batch_size=batch,
         defense_noise=None, defense_pct_mask=None, device="cpu", opt_alg="adam", init="random",
         use_swaps=True, use_swaps_at_end=False, swap_burnin=0.1, swap_every=75, use_embedding=True,
         know_padding=True, init_size=1.4, lr_decay_type="StepLR", grad_clip=None, print_every=10**9,
@@ -208,10 +212,12 @@ def equal_time_steps(steps: int, official_seconds: float, pinned_seconds: float)
 
 def run(
     lamp: Path, scale: str, seed: int, size: int = 1, *, arms: Sequence[str] = DEFAULT_ARMS,
-    methods: Sequence[str] = METHODS, count: int | None = None,
+    methods: Sequence[str] = METHODS, count: int | None = None, attack_seed: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
     """Every arm of ``arms`` on ``count`` sentences (B = 1) or batches (default: the scale's) for each of
-    ``methods``; ``ours_pinned_equal_time`` needs the ``official`` and ``ours_pinned`` arms beside it."""
+    ``methods``; ``ours_pinned_equal_time`` needs the ``official`` and ``ours_pinned`` arms beside it.
+    ``attack_seed`` shifts both sides' attack seeds (official 101 + it, gradleak ``seed`` + it) and nothing
+    else: the model, its head and the sentences stay those of ``seed``."""
     if not set(arms) <= set(ARMS) or not set(methods) <= set(METHODS):
         raise ValueError(f"arms are of {ARMS} and methods of {METHODS}, got {arms} and {methods}")
     if "ours_pinned_equal_time" in arms and not {"official", "ours_pinned"} <= set(arms):
@@ -235,7 +241,7 @@ def run(
         update = fedsgd_text_update(model, batch, "classification")
         obs = Observation(model, update, (batch.input_ids.shape[1],), 2, labels=batch.labels)
         for method in methods:
-            args = official_args(method, scale, size)
+            args = official_args(method, scale, size, attack_seed)
             steps = tag_steps if method == "tag" else lamp_steps
             extra = {} if method == "tag" else dict(init_candidates=starts, swap_tries=200)
             texts: dict[str, list[str]] = {}
@@ -259,7 +265,7 @@ def run(
                 arm_steps, pins = budgets[arm]
                 attack = create_attack(method, steps=arm_steps, **extra, **pins)
                 start = time.perf_counter()
-                rec = attack.reconstruct(obs, generator=torch.Generator().manual_seed(seed))
+                rec = attack.reconstruct(obs, generator=torch.Generator().manual_seed(seed + attack_seed))
                 seconds[arm] = time.perf_counter() - start
                 texts[arm] = decode(tok, rec.token_ids or [[]])
             row: dict[str, Any] = {"sentence" if size == 1 else "batch": k, "method": method,
@@ -290,10 +296,13 @@ def run(
             "budgets": {"tag_steps": tag_steps, "lamp_steps": lamp_steps, "lamp_starts": starts,
                         "lamp_swap_tries": 200, "prior": "none (coeff_perplexity 0 on both sides)",
                         "equal_time_steps": "the steps x official seconds / ours_pinned seconds, per input"},
-            "arms": list(arms), "methods": list(methods), "summary": summary, "rows": rows}  # fmt: skip
+            "arms": list(arms), "methods": list(methods), "attack_seed": attack_seed,
+            "summary": summary, "rows": rows}  # fmt: skip
 
 
-def result_name(batch: int, methods: Sequence[str], count: int | None, arms: Sequence[str]) -> str:
+def result_name(
+    batch: int, methods: Sequence[str], count: int | None, arms: Sequence[str], attack_seed: int = 0
+) -> str:
     """The result file's name: ``lamp_official`` for the default run, suffixed by what differs from it (so a
     narrower run never overwrites the full one)."""
     name = NAME if batch == 1 else f"{NAME}_b{batch}"
@@ -303,6 +312,8 @@ def result_name(batch: int, methods: Sequence[str], count: int | None, arms: Seq
         name += f"_n{count}"
     if tuple(arms) != DEFAULT_ARMS:
         name += "_" + "_".join(arms)
+    if attack_seed:
+        name += f"_attack_seed{attack_seed}"
     return name
 
 
@@ -314,6 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {METHODS}")
     parser.add_argument(
         "--count", type=int, default=None, help="sentences (B = 1) or batches (default: the scale's)"
+    )
+    parser.add_argument(
+        "--attack-seed", type=int, default=0, help="shift both sides' attack seeds only (default 0)"
     )
     args = parse_args(parser, argv)
     if args.batch < 1:
@@ -333,10 +347,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     arms = [a for a in ARMS if a in arms]  # the run order: the equal-time arm after the two it scales by
     methods = [m for m in METHODS if m in methods]
     payload = {
-        **run(args.lamp, args.scale, args.seeds[0], args.batch, arms=arms, methods=methods, count=args.count),
+        **run(
+            args.lamp,
+            args.scale,
+            args.seeds[0],
+            args.batch,
+            arms=arms,
+            methods=methods,
+            count=args.count,
+            attack_seed=args.attack_seed,
+        ),
         "threads": threads,
     }
-    name = result_name(args.batch, methods, args.count, arms)
+    name = result_name(args.batch, methods, args.count, arms, args.attack_seed)
     out = write_result(name, args.scale, payload, seeds=args.seeds, out=args.out)
     print(f"wrote {out}: {payload['summary']}")
     return 0

@@ -245,6 +245,7 @@ def test_lamp_official_names_a_narrower_run_apart_and_scales_the_equal_time_budg
         lo.result_name(1, lo.METHODS, None, ("official", "ours_pinned")),
         lo.result_name(1, lo.METHODS, None, ("official", "ours_pinned", "ours_pinned_equal_time")),
         lo.result_name(1, lo.METHODS, None, lo.ARMS),
+        lo.result_name(1, lo.METHODS, None, lo.DEFAULT_ARMS, attack_seed=1),
     ]
     assert len(set(narrower)) == len(narrower) and default not in narrower  # none overwrites another
     assert lo.equal_time_steps(500, 180.0, 100.0) == 900  # 500 x 180 / 100: the official call's time
