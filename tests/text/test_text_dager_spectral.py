@@ -99,7 +99,7 @@ def test_spectral_dager_without_a_noise_scale_is_refused(gpt2_cls, make_batch):
     with pytest.raises(AttackInputError, match="noise_std"):
         DagerSpectral().reconstruct(noisy, generator=_gen())
     for bad in ({"noise_std": 0.0}, {"noise_std": math.inf}, {"tail": -1.0}, {"scale": 0.0},
-                {"max_threshold": 1.0}):  # fmt: skip
+                {"max_threshold": 1.0}, {"whiten": 0.0}, {"whiten": 2.0}):  # fmt: skip
         with pytest.raises(ValueError):
             DagerSpectralConfig(**bad)
 
@@ -126,6 +126,38 @@ def test_the_outlier_rule_passes_an_input_far_below_the_reference_that_its_bound
     assert float(scores[0]) < 1 < float(scores[1])
     loose = NoisySpan(basis, torch.ones(4, dtype=torch.float64), 0.5, 1e-2, 6.0, 100.0, 1e-3, 0.5)
     assert float(loose.residual(near[None])[0]) == pytest.approx(0.3 / 0.5)  # capped bound 0.5 > 0.3: passes
+
+
+def test_the_whitened_l1_reference_passes_a_batch_an_anisotropic_vocabulary_hides():
+    """outlier_scores at L1 (the vocabulary its own reference; module docstring, "Whitened L1 reference"):
+    2,000 inputs in R^64 with a common direction and standard deviations from 100 down to 0.1 along a
+    random basis (a trained model's anisotropic embeddings, SmolLM2's in the module docstring); the span
+    of 12 of them, each moved by N(0, 3^2) per entry (the directions the noise hides), holds their strong
+    directions, so every input is mostly inside it. The vocabulary's plain residuals spread (about
+    0.52 +- 0.11, measured), mean - 5 sd falls below zero and the plain rule passes none of the 12 batch
+    inputs; whitened by the inputs' second moments they cluster (about 0.82 +- 0.06) and all 12 pass, the
+    batch's largest at about 0.44, with at most 2 of the 1,988 others (none measured)."""
+    from gradleak.attacks.text.dager.spectral import NoisySpan, outlier_scores, whitened_residual
+
+    g = _gen(0)
+    d, n, k = 64, 2000, 12
+    mu = torch.randn(d, generator=g, dtype=torch.float64)
+    rotation, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    spread = torch.logspace(2, -1, d, dtype=torch.float64)
+    z = 3 * mu / mu.norm() + (torch.randn(n, d, generator=g, dtype=torch.float64) * spread) @ rotation.T
+    moved = z[:k] + 3.0 * torch.randn(k, d, generator=g, dtype=torch.float64)
+    basis, _ = torch.linalg.qr(moved.T)
+    # bounds of 1e-3 (noise_std 1e-12): the outlier rule decides
+    span = NoisySpan(basis, torch.ones(k, dtype=torch.float64), edge=1.0, noise_std=1e-12, tail=6.0,
+                     scale=1.0, floor=1e-3, cap=0.5)  # fmt: skip
+    assert bool((span.raw_residual(z[:k]) > 1e-2).all())  # no batch input passes its bound
+    plain = outlier_scores(span, z, 5.0) < 1
+    white = outlier_scores(span, z, 5.0, whiten=1e-2) < 1
+    assert int(plain[:k].sum()) == 0 and int(plain[k:].sum()) == 0
+    assert int(white[:k].sum()) == k and int(white[k:].sum()) <= 2
+    # the whitening is the map it says: a vector of the span maps into W S (residual ~0 up to rounding)
+    inside = basis @ torch.randn(k, generator=g, dtype=torch.float64)
+    assert float(whitened_residual(span, torch.cat([z, inside[None]]), 1e-2)[-1]) < 1e-10
 
 
 def test_averaging_views_brings_the_bulk_edge_under_the_signal(gpt2_cls, make_batch):
