@@ -170,14 +170,18 @@ class NoisySpan(Span):
 def whitened_residual(span: Span, z: torch.Tensor, shrinkage: float) -> torch.Tensor:
     """Each row of ``z``'s relative residual ||W z - P_WS W z|| / ||W z|| to the span's image W S, W the
     inverse square root of the rows' second-moment matrix plus ``shrinkage`` times its largest eigenvalue
-    (module docstring, "Whitened L1 reference")."""
-    zd = z.to(torch.float64)
-    values, vectors = torch.linalg.eigh(zd.T @ zd / zd.shape[0])
+    (module docstring, "Whitened L1 reference"). The (n, d) products in float32 (a ranking against a cut-off
+    some standard deviations wide, as the screens' :meth:`Span.residual32`), the (d, d) algebra in float64.
+    """
+    zf = z.to(torch.float32)
+    values, vectors = torch.linalg.eigh((zf.T @ zf).to(torch.float64) / zf.shape[0])
     values = values.clamp_min(0)
     w = (vectors * (values + shrinkage * values.max()).rsqrt()) @ vectors.T  # symmetric
     basis, _ = torch.linalg.qr(w @ span.basis.to(torch.float64))
-    wz = zd @ w
-    return (wz - (wz @ basis) @ basis.T).norm(dim=-1) / wz.norm(dim=-1).clamp_min(1e-300)
+    wz = zf @ w.to(torch.float32)
+    inside = (wz @ basis.to(torch.float32)).pow(2).sum(-1)
+    total = wz.pow(2).sum(-1).clamp_min(1e-30)
+    return (1 - inside / total).clamp_min(0).sqrt().to(torch.float64)
 
 
 def outlier_scores(
