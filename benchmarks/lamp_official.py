@@ -35,7 +35,8 @@ the text each returns (special tokens dropped), against the decoded sentence, an
 attack call: the official one includes computing the client's gradient and its Python loop over the
 vocabulary (``use_embedding``), gradleak's its model copy and vocabulary read. Other defaults kept as each
 side has them: LAMP's start norm is the official 1.4 (BERT-base's) against gradleak's mean norm of the
-vocabulary's embeddings; each side draws from its own seed (official 101, gradleak the run seed).
+vocabulary's embeddings; each side draws from its own seed (official 101, gradleak a stream derived from
+the run seed: :func:`attack_generator`; before it, the run seed itself, the one the head was drawn from).
 
     python benchmarks/lamp_official.py --lamp /path/to/lamp --scale small --threads 1 [--batch 2]
         [--methods tag,lamp] [--count N] [--arms official,ours,ours_pinned,ours_pinned_equal_time]
@@ -74,6 +75,7 @@ from gradleak.attacks import create_attack
 from gradleak.attacks.text.family import vocab_size
 from gradleak.data.text import encode, load_text_dataset, sample
 from gradleak.experiments.measurement import configure_torch, make_parser, parse_args, write_result
+from gradleak.federation.simulation import derive_seed
 from gradleak.metrics.text import decode, score_texts
 from gradleak.models import build_model
 from gradleak.tasks.text_client import fedsgd_text_update
@@ -203,6 +205,17 @@ def batches(tok: Any, n: int, size: int, seed: int) -> list[list[tuple[str, int]
     raise ValueError(f"Rotten Tomatoes holds fewer than {n} batches of {size} equal-length sentences")
 
 
+ATTACK_SALT = 0x7A6  # gradleak's attack stream, apart from the run seed's (the model's head is drawn from it)
+
+
+def attack_generator(seed: int, attack_seed: int) -> torch.Generator:
+    """gradleak's attack generator: a stream derived from the run seed, the attack seed and a salt. Not the
+    run seed itself: ``build_model`` draws MiniLM's fresh classifier head from ``torch.manual_seed(seed)``,
+    so an attack generator seeded with ``seed`` starts TAG with the head's rows at positions 0 and 1 (runs
+    before this function: gradleak's arms at ``--attack-seed 0``)."""
+    return torch.Generator().manual_seed(derive_seed(seed, ATTACK_SALT, attack_seed))
+
+
 def equal_time_steps(steps: int, official_seconds: float, pinned_seconds: float) -> int:
     """The ``ours_pinned_equal_time`` arm's step budget: ``steps`` scaled by the official call's time over
     the pinned call's on the same input, so that it spends about the official code's time (quality at equal
@@ -216,8 +229,8 @@ def run(
 ) -> dict[str, Any]:  # fmt: skip
     """Every arm of ``arms`` on ``count`` sentences (B = 1) or batches (default: the scale's) for each of
     ``methods``; ``ours_pinned_equal_time`` needs the ``official`` and ``ours_pinned`` arms beside it.
-    ``attack_seed`` shifts both sides' attack seeds (official 101 + it, gradleak ``seed`` + it) and nothing
-    else: the model, its head and the sentences stay those of ``seed``."""
+    ``attack_seed`` shifts both sides' attack seeds (official 101 + it, gradleak :func:`attack_generator`)
+    and nothing else: the model, its head and the sentences stay those of ``seed``."""
     if not set(arms) <= set(ARMS) or not set(methods) <= set(METHODS):
         raise ValueError(f"arms are of {ARMS} and methods of {METHODS}, got {arms} and {methods}")
     if "ours_pinned_equal_time" in arms and not {"official", "ours_pinned"} <= set(arms):
@@ -265,7 +278,7 @@ def run(
                 arm_steps, pins = budgets[arm]
                 attack = create_attack(method, steps=arm_steps, **extra, **pins)
                 start = time.perf_counter()
-                rec = attack.reconstruct(obs, generator=torch.Generator().manual_seed(seed + attack_seed))
+                rec = attack.reconstruct(obs, generator=attack_generator(seed, attack_seed))
                 seconds[arm] = time.perf_counter() - start
                 texts[arm] = decode(tok, rec.token_ids or [[]])
             row: dict[str, Any] = {"sentence" if size == 1 else "batch": k, "method": method,

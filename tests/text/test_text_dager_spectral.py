@@ -99,7 +99,7 @@ def test_spectral_dager_without_a_noise_scale_is_refused(gpt2_cls, make_batch):
     with pytest.raises(AttackInputError, match="noise_std"):
         DagerSpectral().reconstruct(noisy, generator=_gen())
     for bad in ({"noise_std": 0.0}, {"noise_std": math.inf}, {"tail": -1.0}, {"scale": 0.0},
-                {"max_threshold": 1.0}, {"whiten": 0.0}, {"whiten": 2.0}):  # fmt: skip
+                {"max_threshold": 1.0}, {"whiten": -0.1}, {"whiten": 2.0}):  # fmt: skip
         with pytest.raises(ValueError):
             DagerSpectralConfig(**bad)
 
@@ -162,6 +162,10 @@ def test_the_whitened_l1_reference_passes_a_batch_an_anisotropic_vocabulary_hide
     off = off - basis @ (basis.T @ off)
     both = whitened_residual(span, torch.cat([z, inside[None], off[None]]), 1e-2)
     assert float(both[-2]) < 2e-3 and float(both[-1]) > 0.1
+    # the attack's block-1 test applies its config's whitening (default 1e-2; 0: the plain rule)
+    whitened, _ = DagerSpectral().l1_test(span, z, 1.0)
+    plain_ids, _ = DagerSpectral(DagerSpectralConfig(whiten=0.0)).l1_test(span, z, 1.0)
+    assert set(range(k)) <= set(whitened.tolist()) and len(whitened) <= k + 2 and plain_ids.numel() == 0
 
 
 def test_averaging_views_brings_the_bulk_edge_under_the_signal(gpt2_cls, make_batch):

@@ -39,8 +39,9 @@ What this attack does instead (the signal-plus-noise model of random matrix theo
   spread evenly over the space (GPT-2 arch with random weights). A trained model's embeddings are
   anisotropic: a few directions carry much of every token's input, and the batch's span holds them, so the
   vocabulary's residuals spread wide and the cut-off falls to zero (SmolLM2-135M, Rotten Tomatoes, B = 8,
-  s = 1e-5: the vocabulary at 0.355 +- 0.070, the batch's 141 tokens at a median of 0.271, so
-  mean - 5 sd = 0.003 and 1 of them passed; nothing was recovered). At L1 the outlier rule therefore
+  s = 1e-5, a batch drawn directly, measured by a throwaway script: the other tokens at 0.355 +- 0.070,
+  the batch's 141 at a median of 0.271, the whole vocabulary's mean - 5 sd = 0.003, and 1 of the 141
+  passed; the adaptive table's SmolLM2 cell recovered nothing). At L1 the outlier rule therefore
   measures residuals in coordinates whitened by the scanned inputs' own second moments,
   W = (M + ``whiten`` lambda_max I)^(-1/2), M = Z^T Z / n: z is in the span S iff W z is in W S, so a
   batch token stays (near) inside while the vocabulary's inputs spread about evenly and their residuals
@@ -84,20 +85,21 @@ class DagerSpectralConfig(DagerConfig):
     deviations), the threshold rule ``scale`` times the first-order residual bound, capped at
     ``max_threshold``, and the outlier rule: ``outlier_sd`` standard deviations below the mean residual of
     the scanned vocabulary (L1) or of ``reference`` random continuations (L2) (module docstring), at L1 in
-    coordinates whitened by the scanned inputs with shrinkage ``whiten`` (None: the model's coordinates);
+    coordinates whitened by the scanned inputs with shrinkage ``whiten`` (0: the model's coordinates);
     ``average_views``: the spans of the mean of the observation's views
     (:func:`gradleak.attacks.noise.mean_of_views`), whose noise is sqrt(K) times smaller. Defaults'
     sources: ``outlier_sd`` 5 is the official DAGER's noise-robust cut-off (``--p1_std_thrs`` /
     ``--l2_std_thrs`` 5); ``tail`` 6 puts the chance that pure noise crosses the edge below exp(-18)
     (module docstring); ``scale`` 1 is the first-order bound itself; ``whiten`` 1e-2 the shrinkage with the
-    fewest false passes of the three measured on SmolLM2 (module docstring, "Whitened L1 reference")."""
+    fewest false passes of the three measured on SmolLM2 (module docstring, "Whitened L1 reference"; chosen
+    on the batch it is reported on, the adaptive table's)."""
 
     noise_std: float | None = None
     tail: float = 6.0
     scale: float = 1.0
     max_threshold: float = 0.5
     outlier_sd: float = 5.0
-    whiten: float | None = 1e-2  # L1's outlier rule in whitened coordinates, this shrinkage; None: plain
+    whiten: float = 1e-2  # L1's outlier rule in whitened coordinates, this shrinkage; 0: the plain rule
     l2_outlier_sd: float | None = None
     reference: int = 256
     average_views: bool = False  # test the spans of the mean of the observation's views (noise / sqrt(K))
@@ -111,8 +113,8 @@ class DagerSpectralConfig(DagerConfig):
             raise ValueError(f"max_threshold must be in (0, 1), got {self.max_threshold}")
         if not 0 < self.outlier_sd < math.inf:
             raise ValueError(f"outlier_sd must be finite and > 0, got {self.outlier_sd}")
-        if self.whiten is not None and not 0 < self.whiten <= 1:
-            raise ValueError(f"whiten must be in (0, 1] (or None: off), got {self.whiten}")
+        if not 0 <= self.whiten <= 1:
+            raise ValueError(f"whiten must be in [0, 1] (0: off), got {self.whiten}")
         if self.l2_outlier_sd is not None and not 0 < self.l2_outlier_sd < math.inf:
             raise ValueError(f"l2_outlier_sd must be finite and > 0 (or None: off), got {self.l2_outlier_sd}")
         if self.reference < 2:
@@ -186,16 +188,17 @@ def whitened_residual(span: Span, z: torch.Tensor, shrinkage: float) -> torch.Te
 
 def outlier_scores(
     span: NoisySpan, z: torch.Tensor, sd: float, reference: torch.Tensor | None = None,
-    whiten: float | None = None,
+    whiten: float = 0.0,
 ) -> torch.Tensor:  # fmt: skip
     """Each input's score under the two tests, lower is better and below :data:`PASS` passes: the smaller
     of its residual over its first-order bound and its plain residual over the cut-off mean - ``sd`` x
     standard deviation of the ``reference`` inputs' plain residuals (inputs of tokens that are not the
     batch's, for the most part; None: ``z`` is its own reference, as the scanned vocabulary is at L1). With
-    ``whiten`` and ``z`` its own reference, the second test's residuals are :func:`whitened_residual`'s."""
+    ``whiten`` > 0 and ``z`` its own reference, the second test's residuals are
+    :func:`whitened_residual`'s."""
     raw = span.raw_residual(z)
     bound = raw / span.thresholds(z)
-    if reference is None and whiten is not None and span.rank:
+    if reference is None and whiten > 0 and span.rank:
         raw = whitened_residual(span, z, whiten)
     ref = raw if reference is None else span.raw_residual(reference)
     cut = float((ref.mean() - sd * ref.std()).clamp_min(1e-12))
