@@ -223,6 +223,16 @@ def equal_time_steps(steps: int, official_seconds: float, pinned_seconds: float)
     return max(1, round(steps * official_seconds / pinned_seconds))
 
 
+def check_selection(arms: Sequence[str], methods: Sequence[str]) -> None:
+    """``ValueError`` unless ``arms`` and ``methods`` are distinct names of :data:`ARMS` and
+    :data:`METHODS` and the equal-time arm has the two it scales by (``official``, ``ours_pinned``)."""
+    for given, known, what in ((arms, ARMS, "arms"), (methods, METHODS, "methods")):
+        if not given or len(set(given)) != len(given) or not set(given) <= set(known):
+            raise ValueError(f"{what} takes distinct names of {known}, got {list(given)}")
+    if "ours_pinned_equal_time" in arms and not {"official", "ours_pinned"} <= set(arms):
+        raise ValueError("the ours_pinned_equal_time arm needs the official and ours_pinned arms beside it")
+
+
 def run(
     lamp: Path, scale: str, seed: int, size: int = 1, *, arms: Sequence[str] = DEFAULT_ARMS,
     methods: Sequence[str] = METHODS, count: int | None = None, attack_seed: int = 0,
@@ -231,10 +241,7 @@ def run(
     ``methods``; ``ours_pinned_equal_time`` needs the ``official`` and ``ours_pinned`` arms beside it.
     ``attack_seed`` shifts both sides' attack seeds (official 101 + it, gradleak :func:`attack_generator`)
     and nothing else: the model, its head and the sentences stay those of ``seed``."""
-    if not set(arms) <= set(ARMS) or not set(methods) <= set(METHODS):
-        raise ValueError(f"arms are of {ARMS} and methods of {METHODS}, got {arms} and {methods}")
-    if "ours_pinned_equal_time" in arms and not {"official", "ours_pinned"} <= set(arms):
-        raise ValueError("the ours_pinned_equal_time arm needs the official and ours_pinned arms")
+    check_selection(arms, methods)
     n, tag_steps, lamp_steps, starts = SCALE[scale]
     n = count if count is not None else n if size == 1 else BATCHES[scale]
 
@@ -348,11 +355,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.count is not None and args.count < 1:
         parser.error(f"--count must be >= 1, got {args.count}")
     arms, methods = args.arms.split(","), args.methods.split(",")
-    for given, known, what in ((arms, ARMS, "--arms"), (methods, METHODS, "--methods")):
-        if not given or len(set(given)) != len(given) or not set(given) <= set(known):
-            parser.error(f"{what} takes distinct names of {known}, got {given}")
-    if "ours_pinned_equal_time" in arms and not {"official", "ours_pinned"} <= set(arms):
-        parser.error("--arms: ours_pinned_equal_time needs official and ours_pinned beside it")
+    try:
+        check_selection(arms, methods)
+    except ValueError as err:
+        parser.error(f"--arms / --methods: {err}")
     for name in FILES:
         if not (args.lamp / name).is_file():
             raise SystemExit(f"{args.lamp / name} not found: pass a checkout of eth-sri/lamp as --lamp")

@@ -20,7 +20,9 @@ def tiny_data() -> ImageDataset:
 
 # Tests that start a Ray cluster or a Flower SuperLink share one pytest-xdist worker (``make test`` runs
 # ``--dist loadgroup``): two local Ray clusters at once on 2 cores made both miss their round timeouts.
-_ONE_AT_A_TIME = ("run_simulation", "FlowerRunner", '"flwr"', "flwr run")
+# Flower tests that drive a strategy over in-process ClientApps (tests/flowergrid.py) start neither and run
+# on either worker.
+_ONE_AT_A_TIME = ("run_simulation", "FlowerRunner", "run_app", "flwr run")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

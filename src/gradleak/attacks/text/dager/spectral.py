@@ -173,17 +173,15 @@ def whitened_residual(span: Span, z: torch.Tensor, shrinkage: float) -> torch.Te
     """Each row of ``z``'s relative residual ||W z - P_WS W z|| / ||W z|| to the span's image W S, W the
     inverse square root of the rows' second-moment matrix plus ``shrinkage`` times its largest eigenvalue
     (module docstring, "Whitened L1 reference"). The (n, d) products in float32 (a ranking against a cut-off
-    some standard deviations wide, as the screens' :meth:`Span.residual32`), the (d, d) algebra in float64.
+    some standard deviations wide: :meth:`Span.residual_squared32` of W S), the (d, d) algebra in float64.
     """
     zf = z.to(torch.float32)
     values, vectors = torch.linalg.eigh((zf.T @ zf).to(torch.float64) / zf.shape[0])
     values = values.clamp_min(0)
     w = (vectors * (values + shrinkage * values.max()).rsqrt()) @ vectors.T  # symmetric
     basis, _ = torch.linalg.qr(w @ span.basis.to(torch.float64))
-    wz = zf @ w.to(torch.float32)
-    inside = (wz @ basis.to(torch.float32)).pow(2).sum(-1)
-    total = wz.pow(2).sum(-1).clamp_min(1e-30)
-    return (1 - inside / total).clamp_min(0).sqrt().to(torch.float64)
+    image = Span(basis, span.singular_values)  # W S
+    return image.residual_squared32(zf @ w.to(torch.float32)).clamp_min(0).sqrt().to(torch.float64)
 
 
 def outlier_scores(
